@@ -1,0 +1,7 @@
+"""entroweight: token-level entropy-weighted pretraining data.
+
+The installed package maps each top-level folder of the repository onto a subpackage
+(``entroweight.schemas`` is ``schemas/``, and so on; see pyproject.toml).
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,27 @@
+"""The local engine: shards one after another in this process, with a progress bar."""
+
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from .stage import RunPlan, ShardResult, run_task
+
+
+def run_local(plan: RunPlan, progress: bool = True) -> list[ShardResult]:
+    stage = plan.stage
+    stage.setup()  # once: the tokenizer or model stays loaded across shards
+    results = []
+    docs = tokens = 0
+    with tqdm(total=len(plan.todo), unit="shard", desc=stage.name, disable=not progress) as bar:
+        for task in plan.todo:
+            result = run_task(stage, task)
+            results.append(result)
+            if result.ok:
+                docs += result.manifest["docs_in"]
+                tokens += result.manifest["n_real_tokens"]
+            elapsed = bar.format_dict["elapsed"] or 1e-9
+            bar.set_postfix(
+                docs=docs, tok_s=f"{tokens / elapsed:,.0f}", failed=sum(not r.ok for r in results)
+            )
+            bar.update()
+    return results

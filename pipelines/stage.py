@@ -1,0 +1,251 @@
+"""What every engine shares: a Stage (shard in, shard out), the plan of a run, and its results.
+
+A Stage knows nothing of engines. The driver calls `plan_run` (which shards are done, which
+to do), an engine calls `stage.setup()` once per worker and `run_task(stage, task)` per shard,
+and the driver ends with `finish_run`, which raises StageFailed naming every failed shard.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from entroweight.schemas import ShardManifest, StageRecord, config_hash
+from entroweight.schemas.manifest import ShardInput
+from entroweight.transforms.writer import remove_stale_tmp, write_json_atomic
+from filelock import FileLock, Timeout
+
+from entroweight import __version__
+
+STAGE_FILE = "_stage.json"
+LOCK_FILE = ".entroweight.lock"
+
+
+class StageError(RuntimeError):
+    """A stage cannot start (config mismatch, lock held, nothing to read); the message says what to do."""
+
+
+class LockHeld(StageError):
+    """Another run holds the output directory."""
+
+
+class StageFailed(RuntimeError):
+    """Some shards failed; completed shards stay valid and a rerun retries the failed ones."""
+
+    def __init__(self, stage: str, failures: list[ShardResult]):
+        self.failures = failures
+        lines = "\n".join(f"  {r.shard}: {r.error}" for r in failures)
+        super().__init__(f"{stage}: {len(failures)} shard(s) failed (rerun to retry them):\n{lines}")
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    shard: str  # part-NNNNN
+    inputs: tuple[ShardInput, ...]
+    out_dir: str
+
+
+@dataclass
+class ShardResult:
+    shard: str
+    manifest: dict | None = None  # ShardManifest as JSON: crosses process boundaries cheaply
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class Stage(ABC):
+    """One shard-to-shard map. Subclasses keep heavy state (tokenizer, model) out of pickles."""
+
+    name: str = "stage"
+    #: attributes set by setup() that must not travel to workers
+    _heavy: tuple[str, ...] = ()
+
+    @abstractmethod
+    def config(self) -> dict[str, Any]:
+        """Everything that changes the output bytes: its hash keys the shards."""
+
+    @abstractmethod
+    def plan_inputs(self) -> list[ShardInput]:
+        """The input of each shard (driver side; cheap)."""
+
+    def setup(self) -> None:  # noqa: B027 - optional hook
+        """Load what is expensive (tokenizer, model), once per worker."""
+
+    @abstractmethod
+    def process(self, task: ShardTask) -> ShardManifest:
+        """Read the shard's input, write its parquet atomically, return its manifest (not yet written)."""
+
+    def resources(self) -> dict[str, float]:
+        """What one worker needs (Ray: num_cpus / num_gpus)."""
+        return {"num_cpus": 1}
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for name in self._heavy:
+            state.pop(name, None)
+        return state
+
+    @property
+    def config_hash(self) -> str:
+        return config_hash({"stage": self.name, **self.config()})
+
+
+def manifest_path(out_dir: str | Path, shard: str) -> Path:
+    return Path(out_dir) / f"{shard}.manifest.json"
+
+
+def read_manifests(out_dir: str | Path) -> list[ShardManifest]:
+    return [
+        ShardManifest.model_validate_json(p.read_text())
+        for p in sorted(Path(out_dir).glob("part-*.manifest.json"))
+    ]
+
+
+def run_lock(out_dir: str | Path, wait: float = 0) -> FileLock:
+    """Held by the driver for a whole run, so two overlapping runs cannot interleave shards."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(Path(out_dir) / LOCK_FILE), timeout=wait)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise LockHeld(
+            f"another entroweight run holds {out_dir} (lock {LOCK_FILE}); wait for it to finish, "
+            "or pass --wait SECONDS to queue behind it"
+        ) from None
+    return lock
+
+
+@dataclass
+class RunPlan:
+    stage: Stage
+    out_dir: Path
+    todo: list[ShardTask]
+    done: list[ShardManifest]
+    stale: list[str] = field(default_factory=list)  # shards whose input changed: recomputed
+
+
+def plan_run(stage: Stage, out_dir: str | Path, overwrite: bool = False) -> RunPlan:
+    """Which shards are done (manifest matches config and input), which to run; refuses mixed configs."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = StageRecord(
+        stage=stage.name, config=stage.config(), config_hash=stage.config_hash, code_version=__version__
+    )
+    stage_file = out / STAGE_FILE
+    if stage_file.exists():
+        old = StageRecord.model_validate_json(stage_file.read_text())
+        if old.config_hash != record.config_hash or old.stage != record.stage:
+            if not overwrite:
+                raise StageError(_mismatch_message(out, old, record))
+            for p in out.glob("part-*"):
+                p.unlink()
+            for p in (out / "rejects").glob("part-*"):
+                p.unlink()
+    remove_stale_tmp(out)
+    write_json_atomic(json.loads(record.model_dump_json()), stage_file)
+
+    inputs = stage.plan_inputs()
+    by_key = {}
+    for m in read_manifests(out):
+        if m.config_hash == record.config_hash:
+            by_key[tuple(i.key for i in m.inputs)] = m
+    used = [int(m.shard.split("-")[1]) for m in by_key.values()]
+    next_no = max(used, default=-1) + 1
+    todo, done, stale = [], [], []
+    for inp in inputs:
+        key = (inp.key,)
+        m = by_key.get(key)
+        if m is not None:
+            if list(m.inputs) == [inp] and (out / m.output).exists():
+                done.append(m)
+                continue
+            stale.append(m.shard)
+            shard = m.shard
+        else:
+            shard = f"part-{next_no:05d}"
+            next_no += 1
+        todo.append(ShardTask(shard=shard, inputs=(inp,), out_dir=str(out)))
+    return RunPlan(stage=stage, out_dir=out, todo=todo, done=done, stale=stale)
+
+
+def _mismatch_message(out: Path, old: StageRecord, new: StageRecord) -> str:
+    keys = sorted(set(old.config) | set(new.config))
+    diff = [
+        f"{k}: {old.config.get(k)!r} -> {new.config.get(k)!r}"
+        for k in keys
+        if old.config.get(k) != new.config.get(k)
+    ]
+    return (
+        f"{out} holds {old.stage} output of another config ({old.config_hash}); this run's config is "
+        f"{new.config_hash} ({'; '.join(diff) or 'stage changed'}). Write to a new --out directory, "
+        "or pass --overwrite to delete the old shards."
+    )
+
+
+def run_task(stage: Stage, task: ShardTask) -> ShardResult:
+    """Run one shard; any exception becomes a failed result naming the shard, never a crash of the run."""
+    start = time.perf_counter()
+    try:
+        manifest = stage.process(task)
+        manifest.seconds = round(time.perf_counter() - start, 3)
+        write_json_atomic(json.loads(manifest.model_dump_json()), manifest_path(task.out_dir, task.shard))
+        return ShardResult(shard=task.shard, manifest=json.loads(manifest.model_dump_json()))
+    except Exception as e:
+        inputs = ", ".join(i.key for i in task.inputs)
+        detail = traceback.format_exc(limit=3) if not isinstance(e, (ValueError, OSError)) else ""
+        return ShardResult(
+            shard=task.shard, error=f"{type(e).__name__}: {e} (input {inputs}){detail and chr(10) + detail}"
+        )
+
+
+@dataclass
+class RunSummary:
+    stage: str
+    out_dir: str
+    shards_done_before: int
+    shards_run: int
+    docs_in: int
+    rows_out: int
+    rejected: dict[str, int]
+    n_real_tokens: int
+    seconds: float
+
+    def line(self) -> str:
+        rej = sum(self.rejected.values())
+        if self.shards_run == 0:
+            return f"{self.stage}: nothing to do, all {self.shards_done_before} shard(s) of {self.out_dir} are up to date"
+        return (
+            f"{self.stage}: {self.shards_run} shard(s) run, {self.shards_done_before} already done; "
+            f"{self.docs_in} docs in, {self.rows_out} rows out, {rej} rejected {dict(self.rejected) if rej else ''}; "
+            f"{self.n_real_tokens} tokens in {self.seconds:.1f} s -> {self.out_dir}"
+        ).replace("  ", " ")
+
+
+def finish_run(plan: RunPlan, results: list[ShardResult], seconds: float) -> RunSummary:
+    failures = [r for r in results if not r.ok]
+    if failures:
+        raise StageFailed(plan.stage.name, failures)
+    manifests = plan.done + [ShardManifest.model_validate(r.manifest) for r in results]
+    rejected: dict[str, int] = {}
+    for m in manifests:
+        for k, v in m.rejected.items():
+            rejected[k] = rejected.get(k, 0) + v
+    return RunSummary(
+        stage=plan.stage.name,
+        out_dir=str(plan.out_dir),
+        shards_done_before=len(plan.done),
+        shards_run=len(results),
+        docs_in=sum(m.docs_in for m in manifests),
+        rows_out=sum(m.rows_out for m in manifests),
+        rejected=rejected,
+        n_real_tokens=sum(m.n_real_tokens for m in manifests),
+        seconds=seconds,
+    )

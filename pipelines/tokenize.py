@@ -1,0 +1,145 @@
+"""The tokenize stage: a shard of documents -> a shard of sequences (plus its rejects)."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import pyarrow as pa
+from entroweight.schemas import FileMetadata, ShardManifest, with_file_metadata
+from entroweight.transforms.sources import DocumentReader, plan_inputs
+from entroweight.transforms.tokenize import SequenceBuilder
+from entroweight.transforms.tokenizer import LoadedTokenizer, load_tokenizer
+from entroweight.transforms.writer import AtomicParquetWriter, write_table_atomic
+
+from entroweight import __version__
+
+from .stage import ShardTask, Stage
+
+
+class TokenizeStage(Stage):
+    name = "tokenize"
+    _heavy = ("_tok",)
+
+    def __init__(
+        self,
+        sources: list[str],
+        tokenizer: str,
+        n_ctx: int = 512,
+        pack: bool = False,
+        shard_docs: int | None = None,
+        text_column: str = "text",
+        reject_duplicates: bool = False,
+    ):
+        if n_ctx < 2:
+            raise ValueError(f"--n-ctx must be at least 2, not {n_ctx}")
+        self.sources, self.n_ctx, self.pack = list(sources), n_ctx, pack
+        self.shard_docs, self.text_column, self.reject_duplicates = shard_docs, text_column, reject_duplicates
+        self.tokenizer_path = str(Path(tokenizer))
+        self._tok: LoadedTokenizer | None = load_tokenizer(tokenizer)  # fail early on a bad file
+        self.tokenizer_sha256 = self._tok.sha256
+        if self._tok.pad_id is None:
+            raise ValueError(
+                f"the tokenizer {tokenizer} has no pad token; train one with `entroweight train-tokenizer` "
+                "(it reserves <|pad|>, <|bos|>, <|eos|>)"
+            )
+
+    @property
+    def tok(self) -> LoadedTokenizer:
+        if self._tok is None:
+            self.setup()
+        return self._tok
+
+    def setup(self) -> None:
+        if getattr(self, "_tok", None) is None:
+            self._tok = load_tokenizer(self.tokenizer_path)
+            if self._tok.sha256 != self.tokenizer_sha256:
+                raise ValueError(
+                    f"{self.tokenizer_path} changed since the run was planned; rerun the command"
+                )
+
+    def config(self) -> dict:
+        # Paths are not part of the config: the same tokenizer bytes anywhere give the same shards.
+        return {
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "n_ctx": self.n_ctx,
+            "pack": self.pack,
+            "padding_side": "left",
+            "text_column": self.text_column,
+            "reject_duplicates": self.reject_duplicates,
+        }
+
+    def plan_inputs(self):
+        return plan_inputs(self.sources, self.shard_docs)
+
+    def file_metadata(self) -> dict:
+        tok = self.tok
+        return FileMetadata(
+            stage=self.name,
+            tokenizer=Path(self.tokenizer_path).name,
+            tokenizer_sha256=tok.sha256,
+            vocab_size=tok.vocab_size,
+            n_ctx=self.n_ctx,
+            padding_side="left",
+            pad_id=tok.pad_id,
+            eos_id=tok.eos_id,
+            packed=self.pack,
+            config_hash=self.config_hash,
+            code_version=__version__,
+        ).model_dump()
+
+    def process(self, task: ShardTask) -> ShardManifest:
+        out = Path(task.out_dir)
+        builder = SequenceBuilder(self.tok, self.n_ctx, self.pack, task.shard)
+        schema = with_file_metadata(builder.schema, self.file_metadata())
+        output = f"{task.shard}.parquet"
+        docs_in, rejected, rejects_file, rejects_sha = 0, collections.Counter(), None, None
+        readers = [DocumentReader(inp, self.text_column) for inp in task.inputs]
+        seen: set[str] = set()
+        with AtomicParquetWriter(out / output, schema) as writer:
+            for reader in readers:
+                for docs in reader:
+                    if self.reject_duplicates:
+                        docs = _drop_duplicates(docs, seen, reader)
+                    for batch in builder.add(docs):
+                        writer.write(batch)
+            for batch in builder.finish():
+                writer.write(batch)
+            sha = writer.close()
+        for reader in readers:
+            docs_in += reader.docs_in
+            rejected.update(r["reason"] for r in reader.rejects)
+        if rejected:
+            rejects_file = f"rejects/{task.shard}.parquet"
+            table = pa.concat_tables([r.rejects_table() for r in readers])
+            rejects_sha = write_table_atomic(table, out / rejects_file)
+        return ShardManifest(
+            shard=task.shard,
+            stage=self.name,
+            inputs=list(task.inputs),
+            output=output,
+            output_sha256=sha,
+            rows_out=builder.n_seq,
+            docs_in=docs_in,
+            docs_out=builder.docs_out,
+            rejected=dict(rejected),
+            rejects_file=rejects_file,
+            rejects_sha256=rejects_sha,
+            n_tokens=builder.n_seq * self.n_ctx,
+            n_real_tokens=builder.n_real_tokens,
+            n_bytes=builder.n_bytes,
+            config_hash=self.config_hash,
+            code_version=__version__,
+            extra={"n_truncated": builder.n_truncated},
+        )
+
+
+def _drop_duplicates(docs, seen: set[str], reader: DocumentReader):
+    keep = []
+    for i, doc_id in enumerate(docs.column("id").to_pylist()):
+        if doc_id in seen:
+            reader._reject(doc_id, "duplicate_id", "id seen before in this shard")
+        else:
+            seen.add(doc_id)
+            keep.append(i)
+    return docs.take(pa.array(keep, pa.int64())) if len(keep) < docs.num_rows else docs

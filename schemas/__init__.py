@@ -1,0 +1,31 @@
+"""Data contracts: Arrow schemas of every table entroweight writes, and the JSON models beside them.
+
+Imports nothing of ours; every other layer reads its column names and metadata keys from here.
+"""
+
+from .arrow import (
+    DOCUMENT_SCHEMA,
+    METADATA_KEY,
+    REJECT_SCHEMA,
+    ids_type,
+    read_file_metadata,
+    sequence_schema,
+    weighted_sequence_schema,
+    with_file_metadata,
+)
+from .manifest import FileMetadata, ShardManifest, StageRecord, config_hash
+
+__all__ = [
+    "DOCUMENT_SCHEMA",
+    "METADATA_KEY",
+    "REJECT_SCHEMA",
+    "FileMetadata",
+    "ShardManifest",
+    "StageRecord",
+    "config_hash",
+    "ids_type",
+    "read_file_metadata",
+    "sequence_schema",
+    "weighted_sequence_schema",
+    "with_file_metadata",
+]

@@ -1,0 +1,81 @@
+"""Arrow schemas of documents, sequences, weighted sequences and rejects."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# The one key-value entry every output parquet file carries: JSON of FileMetadata.
+METADATA_KEY = b"entroweight"
+
+DOCUMENT_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("url", pa.string(), nullable=True),
+    ]
+)
+
+REJECT_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("detail", pa.string(), nullable=True),
+    ]
+)
+
+# Reasons a document is rejected; the manifest counts them by these names.
+REJECT_REASONS = (
+    "empty",  # empty or whitespace-only text
+    "invalid_utf8",  # bytes that are not UTF-8, or lone surrogates
+    "missing_text",  # no text column, or a null text
+    "not_string",  # text of another type
+    "invalid_json",  # a jsonl line that does not parse as a JSON object
+    "duplicate_id",  # an id seen before in the same shard (with --reject-duplicates)
+)
+
+
+def ids_type(vocab_size: int) -> pa.DataType:
+    """uint16 ids when the vocabulary fits (half the bytes), int32 otherwise."""
+    return pa.uint16() if vocab_size <= 2**16 else pa.int32()
+
+
+def sequence_schema(vocab_size: int, packed: bool = False) -> pa.Schema:
+    fields = [
+        pa.field("seq_id", pa.string(), nullable=False),
+        pa.field("doc_id", pa.string(), nullable=False),
+        pa.field("input_ids", pa.list_(ids_type(vocab_size)), nullable=False),
+        pa.field("n_pad", pa.int32(), nullable=False),
+        pa.field("n_bytes", pa.int64(), nullable=False),
+    ]
+    if packed:
+        fields.append(pa.field("doc_ids", pa.list_(pa.string()), nullable=False))
+    return pa.schema(fields)
+
+
+def weighted_sequence_schema(
+    vocab_size: int, packed: bool = False, weight_dtype: str = "float16", with_entropy: bool = True
+) -> pa.Schema:
+    """A sequence plus `entropy` (raw scorer output) and `weight` (0 on pads)."""
+    if weight_dtype not in ("float16", "uint8"):
+        raise ValueError(f"weight dtype must be float16 or uint8, not {weight_dtype!r}")
+    schema = sequence_schema(vocab_size, packed)
+    if with_entropy:
+        schema = schema.append(pa.field("entropy", pa.list_(pa.float32()), nullable=False))
+    weight_type = pa.float16() if weight_dtype == "float16" else pa.uint8()
+    return schema.append(pa.field("weight", pa.list_(weight_type), nullable=False))
+
+
+def with_file_metadata(schema: pa.Schema, metadata: dict) -> pa.Schema:
+    return schema.with_metadata({METADATA_KEY: json.dumps(metadata, sort_keys=True).encode()})
+
+
+def read_file_metadata(path) -> dict:
+    """The `entroweight` metadata of a parquet file, or {} when it has none."""
+    kv = pq.read_schema(path).metadata or {}
+    raw = kv.get(METADATA_KEY)
+    return json.loads(raw) if raw else {}

@@ -1,0 +1,89 @@
+"""JSON models written beside the parquet: file metadata, shard manifests, the stage record."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Bumped when the bytes a stage writes change for the same config: old shards then recompute.
+FORMAT_VERSION = 1
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """A short stable hash of a stage's config (JSON with sorted keys)."""
+    blob = json.dumps({"format": FORMAT_VERSION, **config}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class FileMetadata(BaseModel):
+    """The `entroweight` key-value entry of every output parquet file. Scorers add fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    stage: str
+    tokenizer: str
+    tokenizer_sha256: str
+    vocab_size: int
+    n_ctx: int
+    padding_side: str = "left"
+    pad_id: int
+    eos_id: int | None = None
+    packed: bool = False
+    config_hash: str
+    code_version: str
+
+
+class ShardInput(BaseModel):
+    """Where a shard's documents come from: a file (or hub shard) and a row range in it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    uri: str  # absolute path, or hf:REPO:CONFIG for a hub dataset
+    fmt: str  # parquet | jsonl | jsonl.gz | jsonl.zst | hub | sequences
+    start: int = 0  # first row (document) of the range
+    stop: int | None = None  # one past the last row; None: to the end
+    size: int | None = None  # file size when planned: a changed file recomputes
+    mtime_ns: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.uri}[{self.start}:{'' if self.stop is None else self.stop}]"
+
+
+class ShardManifest(BaseModel):
+    """Written last, beside `part-NNNNN.parquet`: the shard is done iff this matches the config."""
+
+    shard: str  # part-NNNNN
+    stage: str
+    inputs: list[ShardInput]
+    output: str  # file name of the parquet, relative to the output directory
+    output_sha256: str
+    rows_out: int
+    docs_in: int
+    docs_out: int  # distinct documents with at least one row
+    rejected: dict[str, int] = Field(default_factory=dict)
+    rejects_file: str | None = None
+    rejects_sha256: str | None = None
+    n_tokens: int = 0  # all positions, pads included
+    n_real_tokens: int = 0
+    n_bytes: int = 0
+    config_hash: str
+    code_version: str
+    seconds: float = 0.0
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def n_rejected(self) -> int:
+        return sum(self.rejected.values())
+
+
+class StageRecord(BaseModel):
+    """`_stage.json` at the root of a stage's output directory: one config per directory."""
+
+    stage: str
+    config: dict[str, Any]
+    config_hash: str
+    code_version: str

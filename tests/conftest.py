@@ -1,0 +1,56 @@
+"""Shared fixtures: the bundled real data, a small BPE trained on it, and a tokenized dataset.
+
+Everything here is built from tests/data (copied from ../shared/data), so a fresh clone tests offline.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent / "data"
+C4 = DATA / "c4" / "c4-sample.00000-of-00001.json.gz"
+WIKITEXT = DATA / "wikitext" / "wiki.test.raw"
+LLAMA3 = DATA / "tokenizers" / "llama3"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+
+
+@pytest.fixture(scope="session")
+def c4_path() -> Path:
+    return C4
+
+
+@pytest.fixture(scope="session")
+def wikitext_path() -> Path:
+    return WIKITEXT
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer() -> Path:
+    return LLAMA3 / "tokenizer.json"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A 1,024-token byte-level BPE (Llama 3 pre-tokenizer) trained on the C4 sample: small models, fast tests."""
+    from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_bpe
+
+    out = tmp_path_factory.mktemp("tok1k")
+    save_tokenizer(train_bpe(corpus_texts([str(C4)]), 1024, LLAMA3), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenized_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """The C4 sample tokenized with `tokenizer_dir`, n_ctx 128, left-padded, 4 shards of 250 docs."""
+    from entroweight.pipelines import run_stage
+    from entroweight.pipelines.tokenize import TokenizeStage
+
+    out = tmp_path_factory.mktemp("tokenized")
+    run_stage(TokenizeStage([str(C4)], str(tokenizer_dir), n_ctx=128, shard_docs=250), out, progress=False)
+    return out

@@ -1,0 +1,330 @@
+"""Sources -> documents: find input files (or hub shards), split them into shards, read them as Arrow.
+
+A SOURCE is a file, a directory, a glob of `.parquet`, `.jsonl`, `.json.gz`/`.jsonl.gz`,
+`.jsonl.zst`, or a hub dataset `hf:REPO[:CONFIG[:SPLIT]]` streamed with `datasets`.
+Reading yields DOCUMENT_SCHEMA batches and, separately, the rows rejected with a reason.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+from entroweight.schemas import DOCUMENT_SCHEMA, REJECT_SCHEMA
+from entroweight.schemas.manifest import ShardInput
+
+SUFFIXES = {
+    ".parquet": "parquet",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".jsonl.gz": "jsonl.gz",
+    ".json.gz": "jsonl.gz",
+    ".jsonl.zst": "jsonl.zst",
+    ".json.zst": "jsonl.zst",
+}
+# A hub id: hf:OWNER/NAME, optionally :CONFIG and :SPLIT (default split: train).
+HUB_RE = re.compile(
+    r"^hf:(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<config>[\w.-]+))?(?::(?P<split>[\w.-]+))?$"
+)
+
+
+class SourceError(ValueError):
+    """An input that cannot be read; the message names the file and says what to do."""
+
+
+@dataclass(frozen=True)
+class HubId:
+    repo: str
+    config: str | None
+    split: str
+
+    @property
+    def uri(self) -> str:
+        return f"hf:{self.repo}:{self.config or ''}:{self.split}"
+
+
+def parse_hub_id(spec: str) -> HubId:
+    m = HUB_RE.match(spec)
+    if not m:
+        raise SourceError(
+            f"{spec!r} is not a hub dataset id; write hf:OWNER/NAME[:CONFIG[:SPLIT]], "
+            "e.g. hf:HuggingFaceFW/fineweb:sample-10BT"
+        )
+    return HubId(m["repo"], m["config"] or None, m["split"] or "train")
+
+
+def file_format(path: str | Path) -> str | None:
+    name = str(path).lower()
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix):
+            return SUFFIXES[suffix]
+    return None
+
+
+def expand_sources(specs: list[str]) -> list[str]:
+    """Files (sorted, deduplicated) and hub ids named by the SOURCE arguments."""
+    out: list[str] = []
+    for spec in specs:
+        if spec.startswith("hf:"):
+            parse_hub_id(spec)
+            out.append(spec)
+            continue
+        if any(ch in spec for ch in "*?["):
+            matches = sorted(glob.glob(spec, recursive=True))
+            if not matches:
+                raise SourceError(f"the glob {spec!r} matches no file")
+        elif os.path.isdir(spec):
+            matches = sorted(str(p) for p in Path(spec).rglob("*") if p.is_file() and file_format(p))
+            if not matches:
+                raise SourceError(f"the directory {spec} holds no {', '.join(sorted(SUFFIXES))} file")
+        elif os.path.isfile(spec):
+            matches = [spec]
+        else:
+            raise SourceError(f"no such file, directory or hub id: {spec}")
+        files = [m for m in matches if os.path.isfile(m) and file_format(m)]
+        if not files:
+            raise SourceError(f"{spec!r} names no readable input (suffixes: {', '.join(sorted(SUFFIXES))})")
+        out.extend(str(Path(f).resolve()) for f in files)
+    return list(dict.fromkeys(out))
+
+
+# ---------------------------------------------------------------- planning: files -> shards
+
+
+def _open_binary(path: str, fmt: str):
+    raw = open(path, "rb")
+    if fmt == "jsonl.gz":
+        return gzip.GzipFile(fileobj=raw)
+    if fmt == "jsonl.zst":
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+    return raw
+
+
+def _count_rows(path: str, fmt: str) -> int:
+    if fmt == "parquet":
+        return pq.ParquetFile(path).metadata.num_rows
+    n, last = 0, b"\n"
+    with _open_binary(path, fmt) as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    return n + (last != b"\n")  # a last line without a newline still counts
+
+
+def plan_inputs(specs: list[str], shard_docs: int | None = None) -> list[ShardInput]:
+    """One ShardInput per shard: a file, a range of its rows (`shard_docs` per shard), or a hub shard."""
+    shards: list[ShardInput] = []
+    for spec in expand_sources(specs):
+        if spec.startswith("hf:"):
+            hub = parse_hub_id(spec)
+            n = _hub_num_shards(hub)
+            shards += [ShardInput(uri=hub.uri, fmt="hub", start=i, stop=i + 1) for i in range(n)]
+            continue
+        fmt = file_format(spec)
+        st = os.stat(spec)
+        common = dict(uri=spec, fmt=fmt, size=st.st_size, mtime_ns=st.st_mtime_ns)
+        if not shard_docs:
+            shards.append(ShardInput(**common))
+            continue
+        try:
+            n = _count_rows(spec, fmt)
+        except Exception:
+            # unreadable: one shard, which then fails with the reader's message; the others go on
+            shards.append(ShardInput(**common))
+            continue
+        for start in range(0, max(n, 1), shard_docs):
+            shards.append(ShardInput(**common, start=start, stop=min(start + shard_docs, n)))
+    return shards
+
+
+# ---------------------------------------------------------------- reading: shard -> documents
+
+
+def text_id(text: str) -> str:
+    """Stable id of a document that has none (C4): a hash of its text."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+
+
+class DocumentReader:
+    """Reads one ShardInput as DOCUMENT_SCHEMA batches; rejects are collected in `self.rejects`.
+
+    Column maps: FineWeb (`id,text,url,dump,...`) and C4 (`text,url,timestamp`) both have `text`
+    and `url`; a missing id becomes a hash of the text.
+    """
+
+    def __init__(self, shard: ShardInput, text_column: str = "text", batch_docs: int = 2048):
+        self.shard = shard
+        self.text_column = text_column
+        self.batch_docs = batch_docs
+        self.source = Path(shard.uri).name if shard.fmt != "hub" else shard.uri
+        self.rejects: list[dict] = []
+        self.docs_in = 0
+
+    # -- rows -> documents
+    def _reject(self, doc_id: str, reason: str, detail: str | None = None) -> None:
+        self.rejects.append({"id": doc_id, "source": self.source, "reason": reason, "detail": detail})
+
+    def _documents(self, rows: Iterator[tuple[int, dict | None, str | None]]) -> Iterator[pa.RecordBatch]:
+        """rows: (row number, parsed row or None, error reason) -> batches of valid documents."""
+        ids, texts, urls = [], [], []
+        for rowno, row, error in rows:
+            self.docs_in += 1
+            fallback_id = f"{self.source}:{rowno}"
+            if error is not None:
+                self._reject(fallback_id, error, f"row {rowno}")
+                continue
+            raw_id = row.get("id")
+            doc_id = str(raw_id) if raw_id is not None else None
+            text = row.get(self.text_column, _MISSING)
+            if text is _MISSING or text is None:
+                self._reject(
+                    doc_id or fallback_id, "missing_text", f"row {rowno} has no {self.text_column!r}"
+                )
+                continue
+            if isinstance(text, bytes):
+                try:
+                    text = text.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    self._reject(doc_id or fallback_id, "invalid_utf8", str(e))
+                    continue
+            if not isinstance(text, str):
+                self._reject(
+                    doc_id or fallback_id, "not_string", f"{self.text_column} is {type(text).__name__}"
+                )
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # lone surrogates from JSON escapes
+                self._reject(doc_id or text_id(text), "invalid_utf8", str(e))
+                continue
+            if not text.strip():
+                self._reject(doc_id or fallback_id, "empty", None)
+                continue
+            ids.append(doc_id or text_id(text))
+            texts.append(text)
+            url = row.get("url")
+            urls.append(None if url is None else str(url))
+            if len(texts) >= self.batch_docs:
+                yield self._batch(ids, texts, urls)
+                ids, texts, urls = [], [], []
+        if texts:
+            yield self._batch(ids, texts, urls)
+
+    def _batch(self, ids, texts, urls) -> pa.RecordBatch:
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array(ids, pa.string()),
+                pa.array(texts, pa.string()),
+                pa.array([self.source] * len(ids), pa.string()),
+                pa.array(urls, pa.string()),
+            ],
+            schema=DOCUMENT_SCHEMA,
+        )
+
+    def rejects_table(self) -> pa.Table:
+        return pa.Table.from_pylist(self.rejects, schema=REJECT_SCHEMA)
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        s = self.shard
+        try:
+            if s.fmt == "parquet":
+                yield from self._documents(self._parquet_rows())
+            elif s.fmt == "hub":
+                yield from self._documents(self._hub_rows())
+            else:
+                yield from self._documents(self._json_rows())
+        except SourceError:
+            raise
+        except Exception as e:  # a truncated gzip/zstd/parquet: fail this shard, naming the file
+            raise SourceError(
+                f"cannot read {s.uri} (rows {s.start}..{s.stop}): {type(e).__name__}: {e}"
+            ) from e
+
+    # -- readers
+    def _json_rows(self) -> Iterator[tuple[int, dict | None, str | None]]:
+        s = self.shard
+        with _open_binary(s.uri, s.fmt) as f:
+            for rowno, line in enumerate(io.BufferedReader(f) if s.fmt == "jsonl.zst" else f):
+                if rowno < s.start:
+                    continue
+                if s.stop is not None and rowno >= s.stop:
+                    break
+                try:
+                    line_text = line.decode("utf-8")
+                except UnicodeDecodeError:
+                    # keep what parses: invalid bytes inside a string become a counted reject
+                    line_text = line.decode("utf-8", "surrogateescape")
+                if not line_text.strip():
+                    yield rowno, None, "empty"
+                    continue
+                try:
+                    row = json.loads(line_text)
+                except json.JSONDecodeError:
+                    yield rowno, None, "invalid_json"
+                    continue
+                if not isinstance(row, dict):
+                    yield rowno, None, "invalid_json"
+                    continue
+                yield rowno, row, None
+
+    def _parquet_rows(self) -> Iterator[tuple[int, dict | None, str | None]]:
+        s = self.shard
+        pf = pq.ParquetFile(s.uri)
+        names = pf.schema_arrow.names
+        if self.text_column not in names:
+            raise SourceError(
+                f"{s.uri} has no {self.text_column!r} column (columns: {', '.join(names)}); "
+                "pass --text-column NAME"
+            )
+        columns = [c for c in ("id", self.text_column, "url") if c in names]
+        stop = s.stop if s.stop is not None else pf.metadata.num_rows
+        # read only the row groups that overlap [start, stop)
+        first = 0
+        for rg in range(pf.num_row_groups):
+            n = pf.metadata.row_group(rg).num_rows
+            if first + n > s.start and first < stop:
+                table = pf.read_row_group(rg, columns=columns)
+                lo, hi = max(s.start - first, 0), min(stop - first, n)
+                for i, row in enumerate(table.slice(lo, hi - lo).to_pylist()):
+                    yield first + lo + i, row, None
+            first += n
+            if first >= stop:
+                break
+
+    def _hub_rows(self) -> Iterator[tuple[int, dict | None, str | None]]:
+        hub = _hub_from_uri(self.shard.uri)
+        ds = load_hub_stream(hub)
+        ds = ds.shard(num_shards=ds.num_shards, index=self.shard.start)
+        for rowno, row in enumerate(ds):
+            yield rowno, row, None
+
+
+_MISSING = object()
+
+
+def _hub_from_uri(uri: str) -> HubId:
+    _, rest = uri.split(":", 1)
+    repo, config, split = rest.split(":")
+    return HubId(repo, config or None, split)
+
+
+def load_hub_stream(hub: HubId):
+    """Stream a hub dataset with `datasets` (network needed; tests patch this to local parquet)."""
+    import datasets
+
+    return datasets.load_dataset(hub.repo, name=hub.config, split=hub.split, streaming=True)
+
+
+def _hub_num_shards(hub: HubId) -> int:
+    return load_hub_stream(hub).num_shards

@@ -1,0 +1,145 @@
+"""Documents -> sequences: batch-encode, then left-pad one document per sequence or pack windows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+from entroweight.schemas import sequence_schema
+
+from .tokenizer import LoadedTokenizer
+
+
+def fixed_lists(matrix: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    """A (rows, n) matrix as an Arrow list column without a Python loop."""
+    rows, n = matrix.shape
+    offsets = pa.array(np.arange(0, rows * n + 1, n, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1), type=value_type))
+
+
+class SequenceBuilder:
+    """Turns DOCUMENT_SCHEMA batches into sequence batches for one shard.
+
+    Left padding (default): each document's first `n_ctx` tokens, pads on the left. Packing: the
+    documents' tokens joined by eos and cut into `n_ctx` windows; the last window is left-padded.
+    """
+
+    def __init__(self, tok: LoadedTokenizer, n_ctx: int, pack: bool, shard: str):
+        if tok.pad_id is None:
+            raise ValueError(
+                f"the tokenizer {tok.path} has no pad token; train one with `entroweight train-tokenizer`"
+            )
+        if pack and tok.eos_id is None:
+            raise ValueError(f"--pack needs an eos token, and the tokenizer {tok.path} has none")
+        self.tok, self.n_ctx, self.pack, self.shard = tok, n_ctx, pack, shard
+        self.schema = sequence_schema(tok.vocab_size, packed=pack)
+        self.ids_type = self.schema.field("input_ids").type.value_type
+        self.np_dtype = np.uint16 if self.ids_type == pa.uint16() else np.int32
+        self.n_seq = 0
+        self.docs_out = 0
+        self.n_truncated = 0
+        self.n_real_tokens = 0
+        self.n_bytes = 0
+        # An upper bound of characters that n_ctx tokens can cover: longer texts are cut before
+        # encoding, so a 50 MB document never becomes a huge id list (left-pad mode only).
+        max_token_len = int(tok.token_nbytes.max()) if tok.vocab_size else 1
+        self.char_budget = 2 * n_ctx * max(max_token_len, 1) + 64
+        self._stream: list[np.ndarray] = []  # packing: pending token runs
+        self._stream_docs: list[tuple[str, int]] = []  # (doc id, tokens of it still pending)
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        if not self.pack:
+            texts = [t if len(t) <= self.char_budget else _cut(t, self.char_budget) for t in texts]
+        encs = self.tok.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        return [e.ids for e in encs]
+
+    def add(self, docs: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
+        if docs.num_rows == 0:
+            return
+        doc_ids = docs.column("id").to_pylist()
+        ids = self._encode(docs.column("text").to_pylist())
+        self.docs_out += len(doc_ids)
+        if self.pack:
+            yield from self._pack(doc_ids, ids)
+        else:
+            yield self._left_pad(doc_ids, ids)
+
+    def finish(self) -> Iterator[pa.RecordBatch]:
+        if self.pack and self._stream_docs:
+            yield from self._emit_windows(final=True)
+
+    # -- one document per sequence
+    def _left_pad(self, doc_ids: list[str], ids: list[list[int]]) -> pa.RecordBatch:
+        n = self.n_ctx
+        matrix = np.full((len(ids), n), self.tok.pad_id, dtype=self.np_dtype)
+        n_pad = np.empty(len(ids), dtype=np.int32)
+        for row, seq in enumerate(ids):
+            k = min(len(seq), n)
+            self.n_truncated += len(seq) > n
+            if k:
+                matrix[row, n - k :] = seq[:k]
+            n_pad[row] = n - k
+        return self._batch(matrix, n_pad, doc_ids)
+
+    # -- packed windows
+    def _pack(self, doc_ids: list[str], ids: list[list[int]]) -> Iterator[pa.RecordBatch]:
+        eos = self.tok.eos_id
+        for doc_id, seq in zip(doc_ids, ids, strict=True):
+            run = np.asarray([*seq, eos], dtype=self.np_dtype)
+            self._stream.append(run)
+            self._stream_docs.append((doc_id, len(run)))
+        yield from self._emit_windows(final=False)
+
+    def _emit_windows(self, final: bool) -> Iterator[pa.RecordBatch]:
+        n = self.n_ctx
+        stream = np.concatenate(self._stream) if self._stream else np.empty(0, self.np_dtype)
+        n_full = len(stream) // n
+        n_windows = n_full + (final and len(stream) % n > 0)
+        if n_windows == 0:
+            return
+        matrix = np.full((n_windows, n), self.tok.pad_id, dtype=self.np_dtype)
+        matrix[:n_full] = stream[: n_full * n].reshape(n_full, n)
+        n_pad = np.zeros(n_windows, dtype=np.int32)
+        if n_windows > n_full:
+            rest = stream[n_full * n :]
+            matrix[-1, n - len(rest) :] = rest
+            n_pad[-1] = n - len(rest)
+        # which documents each window holds
+        window_docs: list[list[str]] = [[] for _ in range(n_windows)]
+        pos, pending = 0, []
+        for doc_id, length in self._stream_docs:
+            first, last = pos // n, (pos + length - 1) // n
+            for w in range(first, min(last, n_windows - 1) + 1):
+                window_docs[w].append(doc_id)
+            if last >= n_windows:  # (the rest of) the document waits for the next window
+                pending.append((doc_id, min(length, pos + length - n_windows * n)))
+            pos += length
+        consumed = n_windows * n
+        self._stream = [stream[consumed:]] if len(stream) > consumed else []
+        self._stream_docs = pending
+        yield self._batch(matrix, n_pad, [d[0] for d in window_docs], window_docs)
+
+    def _batch(self, matrix, n_pad, doc_ids, window_docs=None) -> pa.RecordBatch:
+        n_bytes = self.tok.token_nbytes[matrix].sum(axis=1, dtype=np.int64)
+        seq_ids = [f"{self.shard}:{self.n_seq + i}" for i in range(len(doc_ids))]
+        self.n_seq += len(doc_ids)
+        self.n_real_tokens += int(matrix.size - n_pad.sum())
+        self.n_bytes += int(n_bytes.sum())
+        arrays = [
+            pa.array(seq_ids, pa.string()),
+            pa.array(doc_ids, pa.string()),
+            fixed_lists(matrix, self.ids_type),
+            pa.array(n_pad, pa.int32()),
+            pa.array(n_bytes, pa.int64()),
+        ]
+        if self.pack:
+            arrays.append(pa.array(window_docs, pa.list_(pa.string())))
+        return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+
+
+def _cut(text: str, budget: int) -> str:
+    """The first `budget` characters, backed off to a whitespace so no word is split."""
+    head = text[:budget]
+    space = max(head.rfind(" ", budget - budget // 8), head.rfind("\n", budget - budget // 8))
+    return head[:space] if space > 0 else head

@@ -1,0 +1,130 @@
+"""Load a `tokenizers` tokenizer with what the stages need of it: its hash, specials and bytes per token."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+# Specials we look for, in order, when a tokenizer was not trained by us (Llama 3, GPT-2, ...).
+PAD_CANDIDATES = (PAD, "<|finetune_right_pad_id|>", "<pad>", "[PAD]", "<|padding|>")
+EOS_CANDIDATES = (EOS, "<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[SEP]")
+BOS_CANDIDATES = (BOS, "<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used; the message says what to do."""
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte <-> printable character map, inverted: character -> byte."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+def resolve_tokenizer_path(path: str | Path) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise TokenizerError(f"no tokenizer at {path}: give a tokenizer.json or a directory holding one")
+    return p
+
+
+@dataclass
+class LoadedTokenizer:
+    """A tokenizer plus the facts the data contracts record about it."""
+
+    path: Path
+    tokenizer: Tokenizer
+    sha256: str
+    pad_id: int | None
+    eos_id: int | None
+    bos_id: int | None
+    _special_ids: set[int] = field(default_factory=set, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """The raw bytes each token stands for (b"" for specials): exact byte accounting without decode."""
+        spec = json.loads(self.tokenizer.to_str())
+        byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
+        inverse = _bytes_to_unicode() if byte_level else None
+        out: list[bytes] = [b""] * self.vocab_size
+        for tok, idx in self.tokenizer.get_vocab(with_added_tokens=True).items():
+            if idx in self._special_ids:
+                continue
+            if inverse is not None and all(ch in inverse for ch in tok):
+                out[idx] = bytes(inverse[ch] for ch in tok)
+            elif tok.startswith("<0x") and tok.endswith(">") and len(tok) == 6:  # byte fallback
+                out[idx] = bytes([int(tok[3:5], 16)])
+            else:  # sentencepiece-style pieces
+                out[idx] = tok.replace("\u2581", " ").encode("utf-8")
+        return out
+
+    @cached_property
+    def token_nbytes(self) -> np.ndarray:
+        """Bytes per token id, int32: `token_nbytes[ids].sum()` is the UTF-8 size of the decoded text."""
+        return np.fromiter((len(b) for b in self.token_bytes), dtype=np.int32, count=self.vocab_size)
+
+    def decode_bytes(self, ids) -> bytes:
+        tb = self.token_bytes
+        return b"".join(tb[i] for i in ids)
+
+    def describe(self) -> dict:
+        return {
+            "tokenizer": str(self.path),
+            "tokenizer_sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "pad_id": self.pad_id,
+            "eos_id": self.eos_id,
+        }
+
+
+def _find(vocab: dict[str, int], candidates) -> int | None:
+    return next((vocab[c] for c in candidates if c in vocab), None)
+
+
+def load_tokenizer(path: str | Path) -> LoadedTokenizer:
+    p = resolve_tokenizer_path(path)
+    raw = p.read_bytes()
+    try:
+        tok = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as e:  # the Rust error is terse; say which file and what to do
+        raise TokenizerError(
+            f"{p} is not a valid tokenizers JSON file ({e}); re-create it with `entroweight train-tokenizer`"
+        ) from e
+    # Our stages add specials themselves; a post-processor adding BOS would break byte accounting.
+    tok.no_truncation()
+    tok.no_padding()
+    vocab = tok.get_vocab(with_added_tokens=True)
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    return LoadedTokenizer(
+        path=p.resolve(),
+        tokenizer=tok,
+        sha256=hashlib.sha256(raw).hexdigest(),
+        pad_id=_find(vocab, PAD_CANDIDATES),
+        eos_id=_find(vocab, EOS_CANDIDATES),
+        bos_id=_find(vocab, BOS_CANDIDATES),
+        _special_ids={vocab[s] for s in specials if s in vocab},
+    )

@@ -1,0 +1,68 @@
+"""Train a byte-level BPE with a base tokenizer's normalizer and pre-tokenizer (the write-up: Llama 3's)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .sources import DocumentReader, plan_inputs
+from .tokenizer import BOS, EOS, PAD, resolve_tokenizer_path
+
+SPECIALS = [PAD, BOS, EOS]
+
+
+def corpus_texts(sources: list[str], max_docs: int | None = None) -> Iterator[str]:
+    """Texts of the valid documents of the sources, in a fixed order (rejects are skipped)."""
+    n = 0
+    for shard in plan_inputs(sources):
+        for batch in DocumentReader(shard):
+            for text in batch.column("text").to_pylist():
+                yield text
+                n += 1
+                if max_docs and n >= max_docs:
+                    return
+
+
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int,
+    base: str | Path | None,
+    min_frequency: int = 2,
+    progress: bool = False,
+) -> Tokenizer:
+    """A BPE of exactly `vocab_size` tokens (specials included) over the 256 byte symbols."""
+    if vocab_size < 256 + len(SPECIALS) + 1:
+        raise ValueError(
+            f"--vocab-size must exceed the 256 bytes and {len(SPECIALS)} specials, not {vocab_size}"
+        )
+    tok = Tokenizer(models.BPE())
+    if base is not None:
+        base_tok = Tokenizer.from_file(str(resolve_tokenizer_path(base)))
+        if base_tok.normalizer is not None:
+            tok.normalizer = base_tok.normalizer
+        tok.pre_tokenizer = base_tok.pre_tokenizer
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> tuple[Path, str]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "tokenizer.json"
+    tok.save(str(path))
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    (out / "tokenizer.sha256").write_text(f"{sha}  tokenizer.json\n")
+    return path, sha

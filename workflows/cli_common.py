@@ -1,0 +1,88 @@
+"""What every command module shares: exit codes, error printing, engine options, running a stage.
+
+Exit codes (for cron and orchestrators): 0 done (or nothing to do), 1 some shards failed (completed
+shards stay valid; rerun to retry), 2 bad usage or input refused before any work, 3 another run holds
+the lock on the output directory.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+EXIT_FAILED_SHARDS = 1
+EXIT_REFUSED = 2
+EXIT_LOCKED = 3
+
+
+def _fail(message: str, code: int = EXIT_REFUSED):
+    click.secho(f"error: {message}", fg="red", err=True)
+    sys.exit(code)
+
+
+def engine_options(f):
+    """--engine and the options each engine takes; shared by every stage command."""
+    f = click.option(
+        "--engine", type=click.Choice(["local", "beam", "ray"]), default="local", show_default=True
+    )(f)
+    f = click.option(
+        "--beam-option",
+        "beam_options",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Beam pipeline option, e.g. runner=DataflowRunner (repeatable). Default: in-process FnApiRunner.",
+    )(f)
+    f = click.option(
+        "--ray-address", default=None, help="Ray cluster address (default: a local Ray in process)."
+    )(f)
+    f = click.option(
+        "--workers",
+        type=int,
+        default=None,
+        help="Parallel workers (beam: direct_num_workers; ray: concurrency).",
+    )(f)
+    f = click.option(
+        "--overwrite", is_flag=True, help="Delete shards of another config in --out instead of refusing."
+    )(f)
+    f = click.option(
+        "--wait", type=float, default=0, help="Seconds to wait for another run's lock on --out."
+    )(f)
+    return f
+
+
+def _engine_kwargs(engine, beam_options, ray_address, workers) -> dict:
+    if engine == "beam":
+        return {"options": dict(_kv(o) for o in beam_options), "workers": workers}
+    if engine == "ray":
+        return {"address": ray_address, "workers": workers}
+    return {}
+
+
+def _kv(option: str) -> tuple[str, str]:
+    if "=" not in option:
+        _fail(f"--beam-option takes KEY=VALUE, not {option!r}")
+    k, v = option.split("=", 1)
+    return k.strip().lstrip("-"), v
+
+
+def run_stage_cli(stage, out, engine, beam_options, ray_address, workers, overwrite, wait):
+    from entroweight.pipelines import LockHeld, StageError, StageFailed, run_stage
+
+    try:
+        summary = run_stage(
+            stage,
+            out,
+            engine=engine,
+            overwrite=overwrite,
+            wait=wait,
+            **_engine_kwargs(engine, beam_options, ray_address, workers),
+        )
+    except LockHeld as e:
+        _fail(str(e), EXIT_LOCKED)
+    except StageError as e:
+        _fail(str(e))
+    except StageFailed as e:
+        _fail(str(e), EXIT_FAILED_SHARDS)
+    click.echo(summary.line())
+    return summary
