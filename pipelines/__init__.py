@@ -37,11 +37,11 @@ def run_stage(
         elif engine == "beam":
             from .beam import run_beam
 
-            results = run_beam(plan, **engine_options)
+            results = run_beam(plan, progress=progress, **engine_options)
         else:
             from .ray import run_ray
 
-            results = run_ray(plan, **engine_options)
+            results = run_ray(plan, progress=progress, **engine_options)
         return finish_run(plan, results, time.perf_counter() - start)
     finally:
         lock.release()

@@ -23,6 +23,7 @@ from filelock import FileLock, Timeout
 from entroweight import __version__
 
 STAGE_FILE = "_stage.json"
+SHARDS_FILE = "_shards.json"
 LOCK_FILE = ".entroweight.lock"
 
 
@@ -145,34 +146,36 @@ def plan_run(stage: Stage, out_dir: str | Path, overwrite: bool = False) -> RunP
         if old.config_hash != record.config_hash or old.stage != record.stage:
             if not overwrite:
                 raise StageError(_mismatch_message(out, old, record))
-            for p in out.glob("part-*"):
-                p.unlink()
+            for p in [*out.glob("part-*"), out / SHARDS_FILE]:
+                p.unlink(missing_ok=True)
             for p in (out / "rejects").glob("part-*"):
                 p.unlink()
     remove_stale_tmp(out)
     write_json_atomic(json.loads(record.model_dump_json()), stage_file)
 
-    inputs = stage.plan_inputs()
-    by_key = {}
-    for m in read_manifests(out):
-        if m.config_hash == record.config_hash:
-            by_key[tuple(i.key for i in m.inputs)] = m
-    used = [int(m.shard.split("-")[1]) for m in by_key.values()]
-    next_no = max(used, default=-1) + 1
+    # Shard numbers are fixed when an input is first planned (_shards.json), so a crash, a rerun
+    # or a new input file never renumbers what exists.
+    registry_file = out / SHARDS_FILE
+    registry: dict[str, str] = json.loads(registry_file.read_text()) if registry_file.exists() else {}
+    manifests = {m.shard: m for m in read_manifests(out)}
+    next_no = max((int(s.split("-")[1]) for s in registry.values()), default=-1) + 1
     todo, done, stale = [], [], []
-    for inp in inputs:
-        key = (inp.key,)
-        m = by_key.get(key)
-        if m is not None:
-            if list(m.inputs) == [inp] and (out / m.output).exists():
+    for inp in stage.plan_inputs():
+        shard = registry.get(inp.key)
+        if shard is None:
+            shard = registry[inp.key] = f"part-{next_no:05d}"
+            next_no += 1
+        m = manifests.get(shard)
+        if m is not None and m.config_hash == record.config_hash and (out / m.output).exists():
+            if list(m.inputs) == [inp]:
                 done.append(m)
                 continue
-            stale.append(m.shard)
-            shard = m.shard
-        else:
-            shard = f"part-{next_no:05d}"
-            next_no += 1
+            stale.append(shard)  # the input file changed since: recompute
         todo.append(ShardTask(shard=shard, inputs=(inp,), out_dir=str(out)))
+    write_json_atomic(registry, registry_file)
+    # output of a shard killed after its rename but before its manifest: redo it from scratch
+    for task in todo:
+        manifest_path(out, task.shard).unlink(missing_ok=True)
     return RunPlan(stage=stage, out_dir=out, todo=todo, done=done, stale=stale)
 
 
@@ -204,6 +207,26 @@ def run_task(stage: Stage, task: ShardTask) -> ShardResult:
         return ShardResult(
             shard=task.shard, error=f"{type(e).__name__}: {e} (input {inputs}){detail and chr(10) + detail}"
         )
+
+
+def reconcile_results(plan: RunPlan, results: list[ShardResult], missing_reason: str) -> list[ShardResult]:
+    """One result per planned shard, in plan order. A shard the engine lost (worker or runner died)
+    counts as done only if its manifest reached the disk; otherwise it fails with `missing_reason`."""
+    by_shard = {r.shard: r for r in results}
+    out = []
+    for task in plan.todo:
+        result = by_shard.get(task.shard)
+        if result is None:
+            path = manifest_path(task.out_dir, task.shard)
+            manifest = ShardManifest.model_validate_json(path.read_text()) if path.exists() else None
+            if manifest is not None and manifest.config_hash == plan.stage.config_hash:
+                if list(manifest.inputs) == list(task.inputs) and (plan.out_dir / manifest.output).exists():
+                    result = ShardResult(task.shard, manifest=json.loads(manifest.model_dump_json()))
+            if result is None:
+                inputs = ", ".join(i.key for i in task.inputs)
+                result = ShardResult(task.shard, error=f"{missing_reason} (input {inputs})")
+        out.append(result)
+    return out
 
 
 @dataclass

@@ -1,0 +1,153 @@
+"""The Beam engine: shards as elements of a real Beam pipeline, on any runner.
+
+    Create(tasks) | Reshuffle | ParDo(RunShard) | Map(json) | WriteToText(results)
+
+`RunShard.setup()` calls `stage.setup()` once per worker (the tokenizer or model stays loaded
+across shards), `process` calls `run_task`, which never raises: a failing shard becomes a failed
+ShardResult, so one bad input file cannot abort the other shards. Every result (errors included)
+goes through Beam's own file IO to a results directory the driver reads back after the run, so
+the driver knows each shard's outcome on every runner (Dataflow workers cannot call back).
+
+Embedded default: the in-process Python FnApiRunner (the DirectRunner may try to download the
+Prism binary, which fails offline); `workers > 1` runs it as that many SDK worker processes.
+Any other runner comes from the options: {"runner": "DataflowRunner", "project": ..., ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import asdict
+
+from .stage import RunPlan, ShardResult, ShardTask, Stage, reconcile_results, run_task
+
+RESULTS_DIR = "_engine"  # under the output directory (or temp_location): per-run results, then deleted
+EMBEDDED = ("fnapirunner", "fnapi", "embedded")
+
+
+def _dofn():
+    """The DoFn class, built on first use so that importing this module does not import Beam."""
+    import apache_beam as beam
+
+    class RunShardFn(beam.DoFn):
+        def __init__(self, stage: Stage, threads: int | None):
+            self.stage = stage
+            self.threads = threads
+
+        def setup(self):
+            if self.threads:
+                _limit_threads(self.threads)
+            self.stage.setup()
+
+        def process(self, task: ShardTask):
+            yield json.dumps(asdict(run_task(self.stage, task)))
+
+    return RunShardFn
+
+
+def _limit_threads(threads: int) -> None:
+    """N worker processes on one machine: each gets its share of the cores, not all of them."""
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+    except ImportError:
+        pass
+
+
+def build_runner(options: dict, workers: int | None):
+    """(runner, PipelineOptions, threads per worker or None) from the user's KEY=VALUE options."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    opts = {k.replace("-", "_"): v for k, v in (options or {}).items()}
+    name = str(opts.pop("runner", "FnApiRunner"))
+    threads = None
+    if name.lower() in EMBEDDED:
+        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+        n = int(opts.get("direct_num_workers") or workers or 1)
+        if n > 1:
+            opts.setdefault("direct_num_workers", n)
+            opts.setdefault("direct_running_mode", "multi_processing")
+            opts.setdefault("default_sdk_harness_log_level", "WARNING")
+            if opts["direct_running_mode"] == "multi_processing":
+                threads = max(1, (os.cpu_count() or 1) // n)
+        else:
+            opts.setdefault("direct_running_mode", "in_memory")
+        runner = FnApiRunner()
+    else:
+        from apache_beam.runners.runner import create_runner
+
+        if workers:  # the runner's own name for "how many workers"
+            key = {"dataflowrunner": "max_num_workers", "flinkrunner": "parallelism"}.get(
+                name.lower().split(".")[-1], "direct_num_workers"
+            )
+            opts.setdefault(key, workers)
+        runner = create_runner(name)
+    return runner, PipelineOptions.from_dictionary(opts), threads
+
+
+def results_root(plan: RunPlan, options: dict) -> str:
+    """Where workers write results: the run's temp_location if given (gs://...), else the output dir."""
+    temp = (options or {}).get("temp_location") or (options or {}).get("temp-location")
+    base = temp.rstrip("/") if temp else str(plan.out_dir)
+    return f"{base}/{RESULTS_DIR}"
+
+
+def run_beam(
+    plan: RunPlan, options: dict | None = None, workers: int | None = None, progress: bool = True
+) -> list[ShardResult]:
+    import apache_beam as beam
+    from apache_beam.io.filesystems import FileSystems
+
+    _quiet_beam()
+    options = dict(options or {})
+    runner, pipeline_options, threads = build_runner(options, workers)
+    root = results_root(plan, options)
+    _remove_tree(root)  # a killed run's leftovers; the driver holds the directory's lock
+    prefix = f"{root}/beam-{uuid.uuid4().hex[:8]}/results"
+    tasks = list(plan.todo)
+    error = None
+    try:
+        with beam.Pipeline(runner=runner, options=pipeline_options) as p:
+            _ = (
+                p
+                | "Shards" >> beam.Create(tasks, reshuffle=False)
+                | "Spread" >> beam.Reshuffle()
+                | "RunShard" >> beam.ParDo(_dofn()(plan.stage, threads))
+                | "Results" >> beam.io.WriteToText(prefix, file_name_suffix=".jsonl")
+            )
+    except Exception as e:  # the runner itself failed: shards without a manifest are reported failed
+        error = f"the Beam pipeline failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    results = []
+    if error is None:
+        for meta in FileSystems.match([prefix + "*"])[0].metadata_list:
+            with FileSystems.open(meta.path) as f:
+                results += [
+                    ShardResult(**json.loads(line)) for line in f.read().decode().splitlines() if line
+                ]
+    _remove_tree(root)
+    return reconcile_results(plan, results, error or "no result came back from the Beam workers")
+
+
+def _remove_tree(path: str) -> None:
+    if "://" in path:
+        from apache_beam.io.filesystems import FileSystems
+
+        if FileSystems.exists(path + "/"):
+            FileSystems.delete([path + "/"])
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _quiet_beam() -> None:
+    # the embedded runner logs every bundle at INFO; a CLI user wants the summary line only
+    logger = logging.getLogger("apache_beam")
+    if logger.level < logging.WARNING:
+        logger.setLevel(logging.WARNING)

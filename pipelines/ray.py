@@ -1,0 +1,158 @@
+"""The Ray engine: shards dispatched to a pool of actors, on a local Ray or a cluster.
+
+Each actor calls `stage.setup()` once in its constructor (the tokenizer or model loads once per
+actor, not once per shard) and then runs shards with `run_task`, which never raises. Actors ask
+Ray for `stage.resources()` (a scoring stage: {"num_cpus": 1, "num_gpus": 1}); the pool has
+`workers` actors, or as many as the cluster's resources fit. The driver keeps a few shards in
+flight per actor and collects every ShardResult; an actor that dies fails its shard, naming it.
+
+Embedded default: `ray.init()` in this process sized to the machine, shut down after the run;
+`address` (e.g. "10.0.0.1:6379" or "auto") connects to a running cluster and leaves it up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from tqdm.auto import tqdm
+
+from .stage import RunPlan, ShardResult, Stage, reconcile_results, run_task
+
+IN_FLIGHT_PER_ACTOR = 2  # one running, one queued: no idle gap between shards, little memory
+QUIET_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",  # no phone-home (offline machines, CI)
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+class ShardWorker:
+    """The actor: one loaded stage, many shards. Decorated with ray.remote at run time."""
+
+    def __init__(self, stage: Stage, env: dict[str, str]):
+        os.environ.update(env)  # before setup(): thread pools read it when they start
+        if env.get("OMP_NUM_THREADS"):
+            try:
+                import torch
+
+                torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+            except ImportError:
+                pass
+        self.stage = stage
+        stage.setup()
+
+    def run(self, task) -> ShardResult:
+        return run_task(self.stage, task)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def start_ray(address: str | None):
+    """Connect to `address`, or start Ray in process; returns (ray module, whether we started it)."""
+    for k, v in QUIET_ENV.items():
+        os.environ.setdefault(k, v)
+    import ray
+
+    if ray.is_initialized():
+        return ray, False
+    common = dict(
+        log_to_driver=False,  # worker logs stay in Ray's session dir; failures come back as results
+        logging_level=logging.ERROR,
+        include_dashboard=False,
+        ignore_reinit_error=True,
+    )
+    if address:
+        ray.init(address=address, **common)
+    else:
+        ray.init(num_cpus=_machine_cpus(), **common)
+    return ray, True
+
+
+def _machine_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def pool_size(ray, resources: dict[str, float], workers: int | None, n_tasks: int) -> int:
+    """`workers`, or as many actors as the cluster's resources fit; never more than there are shards."""
+    if workers:
+        return max(1, min(workers, n_tasks))
+    total = ray.cluster_resources()
+    names = {"num_cpus": "CPU", "num_gpus": "GPU"}
+    fits = [int(total.get(names.get(k, k), 0) // v) for k, v in resources.items() if v]
+    return max(1, min(min(fits, default=1), n_tasks))
+
+
+def actor_env(resources: dict[str, float]) -> dict[str, str]:
+    """Thread pools sized to the actor's CPUs, so N actors on one node do not oversubscribe it."""
+    cpus = max(1, int(resources.get("num_cpus", 1)))
+    return {
+        "RAYON_NUM_THREADS": str(cpus),
+        "TOKENIZERS_PARALLELISM": "true" if cpus > 1 else "false",
+        "OMP_NUM_THREADS": str(cpus),
+    }
+
+
+def run_ray(
+    plan: RunPlan, address: str | None = None, workers: int | None = None, progress: bool = True
+) -> list[ShardResult]:
+    ray, started = start_ray(address)
+    try:
+        return _run(ray, plan, workers, progress)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _run(ray, plan: RunPlan, workers: int | None, progress: bool) -> list[ShardResult]:
+    stage = plan.stage
+    resources = {k: v for k, v in stage.resources().items() if v}
+    n = pool_size(ray, resources, workers, len(plan.todo))
+    actor_cls = ray.remote(ShardWorker).options(**resources, max_restarts=0)
+    stage_ref = ray.put(stage)  # pickled once (heavy state dropped), shared by all actors
+    env = actor_env(resources)
+    actors = [actor_cls.remote(stage_ref, env) for _ in range(n)]
+    pending = list(plan.todo)[::-1]
+    in_flight: dict = {}  # ObjectRef -> (task, actor)
+    results: list[ShardResult] = []
+    idle = [a for a in actors for _ in range(IN_FLIGHT_PER_ACTOR)]
+    start, docs, tokens = time.perf_counter(), 0, 0
+    with tqdm(
+        total=len(plan.todo), unit="shard", desc=f"{stage.name} (ray x{n})", disable=not progress
+    ) as bar:
+        while pending or in_flight:
+            while pending and idle:
+                task, actor = pending.pop(), idle.pop(0)
+                in_flight[actor.run.remote(task)] = (task, actor)
+            (ref,), _ = ray.wait(list(in_flight), num_returns=1)
+            task, actor = in_flight.pop(ref)
+            try:
+                result = ray.get(ref)
+                idle.append(actor)
+            except Exception as e:  # the actor died (OOM, node lost) or could not start (setup failed)
+                result = ShardResult(task.shard, error=_actor_error(e, task))
+            results.append(result)
+            if result.ok:
+                docs += result.manifest["docs_in"]
+                tokens += result.manifest["n_real_tokens"]
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix(
+                docs=docs, tok_s=f"{tokens / elapsed:,.0f}", failed=sum(not r.ok for r in results)
+            )
+            bar.update()
+            if not idle and not in_flight and pending:  # every actor is dead: fail what is left
+                break
+    for actor in actors:
+        ray.kill(actor)
+    return reconcile_results(plan, results, "not run: every Ray actor died")
+
+
+def _actor_error(e: Exception, task) -> str:
+    inputs = ", ".join(i.key for i in task.inputs)
+    cause = getattr(e, "cause", None) or e
+    first = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""
+    return f"Ray worker failed: {type(cause).__name__}: {first} (input {inputs})"
