@@ -8,6 +8,7 @@ and the driver ends with `finish_run`, which raises StageFailed naming every fai
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 from abc import ABC, abstractmethod
@@ -22,9 +23,12 @@ from filelock import FileLock, Timeout
 
 from entroweight import __version__
 
-STAGE_FILE = "_stage.json"
-SHARDS_FILE = "_shards.json"
-LOCK_FILE = ".entroweight.lock"
+# Everything that is not data starts with a dot: `datasets.load_dataset("parquet", data_dir=OUT)` reads
+# every .json and .parquet it finds, and skips hidden files and directories.
+STAGE_FILE = ".stage.json"
+SHARDS_FILE = ".shards.json"
+REJECTS_DIR = ".rejects"
+LOCK_FILE = ".lock"
 
 
 class StageError(RuntimeError):
@@ -100,13 +104,13 @@ class Stage(ABC):
 
 
 def manifest_path(out_dir: str | Path, shard: str) -> Path:
-    return Path(out_dir) / f"{shard}.manifest.json"
+    return Path(out_dir) / f".{shard}.manifest.json"
 
 
 def read_manifests(out_dir: str | Path) -> list[ShardManifest]:
     return [
         ShardManifest.model_validate_json(p.read_text())
-        for p in sorted(Path(out_dir).glob("part-*.manifest.json"))
+        for p in sorted(Path(out_dir).glob(".part-*.manifest.json"))
     ]
 
 
@@ -137,6 +141,7 @@ def plan_run(stage: Stage, out_dir: str | Path, overwrite: bool = False) -> RunP
     """Which shards are done (manifest matches config and input), which to run; refuses mixed configs."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    inputs = stage.plan_inputs()  # first: a missing source is the error to report, not a config clash
     record = StageRecord(
         stage=stage.name, config=stage.config(), config_hash=stage.config_hash, code_version=__version__
     )
@@ -146,21 +151,21 @@ def plan_run(stage: Stage, out_dir: str | Path, overwrite: bool = False) -> RunP
         if old.config_hash != record.config_hash or old.stage != record.stage:
             if not overwrite:
                 raise StageError(_mismatch_message(out, old, record))
-            for p in [*out.glob("part-*"), out / SHARDS_FILE]:
+            for p in [*out.glob("part-*"), *out.glob(".part-*"), out / SHARDS_FILE]:
                 p.unlink(missing_ok=True)
-            for p in (out / "rejects").glob("part-*"):
+            for p in (out / REJECTS_DIR).glob("part-*"):
                 p.unlink()
     remove_stale_tmp(out)
     write_json_atomic(json.loads(record.model_dump_json()), stage_file)
 
-    # Shard numbers are fixed when an input is first planned (_shards.json), so a crash, a rerun
+    # Shard numbers are fixed when an input is first planned (.shards.json), so a crash, a rerun
     # or a new input file never renumbers what exists.
     registry_file = out / SHARDS_FILE
     registry: dict[str, str] = json.loads(registry_file.read_text()) if registry_file.exists() else {}
     manifests = {m.shard: m for m in read_manifests(out)}
     next_no = max((int(s.split("-")[1]) for s in registry.values()), default=-1) + 1
     todo, done, stale = [], [], []
-    for inp in stage.plan_inputs():
+    for inp in inputs:
         shard = registry.get(inp.key)
         if shard is None:
             shard = registry[inp.key] = f"part-{next_no:05d}"
@@ -199,6 +204,7 @@ def run_task(stage: Stage, task: ShardTask) -> ShardResult:
     try:
         manifest = stage.process(task)
         manifest.seconds = round(time.perf_counter() - start, 3)
+        _test_delay()
         write_json_atomic(json.loads(manifest.model_dump_json()), manifest_path(task.out_dir, task.shard))
         return ShardResult(shard=task.shard, manifest=json.loads(manifest.model_dump_json()))
     except Exception as e:
@@ -207,6 +213,14 @@ def run_task(stage: Stage, task: ShardTask) -> ShardResult:
         return ShardResult(
             shard=task.shard, error=f"{type(e).__name__}: {e} (input {inputs}){detail and chr(10) + detail}"
         )
+
+
+def _test_delay() -> None:
+    """Fault injection for the resume tests: a pause between a shard's parquet and its manifest,
+    the window in which a killed run leaves the most to clean up. Unset in production."""
+    delay = os.environ.get("ENTROWEIGHT_TEST_SHARD_DELAY")
+    if delay:
+        time.sleep(float(delay))
 
 
 def reconcile_results(plan: RunPlan, results: list[ShardResult], missing_reason: str) -> list[ShardResult]:

@@ -14,7 +14,7 @@ from entroweight.transforms.writer import AtomicParquetWriter, write_table_atomi
 
 from entroweight import __version__
 
-from .stage import ShardTask, Stage
+from .stage import REJECTS_DIR, ShardTask, Stage
 
 
 class TokenizeStage(Stage):
@@ -110,7 +110,7 @@ class TokenizeStage(Stage):
             docs_in += reader.docs_in
             rejected.update(r["reason"] for r in reader.rejects)
         if rejected:
-            rejects_file = f"rejects/{task.shard}.parquet"
+            rejects_file = f"{REJECTS_DIR}/{task.shard}.parquet"
             table = pa.concat_tables([r.rejects_table() for r in readers])
             rejects_sha = write_table_atomic(table, out / rejects_file)
         return ShardManifest(

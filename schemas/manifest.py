@@ -81,7 +81,7 @@ class ShardManifest(BaseModel):
 
 
 class StageRecord(BaseModel):
-    """`_stage.json` at the root of a stage's output directory: one config per directory."""
+    """`.stage.json` at the root of a stage's output directory: one config per directory."""
 
     stage: str
     config: dict[str, Any]

@@ -75,7 +75,7 @@ def summarize(path: str | Path) -> dict:
     if entropies:
         out["entropy"] = _stats(np.concatenate(entropies))
     manifest_dir = files[0].parent
-    manifests = sorted(manifest_dir.glob("part-*.manifest.json"))
+    manifests = sorted(manifest_dir.glob(".part-*.manifest.json"))
     if manifests and Path(path).is_dir():
         ms = [json.loads(m.read_text()) for m in manifests]
         rejected: dict[str, int] = {}
