@@ -1,0 +1,99 @@
+"""Forward passes for scoring: compute dtype, and per-token cross-entropy in chunks.
+
+The logits of a whole batch are never materialised in fp32: for an HF model we run the decoder to
+hidden states and apply the output head chunk by chunk; CE itself is always fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+# fp32 logits per chunk: 256 MiB (Llama's 128k vocabulary -> 512 rows per chunk)
+CHUNK_BYTES = 256 << 20
+
+
+def native_bf16(device: str) -> bool:
+    """CUDA with bf16, or a CPU with native bf16 (AVX512-BF16 / AMX); emulated bf16 is slower than fp32."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_dtype(dtype: str | None, device: str) -> str:
+    """'bf16' or 'fp32'; None/'auto' picks bf16 where it is native."""
+    if dtype in (None, "auto"):
+        return "bf16" if native_bf16(device) else "fp32"
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"--dtype must be bf16 or fp32, not {dtype!r}")
+    return dtype
+
+
+def autocast(device: str, dtype: str):
+    if dtype == "bf16":
+        return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def chunked_ce(rows: torch.Tensor, targets: torch.Tensor, head=None, chunk_rows: int | None = None):
+    """Per-row CE in fp32 nats. `rows` are logits (N, V), or hidden states (N, D) when `head` maps them
+    to logits; either way at most `chunk_rows` rows of fp32 logits exist at once."""
+    n = rows.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=rows.device)
+    if n == 0:
+        return out
+    if chunk_rows is None:
+        vocab = head.out_features if head is not None and hasattr(head, "out_features") else rows.shape[-1]
+        chunk_rows = max(1, CHUNK_BYTES // (4 * vocab))
+    for s in range(0, n, chunk_rows):
+        logits = rows[s : s + chunk_rows]
+        if head is not None:
+            logits = head(logits)
+        out[s : s + chunk_rows] = F.cross_entropy(
+            logits.float(), targets[s : s + chunk_rows], reduction="none"
+        )
+    return out
+
+
+def hf_token_losses(model, x: torch.Tensor, mask: torch.Tensor, dtype: str) -> torch.Tensor:
+    """(B, T) ids and 0/1 mask (left padding) -> (B, T) fp32: value t = CE of x[t] given x[<t];
+    0 where x[t] or x[t-1] is masked. Uses the decoder + chunked head when the model allows it."""
+    device = x.device.type
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # first real token at position 0, as unpadded
+    pred = (mask[:, :-1] & mask[:, 1:]).bool()  # h[t] predicts x[t+1], both real
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    plain = getattr(model.config, "final_logit_softcapping", None) is None and not hasattr(
+        model.config, "logit_scale"
+    )
+    with torch.inference_mode(), autocast(device, dtype):
+        if base is not None and head is not None and plain:
+            h = base(input_ids=x, attention_mask=mask, position_ids=pos).last_hidden_state
+            out[:, 1:][pred] = chunked_ce(h[:, :-1][pred], x[:, 1:][pred], head)
+        else:  # models with scaled or capped logits: full logits, CE still chunked in fp32
+            logits = model(input_ids=x, attention_mask=mask, position_ids=pos).logits
+            out[:, 1:][pred] = chunked_ce(logits[:, :-1][pred], x[:, 1:][pred])
+    return out
+
+
+def with_start_token(ids: torch.Tensor, lengths: torch.Tensor, start: int | None):
+    """Left-padded (B, W) ids -> (x, mask) with `start` just before each row's first real token.
+    Pads become id 0 (masked; any id works, it must only be a valid embedding row)."""
+    B, W = ids.shape
+    col = torch.arange(W, device=ids.device)[None, :]
+    real = col >= (W - lengths)[:, None]
+    x = torch.where(real, ids, torch.zeros_like(ids))
+    if start is None:
+        return x, real.long()
+    x = torch.cat([torch.zeros_like(x[:, :1]), x], dim=1)
+    mask = torch.cat([torch.zeros_like(real[:, :1]), real], dim=1)
+    rows = torch.arange(B, device=ids.device)
+    x[rows, W - lengths] = start
+    mask[rows, W - lengths] = True
+    return x, mask.long()

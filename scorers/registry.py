@@ -1,0 +1,53 @@
+"""Scorers by name: the built-ins, plus any package's entry points in the `entroweight.scorers` group.
+
+A third-party package registers its Scorer subclass in its pyproject.toml:
+
+    [project.entry-points."entroweight.scorers"]
+    my_scorer = "my_package.scoring:MyScorer"
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+from .base import Scorer, ScorerError
+
+ENTRY_POINT_GROUP = "entroweight.scorers"
+
+BUILTIN = {
+    "causal_loss": "entroweight.scorers.causal_loss:CausalLossScorer",
+    "cross_tokenizer": "entroweight.scorers.cross_tokenizer:CrossTokenizerScorer",
+}
+_registered: dict[str, type[Scorer]] = {}
+
+
+def register(cls: type[Scorer], name: str | None = None) -> type[Scorer]:
+    """Register a Scorer class in this process (also usable as a class decorator)."""
+    _registered[name or cls.name] = cls
+    return cls
+
+
+def available() -> list[str]:
+    names = set(BUILTIN) | set(_registered)
+    names |= {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return sorted(names)
+
+
+def get_scorer_class(name: str) -> type[Scorer]:
+    if name in _registered:
+        return _registered[name]
+    if name in BUILTIN:
+        module, attr = BUILTIN[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            cls = ep.load()
+            if not (isinstance(cls, type) and issubclass(cls, Scorer)):
+                raise ScorerError(f"entry point {ep.value} ({name}) is not a Scorer subclass")
+            return cls
+    raise ScorerError(f"unknown scorer {name!r}; available: {', '.join(available())}")
+
+
+def make_scorer(name: str, **options) -> Scorer:
+    return get_scorer_class(name)(**options)

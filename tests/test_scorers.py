@@ -1,0 +1,107 @@
+"""causal_loss on a tiny randomly initialised HF Llama (real transformers code, fast on CPU)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from entroweight.scorers import ScorerError, available, make_scorer
+from entroweight.scorers.forward import chunked_ce
+from entroweight.transforms.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, tokenizer_dir):
+    """A 2-layer Llama with the data's 1k tokenizer file beside it: causal_loss scores directly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    out = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows(tokenized_dir):
+    table = pq.read_table(sorted(tokenized_dir.glob("part-*.parquet"))[0]).slice(0, 12)
+    ids = np.stack(table.column("input_ids").to_numpy(zero_copy_only=False)).astype(np.int64)
+    n_pad = table.column("n_pad").to_numpy()
+    return ids, n_pad
+
+
+def reference(model, ids_row: np.ndarray, start: int) -> np.ndarray:
+    """Brute force: one unpadded row with the start token, full fp32 logits, log-softmax."""
+    x = torch.as_tensor(np.concatenate([[start], ids_row]))[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(x).logits[0].float(), -1)
+    return (-logp[:-1].gather(1, x[0, 1:, None])[:, 0]).numpy()
+
+
+def test_builtins_registered():
+    assert {"causal_loss", "cross_tokenizer"} <= set(available())
+    with pytest.raises(ScorerError, match="unknown scorer"):
+        make_scorer("nope")
+
+
+def test_causal_loss_matches_brute_force_and_pads_are_zero(tiny_llama, rows):
+    ids, n_pad = rows
+    scorer = make_scorer("causal_loss", model=str(tiny_llama), dtype="fp32", batch_size=4)
+    scorer.setup()
+    values = scorer.score(ids, n_pad)
+    assert values.dtype == np.float32 and values.shape == ids.shape
+    T = ids.shape[1]
+    for r in range(len(ids)):
+        assert np.all(values[r, : n_pad[r]] == 0)
+        ref = reference(scorer._model, ids[r, n_pad[r] :], scorer._start)
+        # value i is about token i: the first real token is predicted from the start token
+        np.testing.assert_allclose(values[r, n_pad[r] :], ref, rtol=1e-4, atol=1e-4)
+    assert (values[np.arange(T)[None] >= n_pad[:, None]] > 0).all()
+
+
+def test_bucketing_is_identical_to_unbucketed(tiny_llama, rows):
+    ids, n_pad = rows
+    scorer = make_scorer("causal_loss", model=str(tiny_llama), dtype="fp32", batch_size=len(ids))
+    scorer.setup()
+    whole = scorer.score(ids, n_pad)  # one batch: only the shortest common padding is cut
+    scorer.batch_size = 3  # bucketed by length, order restored
+    bucketed = scorer.score(ids, n_pad)
+    scorer.batch_size = 1
+    single = scorer.score(ids, n_pad)
+    np.testing.assert_allclose(bucketed, whole, atol=2e-5)
+    np.testing.assert_allclose(single, whole, atol=2e-5)
+
+
+def test_chunked_ce_equals_full_ce():
+    torch.manual_seed(1)
+    hidden, head = torch.randn(37, 16), torch.nn.Linear(16, 50, bias=False)
+    targets = torch.randint(0, 50, (37,))
+    full = torch.nn.functional.cross_entropy(head(hidden), targets, reduction="none")
+    with torch.no_grad():
+        for chunk in (1, 5, 37, 100):
+            torch.testing.assert_close(chunked_ce(hidden, targets, head, chunk_rows=chunk), full)
+
+
+def test_refuses_data_of_another_tokenizer(tiny_llama, llama3_tokenizer):
+    scorer = make_scorer("causal_loss", model=str(tiny_llama), dtype="fp32")
+    other = load_tokenizer(llama3_tokenizer)
+    with pytest.raises(ScorerError, match="cross_tokenizer"):
+        scorer.check_data_tokenizer(other.sha256, other)
+    scorer.check_data_tokenizer(load_tokenizer(tiny_llama).sha256)  # same file: fine
+
+
+def test_needs_exactly_one_model():
+    with pytest.raises(ScorerError, match="exactly one"):
+        make_scorer("causal_loss")
