@@ -1,0 +1,170 @@
+"""A llama-style decoder in small direct torch: RMSNorm, RoPE, SwiGLU, SDPA causal attention.
+
+Weights and math map 1:1 onto Hugging Face's `LlamaForCausalLM` (rotate-half RoPE, RMSNorm in fp32,
+bias-free projections), so `entroweight export-hf` is a rename, not a conversion.
+
+Hidden-level hooks (`embed`, `forward_hidden`, `head`) let other models (the entropy estimator)
+use this decoder with their own inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # in fp32 as HF does: bf16 mean-of-squares loses the parity with the export
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cache(head_dim: int, n_ctx: int, theta: float):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    t = torch.arange(n_ctx, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)  # rotate-half layout, as HF Llama
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Llama.Config):
+        super().__init__()
+        self.n_heads, self.n_kv = c.n_heads, c.n_kv_heads or c.n_heads
+        self.head_dim = c.d_model // c.n_heads
+        self.q_proj = nn.Linear(c.d_model, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.d_model, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.d_model, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.d_model, bias=False)
+        self.dropout = c.dropout
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv != self.n_heads:  # grouped-query attention: each kv head serves a run of q heads
+            rep = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: Llama.Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.d_model, c.d_ff, bias=False)
+        self.up_proj = nn.Linear(c.d_model, c.d_ff, bias=False)
+        self.down_proj = nn.Linear(c.d_ff, c.d_model, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: Llama.Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.d_model, c.norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.d_model, c.norm_eps)
+        self.mlp = MLP(c)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x, cos, sin):
+        x = x + self.drop(self.self_attn(self.input_layernorm(x), cos, sin))
+        return x + self.drop(self.mlp(self.post_attention_layernorm(x)))
+
+
+class Llama(nn.Module):
+    @dataclass
+    class Config:
+        vocab_size: int = 8000
+        n_ctx: int = 1024
+        d_model: int = 512
+        n_layers: int = 16
+        n_heads: int = 4
+        n_kv_heads: int | None = None  # None: as n_heads (no grouped-query attention)
+        d_ff: int = 2048
+        tie_embeddings: bool = False
+        rope_theta: float = 10000.0
+        norm_eps: float = 1e-5
+        dropout: float = 0.0
+        init_std: float = 0.02
+
+        def __post_init__(self):
+            if self.d_model % self.n_heads:
+                raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
+            if (self.d_model // self.n_heads) % 2:
+                raise ValueError("RoPE needs an even head dimension (d_model / n_heads)")
+            if self.n_kv_heads and self.n_heads % self.n_kv_heads:
+                raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    def __init__(self, config: Llama.Config):
+        super().__init__()
+        self.config = c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
+        self.layers = nn.ModuleList([Block(c) for _ in range(c.n_layers)])
+        self.norm = RMSNorm(c.d_model, c.norm_eps)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_cache(c.d_model // c.n_heads, c.n_ctx, c.rope_theta)
+        # not in the state dict: derived from the config, and HF recomputes its own
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the residual projections keeps deep stacks stable at start
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=c.init_std / math.sqrt(2 * c.n_layers))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """Blocks + final norm over embeddings x (B, T, d); causal."""
+        T = x.shape[1]
+        if T > self.config.n_ctx:
+            raise ValueError(f"sequence of {T} tokens is longer than the model's n_ctx {self.config.n_ctx}")
+        cos, sin = self.rope_cos[:T].to(x.dtype), self.rope_sin[:T].to(x.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        return self.norm(x)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V); position t predicts token t+1."""
+        return self.head(self.forward_hidden(self.embed(input_ids)))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

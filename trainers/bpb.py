@@ -1,0 +1,172 @@
+"""Bits per byte on held-out text: BPB = Σ CE (nats) / (ln 2 · Σ bytes), exact UTF-8 bytes.
+
+The text is tokenized as one stream, prefixed with the end-of-text token (a document start, as in
+packed training data), and scored with a sliding window: each window of n_ctx tokens scores only the
+tokens the previous window did not, so every token is scored exactly once, with at least
+n_ctx − stride tokens of context after the first window. Since every token of the text is scored,
+Σ bytes is simply the UTF-8 size of the text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from entroweight.models.checkpoint import CheckpointError, load_checkpoint
+from tokenizers import Tokenizer
+
+from .checkpoint import TOKENIZER
+from .losses import per_token_ce
+
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "wikitext" / "wiki.test.raw"
+START_CANDIDATES = (
+    "<|eos|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "</s>",
+    "<|bos|>",
+    "<|begin_of_text|>",
+    "<s>",
+)
+
+
+def read_text(path: str | Path | None, max_bytes: int | None = None) -> str:
+    path = Path(path) if path else DEFAULT_TEXT
+    if not path.is_file():
+        raise FileNotFoundError(f"no text file {path}; pass --text FILE (e.g. WikiText-2's wiki.test.raw)")
+    raw = path.read_bytes()
+    if max_bytes is not None:
+        raw = raw[:max_bytes]
+    return raw.decode("utf-8", errors="ignore")  # a cut mid-character drops the partial character
+
+
+def checkpoint_tokenizer(ckpt_dir, tokenizer=None, expect_sha: str | None = None) -> Tokenizer:
+    """The tokenizer stored with a checkpoint (or `tokenizer`), checked against the checkpoint's sha256."""
+    path = Path(tokenizer) if tokenizer else Path(ckpt_dir) / TOKENIZER
+    path = path / "tokenizer.json" if path.is_dir() else path
+    if not path.is_file():
+        raise CheckpointError(
+            f"{ckpt_dir} has no {TOKENIZER} (it was trained without --tokenizer); pass --tokenizer PATH"
+        )
+    raw = path.read_bytes()
+    if expect_sha and hashlib.sha256(raw).hexdigest() != expect_sha:
+        raise CheckpointError(f"{path} is not the tokenizer the checkpoint was trained with (sha256 differs)")
+    tok = Tokenizer.from_str(raw.decode("utf-8"))
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def start_token(tok: Tokenizer) -> int | None:
+    vocab = tok.get_vocab(with_added_tokens=True)
+    return next((vocab[c] for c in START_CANDIDATES if c in vocab), None)
+
+
+def encode(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def windows(n_tokens: int, n_ctx: int, stride: int):
+    """(begin, end, first scored target index) per window over a stream of n_tokens tokens.
+
+    Targets are indices 1..n_tokens-1 (index 0 is the start token); each is scored exactly once.
+    """
+    if not 0 < stride <= n_ctx:
+        raise ValueError(f"stride must be in 1..n_ctx ({n_ctx}), not {stride}")
+    prev_end = 1
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + n_ctx, n_tokens)
+        if end <= prev_end:
+            break
+        yield begin, end, prev_end
+        prev_end = end
+        if end == n_tokens:
+            break
+
+
+@torch.no_grad()
+def score_stream(model, ids: list[int], n_ctx: int, stride: int, batch_size: int = 16, device="cpu") -> float:
+    """Σ CE in nats of ids[1:] given their left context, by sliding windows."""
+    seq = torch.tensor(ids, dtype=torch.long)
+    total = 0.0
+    pending: list[tuple[int, int, int]] = []
+
+    def flush(group):
+        nonlocal total
+        x = torch.stack([seq[b:e] for b, e, _ in group]).to(device)
+        ce = per_token_ce(model(x)[:, :-1], x[:, 1:]).double().cpu()
+        for row, (b, _, first) in enumerate(group):
+            total += ce[row, first - b - 1 :].sum().item()  # target index t sits at column t-b-1
+
+    for w in windows(len(ids), n_ctx, stride):
+        if pending and (w[1] - w[0]) != (pending[0][1] - pending[0][0]):
+            flush(pending)
+            pending = []
+        pending.append(w)
+        if len(pending) == batch_size:
+            flush(pending)
+            pending = []
+    if pending:
+        flush(pending)
+    return total
+
+
+def eval_bpb(
+    ckpt_dir,
+    text_path=None,
+    n_ctx: int | None = None,
+    stride: int | None = None,
+    tokenizer=None,
+    max_bytes: int | None = None,
+    batch_size: int = 16,
+    device: str = "auto",
+) -> dict:
+    """{bpb, nats, bytes, tokens, n_ctx, stride, text} of a checkpoint on `text_path` (default WikiText-2 test)."""
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+    )
+    model, config = load_checkpoint(ckpt_dir, map_location=str(dev))
+    tok = checkpoint_tokenizer(ckpt_dir, tokenizer, config.get("tokenizer_sha256"))
+    model_ctx = config["model"].get("n_ctx") or config.get("n_ctx")
+    n_ctx = n_ctx or model_ctx
+    if model_ctx and n_ctx > model_ctx:
+        raise ValueError(f"--n-ctx {n_ctx} is longer than the model's n_ctx {model_ctx}")
+    stride = stride or max(1, n_ctx // 2)
+    text = read_text(text_path, max_bytes)
+    start = start_token(tok)
+    ids = ([start] if start is not None else []) + encode(tok, text)
+    n_bytes = len(text.encode("utf-8"))
+    if start is None:  # no start token: the first token is context only, and its bytes leave the count
+        n_bytes -= len(tok.decode(ids[:1]).encode("utf-8"))
+    nats = score_stream(model, ids, n_ctx, stride, batch_size, dev)
+    return {
+        "bpb": nats / (math.log(2) * n_bytes),
+        "nats": nats,
+        "bytes": n_bytes,
+        "tokens": len(ids) - 1,
+        "n_ctx": n_ctx,
+        "stride": stride,
+        "text": str(Path(text_path) if text_path else DEFAULT_TEXT),
+    }
+
+
+def unigram_bpb(data_paths, tokenizer, text_path=None, max_bytes: int | None = None) -> dict:
+    """The baseline a model must beat: token frequencies of the training data (add-one smoothed) as
+    the prediction for every token of the text."""
+    from .data import WeightedTokens
+
+    tok = checkpoint_tokenizer(None, tokenizer)
+    V = tok.get_vocab_size(with_added_tokens=True)
+    counts = np.ones(V, dtype=np.float64)
+    for item in WeightedTokens(data_paths, batch_size=256, shuffle=False, columns=()):
+        ids = item["input_ids"][item["mask"]].numpy()
+        counts += np.bincount(ids, minlength=V)[:V]
+    logp = np.log(counts / counts.sum())
+    text = read_text(text_path, max_bytes)
+    ids = np.array(encode(tok, text))
+    nats = float(-logp[ids].sum())
+    n_bytes = len(text.encode("utf-8"))
+    return {"bpb": nats / (math.log(2) * n_bytes), "nats": nats, "bytes": n_bytes, "tokens": len(ids)}

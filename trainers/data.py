@@ -1,0 +1,327 @@
+"""Stream (weighted) token parquet: shuffle buffer, rank/worker sharding, exact resume.
+
+The order of samples is a pure function of (files, seed, shuffle buffer, number of streams), so a
+position (the count of items a rank has consumed) is all a checkpoint needs to resume exactly:
+
+- the files' row groups (split further when there are fewer than streams) are the *units*;
+- each epoch permutes the units with `seed + epoch`; stream s = rank·workers + worker takes every
+  n_streams-th unit;
+- a stream reads its units in blocks of at least `shuffle_buffer` rows and yields each block's rows
+  in a seeded random order (a block shuffle: resumable without saving the buffer's contents).
+
+Resuming skips whole epochs and blocks by their row counts (from the parquet footers, no reading),
+then reads one block and drops its first rows.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from entroweight.schemas import read_file_metadata
+from torch.utils.data import IterableDataset, get_worker_info
+
+
+class DataError(ValueError):
+    """Data the trainer cannot use; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    path: str
+    row_group: int
+    start: int  # rows within the row group
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+def parquet_files(paths) -> list[Path]:
+    """Parquet files of `paths` (files, or directories whose *.parquet are read, sorted)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(f for f in p.glob("*.parquet") if not f.name.startswith((".", "_")))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise DataError(f"no such data file or directory: {p}")
+    if not files:
+        raise DataError(f"no parquet files in {', '.join(map(str, paths))}; tokenize (and score) data first")
+    return files
+
+
+@dataclass
+class DataInfo:
+    files: list[Path]
+    tokenizer_sha256: str | None
+    vocab_size: int | None
+    n_ctx: int | None
+    pad_id: int | None
+    columns: set[str]
+    metadata: dict
+
+
+def inspect_data(
+    paths, require=(), tokenizer_sha256: str | None = None, vocab_size: int | None = None
+) -> DataInfo:
+    """Check every file's schema and provenance before any training; raise DataError saying what to do."""
+    files = parquet_files(paths)
+    metas, common = [], None
+    for f in files:
+        schema = pq.read_schema(f)
+        names = set(schema.names)
+        if "input_ids" not in names:
+            raise DataError(f"{f} has no input_ids column: it is not token data; give tokenized parquet")
+        for col in require:
+            if col not in names:
+                hint = (
+                    "score it first (`entroweight score`) or train with --loss ce"
+                    if col in ("weight", "entropy")
+                    else "give data that has it"
+                )
+                raise DataError(f"{f} has no {col!r} column, which the loss needs; {hint}")
+        common = names if common is None else common & names
+        metas.append(read_file_metadata(f))
+    shas = {m.get("tokenizer_sha256") for m in metas}
+    if len(shas) > 1:
+        raise DataError(
+            f"the data files were tokenized with {len(shas)} different tokenizers ({', '.join(map(str, shas))}); "
+            "train on files of one tokenizer"
+        )
+    sha = shas.pop()
+    if tokenizer_sha256 and sha and sha != tokenizer_sha256:
+        raise DataError(
+            f"the data was tokenized with tokenizer sha256 {sha[:12]}…, but the model/run uses "
+            f"{tokenizer_sha256[:12]}…; re-tokenize the data with the run's tokenizer, or start a new run "
+            "(not --resume) for this data"
+        )
+    vocabs = {m.get("vocab_size") for m in metas}
+    data_vocab = max((v for v in vocabs if v is not None), default=None)
+    if vocab_size is not None and data_vocab is not None and data_vocab != vocab_size:
+        raise DataError(
+            f"the data's vocabulary has {data_vocab} tokens but the model's has {vocab_size}; set the model's "
+            f"vocab_size to {data_vocab} (or leave it out of --model-config to take it from the data)"
+        )
+    n_ctxs = [m["n_ctx"] for m in metas if m.get("n_ctx")]
+    pads = {m.get("pad_id") for m in metas}
+    return DataInfo(
+        files=files,
+        tokenizer_sha256=sha,
+        vocab_size=data_vocab,
+        n_ctx=max(n_ctxs) if n_ctxs else None,
+        pad_id=pads.pop() if len(pads) == 1 else None,
+        columns=common or set(),
+        metadata=metas[0],
+    )
+
+
+def make_units(files: list[Path], n_streams: int) -> list[Unit]:
+    units = []
+    for f in files:
+        md = pq.ParquetFile(f).metadata
+        for rg in range(md.num_row_groups):
+            n = md.row_group(rg).num_rows
+            if n:
+                units.append(Unit(str(f), rg, 0, n))
+    total = sum(u.rows for u in units)
+    if total < n_streams:
+        raise DataError(f"{total} sequences cannot feed {n_streams} ranks × workers; use fewer, or more data")
+    # fewer units than streams: split them so every rank/worker gets some
+    while len(units) < n_streams:
+        big = max(range(len(units)), key=lambda i: units[i].rows)
+        u = units.pop(big)
+        mid = u.start + u.rows // 2
+        units[big:big] = [Unit(u.path, u.row_group, u.start, mid), Unit(u.path, u.row_group, mid, u.stop)]
+    return units
+
+
+def _dist() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class WeightedTokens(IterableDataset):
+    """Token sequences (and their per-token `weight`, `entropy`) from parquet, as torch tensors.
+
+    Yields dicts: `input_ids` int64, `mask` bool (True on real tokens, False on pads), and where
+    the data has them `weight` float32 in [0, 1] (uint8 storage is read as w/255) and `entropy`
+    float32. With `batch_size` each item is a stacked batch (B, T); without, one sequence (T,).
+    Values at index i describe token i (shift by one against next-token logits).
+
+    rank/world_size default to torch.distributed (or RANK/WORLD_SIZE); DataLoader workers split a
+    rank's share further. `start`: items this rank already consumed (resume). With DataLoader
+    workers, set `batch_size` here and use `DataLoader(ds, batch_size=None)` so resume is exact.
+    `epochs=None` loops forever (each epoch reshuffled).
+    """
+
+    def __init__(
+        self,
+        paths,
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        shuffle_buffer: int = 4096,
+        seed: int = 0,
+        epochs: int | None = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
+        start: int = 0,
+        columns=("weight", "entropy"),
+        require=(),
+        tokenizer_sha256: str | None = None,
+        vocab_size: int | None = None,
+    ):
+        super().__init__()
+        self.info = inspect_data(paths, require, tokenizer_sha256, vocab_size)
+        self.columns = [c for c in columns if c in self.info.columns]
+        self.batch_size, self.shuffle, self.shuffle_buffer = batch_size, shuffle, max(1, shuffle_buffer)
+        self.seed, self.epochs, self.start = seed, epochs, start
+        r, w = _dist()
+        self.rank = r if rank is None else rank
+        self.world_size = w if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        self.pad_id = self.info.pad_id if self.info.pad_id is not None else -1
+        self._units_cache: dict[int, list[Unit]] = {}
+        self.position = start  # items consumed, when iterated in this process
+
+    # -- the deterministic plan
+    def _units(self, n_streams: int) -> list[Unit]:
+        if n_streams not in self._units_cache:
+            self._units_cache[n_streams] = make_units(self.info.files, n_streams)
+        return self._units_cache[n_streams]
+
+    def _blocks(self, epoch: int, stream: int, n_streams: int) -> list[list[Unit]]:
+        units = self._units(n_streams)
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(units)) if self.shuffle else None
+        mine = [units[i] for i in (order if order is not None else range(len(units)))][stream::n_streams]
+        blocks, cur, rows = [], [], 0
+        for u in mine:
+            cur.append(u)
+            rows += u.rows
+            if rows >= self.shuffle_buffer or not self.shuffle:
+                blocks.append(cur)
+                cur, rows = [], 0
+        if cur:
+            blocks.append(cur)
+        return blocks
+
+    def _read_block(self, block: list[Unit]) -> dict[str, np.ndarray]:
+        cols = ["input_ids", *self.columns]
+        parts = []
+        for u in block:
+            t = pq.ParquetFile(u.path).read_row_group(u.row_group, columns=cols)
+            parts.append(self._to_numpy(t.slice(u.start, u.rows), u))
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def _to_numpy(self, table: pa.Table, u: Unit) -> dict[str, np.ndarray]:
+        where = f"{u.path} (row group {u.row_group}, rows {u.start}..{u.stop})"
+        ids_col = table.column("input_ids").combine_chunks()
+        lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False)
+        out = {"input_ids": _matrix(ids_col, lengths, self.pad_id, np.int64)}
+        for c in self.columns:
+            col = table.column(c).combine_chunks()
+            if not np.array_equal(pc.list_value_length(col).to_numpy(zero_copy_only=False), lengths):
+                raise DataError(
+                    f"{where}: the {c!r} lists differ in length from input_ids; the file is corrupt or was "
+                    "written by another tool: re-run the scoring stage for it"
+                )
+            m = _matrix(col, lengths, 0, np.float32)
+            if c == "weight":
+                if pa.types.is_uint8(col.type.value_type):
+                    m /= 255.0
+                elif np.isnan(m).any() or (m < 0).any() or (m > 1).any():
+                    raise DataError(
+                        f"{where}: weights must lie in [0, 1] (found "
+                        f"{'NaN' if np.isnan(m).any() else f'{np.nanmin(m):g}..{np.nanmax(m):g}'}); "
+                        "re-run the weigh stage (it clips and min-max normalises)"
+                    )
+            elif np.isnan(m).any():
+                raise DataError(f"{where}: {c} has NaN values; re-run the scoring stage for this file")
+            out[c] = m
+        return out
+
+    # -- iteration
+    def __iter__(self):
+        info = get_worker_info()
+        n_workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        n_streams = self.world_size * n_workers
+        stream = self.rank * n_workers + worker
+        # DataLoader hands out workers' items round robin: this worker's share of the consumed ones
+        skip_items = self.start // n_workers + (1 if worker < self.start % n_workers else 0)
+        per_item = self.batch_size or 1
+        for item in self._items(stream, n_streams, skip_items * per_item):
+            if info is None:
+                self.position += 1
+            yield item
+
+    def _items(self, stream: int, n_streams: int, skip: int):
+        batch = []
+        epoch = 0
+        while self.epochs is None or epoch < self.epochs:
+            for b, block in enumerate(self._blocks(epoch, stream, n_streams)):
+                rows = sum(u.rows for u in block)
+                if skip >= rows:  # consumed before the resume point: not read at all
+                    skip -= rows
+                    continue
+                data = self._read_block(block)
+                order = (
+                    np.random.default_rng([self.seed, epoch, stream, b]).permutation(rows)
+                    if self.shuffle
+                    else np.arange(rows)
+                )
+                for i in order[skip:]:
+                    row = {k: v[i] for k, v in data.items()}
+                    if self.batch_size is None:
+                        yield self._tensors(row)
+                        continue
+                    batch.append(row)
+                    if len(batch) == self.batch_size:
+                        yield self._tensors({k: np.stack([r[k] for r in batch]) for k in batch[0]})
+                        batch = []
+                skip = 0
+            epoch += 1
+        if batch:
+            yield self._tensors({k: np.stack([r[k] for r in batch]) for k in batch[0]})
+
+    def _tensors(self, row: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        out = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in row.items()}
+        out["mask"] = out["input_ids"] != self.pad_id
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("world_size", self.world_size) != self.world_size:
+            raise DataError(
+                f"the saved data position is for {state['world_size']} ranks, not {self.world_size}; "
+                "resume with the same number of processes"
+            )
+        self.start = self.position = int(state["position"])
+
+
+def _matrix(col: pa.ListArray, lengths: np.ndarray, fill, dtype) -> np.ndarray:
+    """A list column as an (n, max_len) matrix; shorter rows padded on the right with `fill`."""
+    values = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    n = len(lengths)
+    width = int(lengths.max()) if n else 0
+    if n and (lengths == width).all():
+        return values.reshape(n, width).copy()
+    out = np.full((n, width), fill, dtype=dtype)
+    pos = 0
+    for i, k in enumerate(lengths):
+        out[i, :k] = values[pos : pos + k]
+        pos += k
+    return out

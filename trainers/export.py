@@ -1,0 +1,82 @@
+"""Export a llama checkpoint as a Hugging Face `LlamaForCausalLM` directory (for lm-eval and friends).
+
+Our Llama uses HF's parameter names under `model.` and the same rotate-half RoPE, so the weights
+copy over unchanged; the test holds the logits to 1e-4.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from entroweight.models.checkpoint import CheckpointError, load_checkpoint
+
+from .bpb import checkpoint_tokenizer
+
+SPECIALS = {
+    "pad_token": ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>"),
+    "bos_token": ("<|bos|>", "<|begin_of_text|>", "<s>"),
+    "eos_token": ("<|eos|>", "<|end_of_text|>", "<|endoftext|>", "</s>"),
+}
+
+
+def hf_config(c, specials: dict[str, int]):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        intermediate_size=c.d_ff,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads or c.n_heads,
+        head_dim=c.d_model // c.n_heads,
+        max_position_embeddings=c.n_ctx,
+        rms_norm_eps=c.norm_eps,
+        rope_theta=c.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        tie_word_embeddings=c.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        pad_token_id=specials.get("pad_token"),
+        bos_token_id=specials.get("bos_token"),
+        eos_token_id=specials.get("eos_token"),
+    )
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k if k.startswith("lm_head.") else f"model.{k}"] = v
+    return out
+
+
+def export_hf(ckpt_dir, out_dir, tokenizer=None) -> Path:
+    """Write config.json, model.safetensors and tokenizer files of a LlamaForCausalLM to `out_dir`."""
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    model, config = load_checkpoint(ckpt_dir)
+    if config["kind"] != "llama":
+        raise CheckpointError(
+            f"{ckpt_dir} holds a {config['kind']} model; only llama checkpoints export to LlamaForCausalLM"
+        )
+    tok = checkpoint_tokenizer(ckpt_dir, tokenizer, config.get("tokenizer_sha256"))
+    vocab = tok.get_vocab(with_added_tokens=True)
+    specials = {}
+    for role, names in SPECIALS.items():
+        name = next((n for n in names if n in vocab), None)
+        if name is not None:
+            specials[role] = name
+    hf = LlamaForCausalLM(hf_config(model.config, {k: vocab[v] for k, v in specials.items()}))
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
+    missing = [k for k in missing if not (model.config.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"weights do not map onto LlamaForCausalLM: missing {missing}, unexpected {unexpected}"
+        )
+    out = Path(out_dir)
+    hf.eval().save_pretrained(out, safe_serialization=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=model.config.n_ctx, **specials)
+    fast.save_pretrained(out)
+    return out

@@ -1,0 +1,92 @@
+"""Training losses over next-token logits, all masked to real (non-pad) target positions.
+
+Shapes: `logits` (B, T, V) already aligned with `targets` (B, T) (i.e. the model's logits[:, :-1]
+against input_ids[:, 1:]); `mask` (B, T) bool, True on real targets; `weight` and `entropy` (B, T)
+are the data's per-token columns aligned with the targets. Every loss returns a scalar.
+
+Normalisation: each loss is a mean over real target tokens (`weighted_ce` can instead divide by the
+sum of weights), so a batch with more pads does not get a smaller loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LOSSES = ("ce", "weighted_ce", "rescaled", "hard_negative", "prefix_smooth")
+# the data columns each loss needs beyond input_ids
+NEEDS = {"weighted_ce": ("weight",), "rescaled": ("entropy",)}
+
+
+def per_token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in nats per position (B, T), computed in fp32."""
+    B, T, V = logits.shape
+    ce = F.cross_entropy(logits.reshape(B * T, V).float(), targets.reshape(B * T), reduction="none")
+    return ce.view(B, T)
+
+
+def _mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # clamp: a batch of only pads gives 0, not NaN
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def ce(logits, targets, mask, **_):
+    return _mean(per_token_ce(logits, targets), mask)
+
+
+def weighted_ce(logits, targets, mask, weight, normalize: str = "tokens", **_):
+    """Σ w_i·CE_i over real tokens, divided by their count (`normalize="tokens"`) or by Σ w_i ("weight")."""
+    w = weight.float() * mask
+    total = (per_token_ce(logits, targets) * w).sum()
+    if normalize == "tokens":
+        return total / mask.sum().clamp(min=1)
+    if normalize == "weight":
+        return total / w.sum().clamp(min=1e-8)
+    raise ValueError(f"weighted_ce normalize must be 'tokens' or 'weight', not {normalize!r}")
+
+
+def rescaled(logits, targets, mask, entropy, **_):
+    """mean |CE_i − e_i| over real tokens: fit each token down to its estimated entropy, not below."""
+    return _mean((per_token_ce(logits, targets) - entropy.float()).abs(), mask)
+
+
+def hard_negative(logits, targets, mask, margin: float = 2.0, **_):
+    """CE after setting logits below `logit[target] − margin` to −inf (selfish tokens).
+
+    Masked logits get no gradient, so only near-competitors of the target are pushed down.
+    """
+    logits = logits.float()
+    target_logit = logits.gather(-1, targets.unsqueeze(-1))
+    # the target itself is never below its own threshold, so each row keeps a finite logit
+    logits = logits.masked_fill(logits < target_logit - margin, float("-inf"))
+    return _mean(per_token_ce(logits, targets), mask)
+
+
+def prefix_smooth(logits, targets, mask, prefix_table: torch.Tensor, prefix_weight: float = 0.1, **_):
+    """CE against a soft target: 1 on the target, `prefix_weight` on each vocabulary token that is a
+    proper byte prefix of it, normalised to sum to 1. A control reported to hurt BPB.
+
+    `prefix_table` (V, K) int64 lists each token's prefix tokens, padded with −1 (see
+    `trainers.prefix.prefix_table`).
+    """
+    logp = F.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    pref = prefix_table.to(targets.device)[targets]  # (B, T, K)
+    valid = pref >= 0
+    pref_nll = -logp.gather(-1, pref.clamp(min=0)) * valid
+    k = valid.sum(-1)
+    loss = (nll + prefix_weight * pref_nll.sum(-1)) / (1 + prefix_weight * k)
+    return _mean(loss, mask)
+
+
+def compute_loss(name: str, logits, targets, mask, **kw) -> torch.Tensor:
+    fns = {
+        "ce": ce,
+        "weighted_ce": weighted_ce,
+        "rescaled": rescaled,
+        "hard_negative": hard_negative,
+        "prefix_smooth": prefix_smooth,
+    }
+    if name not in fns:
+        raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
+    return fns[name](logits, targets, mask, **kw)

@@ -1,0 +1,363 @@
+"""The training loop: stream parquet, AdamW + warmup/cosine, grad accumulation, clipping, DDP, resume.
+
+One process per device under `torchrun` (DDP, rank-sharded data; gloo on CPU, nccl on CUDA), or a
+single process. bf16 autocast on CUDA, fp32 on CPU. Deterministic: the data order and every random
+draw inside the model (dropout, estimator noise) are functions of (seed, step), so a resumed run
+reproduces an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from entroweight.models import build_model, model_class
+from entroweight.models.checkpoint import read_checkpoint_config
+
+from .checkpoint import METRICS, STATE, TOKENIZER, load_training_state, save_training_checkpoint
+from .data import DataError, WeightedTokens, inspect_data
+from .losses import LOSSES, NEEDS, compute_loss, per_token_ce
+
+
+class TrainError(ValueError):
+    """A run that cannot start; the message says what to do."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a run needs; also what `entroweight train` and workflow YAML fill in."""
+
+    data: list[str] | str
+    out: str
+    model: str = "llama"
+    model_config: dict = dataclasses.field(default_factory=dict)  # the model's Config fields
+    loss: str = "ce"  # one of losses.LOSSES
+    normalize: str = "tokens"  # weighted_ce: divide by the real-token count ("tokens") or by Σw ("weight")
+    margin: float = 2.0  # hard_negative
+    prefix_weight: float = 0.1  # prefix_smooth
+    tokenizer: str | None = None  # tokenizer.json (or its dir); copied into the checkpoint
+    steps: int = 1000
+    batch_size: int = 32  # sequences per micro-batch per rank
+    grad_accum: int = 1
+    lr: float = 2e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr·min_lr_ratio
+    warmup_steps: int | None = None  # None: 5% of steps
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    shuffle_buffer: int = 4096
+    device: str = "auto"
+    compile: bool = False
+    log_every: int = 10
+    save_every: int | None = None  # None: save only at the end (and at stop_at)
+    resume: bool = False
+    stop_at: int | None = None  # stop after this step with a resumable checkpoint (time-boxed jobs)
+    overwrite: bool = False
+    quiet: bool = False
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise TrainError(f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
+        if self.normalize not in ("tokens", "weight"):
+            raise TrainError(f"normalize must be 'tokens' or 'weight', not {self.normalize!r}")
+        for name in ("steps", "batch_size", "grad_accum", "log_every"):
+            if getattr(self, name) < 1:
+                raise TrainError(f"{name} must be at least 1, not {getattr(self, name)}")
+        self.betas = tuple(self.betas)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    out: str
+    step: int
+    loss: float | None
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    metrics: str
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    warm = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 20)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, cfg.steps - warm))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def _setup_dist(device_pref: str):
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    if device_pref == "auto":
+        device_pref = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_pref)
+    if device.type == "cuda":
+        device = torch.device("cuda", local if world > 1 else (device.index or 0))
+        torch.cuda.set_device(device)
+    own_group = False
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        own_group = True
+    return rank, world, device, own_group
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tokenizer_file(path: str | None) -> Path | None:
+    if path is None:
+        return None
+    p = Path(path)
+    p = p / "tokenizer.json" if p.is_dir() else p
+    if not p.is_file():
+        raise TrainError(f"no tokenizer at {path}: give a tokenizer.json or a directory holding one")
+    return p
+
+
+def _model_config(cfg: TrainConfig, info, base: dict) -> dict:
+    """The model's config dict: the user's, with vocab_size / n_ctx taken from the data when unset."""
+    mc = {**base, **cfg.model_config}
+    fields = {f.name for f in dataclasses.fields(model_class(cfg.model).Config)}
+    if "vocab_size" in fields and info.vocab_size:
+        if mc.setdefault("vocab_size", info.vocab_size) != info.vocab_size:
+            raise TrainError(
+                f"the model config says vocab_size {mc['vocab_size']} but the data's tokenizer has "
+                f"{info.vocab_size}; drop vocab_size from the model config to take it from the data"
+            )
+    if "n_ctx" in fields and info.n_ctx:
+        if mc.setdefault("n_ctx", info.n_ctx) < info.n_ctx:
+            raise TrainError(
+                f"the data's sequences have {info.n_ctx} tokens, longer than the model's n_ctx {mc['n_ctx']}; "
+                "raise n_ctx in the model config or tokenize with a smaller --n-ctx"
+            )
+    return mc
+
+
+def _optimizer(model, cfg: TrainConfig, device) -> torch.optim.AdamW:
+    # no weight decay on norms (1-D); decay matrices and embeddings, as nanoGPT
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, **kw)
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    rank, world, device, own_group = _setup_dist(cfg.device)
+    try:
+        return _train(cfg, rank, world, device)
+    finally:
+        if own_group:
+            torch.distributed.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
+    out = Path(cfg.out)
+    log = (lambda *a: None) if (cfg.quiet or rank) else (lambda *a: print(*a, flush=True))
+    tok_path = _tokenizer_file(cfg.tokenizer)
+    tok_sha = _sha256(tok_path) if tok_path else None
+
+    # -- resume or start
+    state, optim_sd, base_model_cfg = None, None, {}
+    if cfg.resume:
+        if not (out / STATE).is_file():
+            raise TrainError(f"nothing to resume in {out} (no {STATE}); drop --resume to start a new run")
+        prev = read_checkpoint_config(out)
+        state, optim_sd = load_training_state(out)
+        if prev["kind"] != cfg.model:
+            raise TrainError(
+                f"{out} holds a {prev['kind']} model, not {cfg.model}; pass --model {prev['kind']}"
+            )
+        if state["world_size"] != world:
+            raise TrainError(
+                f"{out} was trained on {state['world_size']} processes; resume with the same number "
+                f"(not {world}) so the data order stays the same"
+            )
+        base_model_cfg = prev["model"]
+        if tok_sha and prev.get("tokenizer_sha256") and tok_sha != prev["tokenizer_sha256"]:
+            raise TrainError("--tokenizer differs from the one this checkpoint was trained with")
+        tok_sha = tok_sha or prev.get("tokenizer_sha256")
+        if tok_path is None and (out / TOKENIZER).is_file():
+            tok_path = out / TOKENIZER
+    elif (out / "config.json").exists() and not cfg.overwrite:
+        raise TrainError(f"{out} already holds a checkpoint; pass --resume to continue it, or another --out")
+
+    try:
+        info = inspect_data(cfg.data, NEEDS.get(cfg.loss, ()), tok_sha)
+    except DataError as e:
+        raise TrainError(str(e)) from e
+    if tok_sha is None:
+        tok_sha = info.tokenizer_sha256
+    if cfg.loss == "prefix_smooth" and tok_path is None:
+        raise TrainError("--loss prefix_smooth needs the tokenizer's token bytes: pass --tokenizer")
+    mc = _model_config(cfg, info, base_model_cfg)
+    if cfg.resume and mc != base_model_cfg:
+        raise TrainError(
+            f"--model-config differs from the checkpoint's ({base_model_cfg}); drop it to resume"
+        )
+
+    torch.manual_seed(cfg.seed)  # same init on every rank
+    model = build_model(cfg.model, mc)
+    if state is not None:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(out / "model.safetensors")), strict=False)
+    model.to(device)
+    raw_model = model
+    optimizer = _optimizer(model, cfg, device)
+    if optim_sd is not None:
+        optimizer.load_state_dict(optim_sd)
+    if cfg.compile:
+        model = torch.compile(model)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    )
+    loss_kw: dict = {}
+    if cfg.loss == "weighted_ce":
+        loss_kw["normalize"] = cfg.normalize
+    elif cfg.loss == "hard_negative":
+        loss_kw["margin"] = cfg.margin
+    elif cfg.loss == "prefix_smooth":
+        from .prefix import prefix_table, token_bytes
+
+        loss_kw.update(
+            prefix_table=prefix_table(token_bytes(tok_path)).to(device), prefix_weight=cfg.prefix_weight
+        )
+
+    step = state["step"] if state else 0
+    tokens = state["tokens"] if state else 0
+    ds = WeightedTokens(
+        info.files,
+        batch_size=cfg.batch_size,
+        shuffle_buffer=cfg.shuffle_buffer,
+        seed=cfg.seed,
+        epochs=None,
+        rank=rank,
+        world_size=world,
+        start=state["position"] if state else 0,
+        columns=NEEDS.get(cfg.loss, ()),
+    )
+    batches = iter(ds)
+
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if tok_path is not None and tok_path.resolve() != (out / TOKENIZER).resolve():
+            shutil.copyfile(tok_path, out / TOKENIZER)
+        _trim_metrics(out / METRICS, step)
+    meta = {
+        "tokenizer_sha256": tok_sha,
+        "vocab_size": mc.get("vocab_size", info.vocab_size),
+        "n_ctx": mc.get("n_ctx", info.n_ctx),
+        "pad_id": info.pad_id,
+        "loss": cfg.loss,
+        "train": dataclasses.asdict(cfg),
+    }
+    n_params = sum(p.numel() for p in raw_model.parameters())
+    log(f"{cfg.model}: {n_params / 1e6:.2f}M params on {device} × {world}; loss {cfg.loss}; from step {step}")
+
+    def save():
+        if rank == 0:
+            st = {
+                "step": step,
+                "position": ds.position,
+                "world_size": world,
+                "tokens": tokens,
+                "seed": cfg.seed,
+            }
+            save_training_checkpoint(out, raw_model, cfg.model, optimizer, st, {**meta, "step": step})
+        if world > 1:
+            torch.distributed.barrier()
+
+    last_stop = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
+    t_run = time.perf_counter()
+    t0, tok0, loss_acc, ce_acc, n_acc, last_loss = time.perf_counter(), tokens, 0.0, 0.0, 0, None
+    model.train()
+    while step < last_stop:
+        lr = lr_at(step, cfg)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        for micro in range(cfg.grad_accum):
+            batch = next(batches)
+            ids = batch["input_ids"].to(device, non_blocking=True)
+            mask = batch["mask"][:, 1:].to(device)
+            extra = {k: batch[k][:, 1:].to(device) for k in NEEDS.get(cfg.loss, ())}
+            # dropout / estimator noise drawn from (seed, step, micro, rank): resume-exact
+            torch.manual_seed(hash((cfg.seed, step, micro, rank)) & 0x7FFFFFFF)
+            sync = micro == cfg.grad_accum - 1 or world == 1
+            ctx = contextlib.nullcontext() if sync else model.no_sync()
+            with ctx, autocast:
+                logits = model(ids)[:, :-1]
+                loss = compute_loss(cfg.loss, logits, ids[:, 1:], mask, **extra, **loss_kw)
+            (loss / cfg.grad_accum).backward()
+            loss_acc += loss.item()
+            n_acc += 1
+            tokens += ids.numel() * world
+            if (step + 1) % cfg.log_every == 0 and micro == 0:
+                with torch.no_grad():  # the plain CE, logged for every loss so runs compare
+                    ce = per_token_ce(logits.detach(), ids[:, 1:])
+                    ce_acc = float((ce * mask).sum() / mask.sum().clamp(min=1))
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if step % cfg.log_every == 0 or step == last_stop:
+            avg = torch.tensor([loss_acc / max(1, n_acc), ce_acc], device=device)
+            if world > 1:
+                torch.distributed.all_reduce(avg)
+                avg /= world
+            dt = time.perf_counter() - t0
+            row = {
+                "step": step,
+                "loss": round(avg[0].item(), 6),
+                "ce": round(avg[1].item(), 6),
+                "lr": lr,
+                "tokens": tokens,
+                "tokens_per_s": round((tokens - tok0) / max(dt, 1e-9), 1),
+                "elapsed_s": round(time.perf_counter() - t_run, 3),
+            }
+            last_loss = row["loss"]
+            if rank == 0:
+                with open(out / METRICS, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            log(
+                f"step {step}/{cfg.steps} loss {row['loss']:.4f} ce {row['ce']:.4f} lr {lr:.2e} "
+                f"{row['tokens_per_s']:.0f} tok/s"
+            )
+            t0, tok0, loss_acc, n_acc = time.perf_counter(), tokens, 0.0, 0
+        if (cfg.save_every and step % cfg.save_every == 0) or step == last_stop:
+            save()
+    seconds = time.perf_counter() - t_run
+    return TrainResult(
+        out=str(out),
+        step=step,
+        loss=last_loss,
+        tokens=tokens,
+        seconds=seconds,
+        tokens_per_s=(tokens - (state["tokens"] if state else 0)) / max(seconds, 1e-9),
+        metrics=str(out / METRICS),
+    )
+
+
+def _trim_metrics(path: Path, step: int) -> None:
+    """On resume, drop logged rows past the checkpoint's step (they will be logged again)."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    path.write_text("".join(k + "\n" for k in keep))
