@@ -24,13 +24,29 @@ from dataclasses import asdict
 
 from .stage import RunPlan, ShardResult, ShardTask, Stage, reconcile_results, run_task
 
-RESULTS_DIR = "_engine"  # under the output directory (or temp_location): per-run results, then deleted
+# per-run results under the output directory (or temp_location), deleted after; hidden: datasets skips it
+RESULTS_DIR = ".engine"
 EMBEDDED = ("fnapirunner", "fnapi", "embedded")
+
+
+def _import_beam():
+    """Import Beam without its warning that the optional GCP clients are absent (they are not needed)."""
+
+    def no_gcp_noise(record: logging.LogRecord) -> bool:
+        return "apitools not found" not in record.getMessage()
+
+    root = logging.getLogger()
+    root.addFilter(no_gcp_noise)
+    try:
+        import apache_beam
+    finally:
+        root.removeFilter(no_gcp_noise)
+    return apache_beam
 
 
 def _dofn():
     """The DoFn class, built on first use so that importing this module does not import Beam."""
-    import apache_beam as beam
+    beam = _import_beam()
 
     class RunShardFn(beam.DoFn):
         def __init__(self, stage: Stage, threads: int | None):
@@ -63,6 +79,7 @@ def _limit_threads(threads: int) -> None:
 
 def build_runner(options: dict, workers: int | None):
     """(runner, PipelineOptions, threads per worker or None) from the user's KEY=VALUE options."""
+    _import_beam()
     from apache_beam.options.pipeline_options import PipelineOptions
 
     opts = {k.replace("-", "_"): v for k, v in (options or {}).items()}
@@ -103,7 +120,7 @@ def results_root(plan: RunPlan, options: dict) -> str:
 def run_beam(
     plan: RunPlan, options: dict | None = None, workers: int | None = None, progress: bool = True
 ) -> list[ShardResult]:
-    import apache_beam as beam
+    beam = _import_beam()
     from apache_beam.io.filesystems import FileSystems
 
     _quiet_beam()
