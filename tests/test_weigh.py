@@ -1,0 +1,62 @@
+"""entropy -> weight: per-sequence min-max, quantile, clip, floor, invert; pads 0; float16 / uint8."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from entroweight.transforms.weigh import WeighConfig, encode_weights, normalize, weigh
+from pydantic import ValidationError
+
+VALUES = np.array([[0.0, 0.0, 1.0, 3.0, 5.0], [9.0, 2.0, 4.0, 6.0, 2.0], [0.0, 0.0, 0.0, 0.0, 7.0]])
+N_PAD = np.array([2, 0, 4])
+
+
+def test_minmax_per_sequence_over_real_tokens_pads_zero():
+    w = weigh(VALUES, N_PAD, WeighConfig())
+    np.testing.assert_allclose(w[0], [0, 0, 1.0, 0.5, 0.0])  # pads 0; min 1 -> 1, max 5 -> 0
+    np.testing.assert_allclose(w[1], [0.0, 1.0, 1 - 2 / 7, 1 - 4 / 7, 1.0])  # no pads: all 5 count
+    np.testing.assert_allclose(w[2], [0, 0, 0, 0, 1.0])  # one real token: nothing to stretch, w = 1
+    assert w.dtype == np.float32 and w.shape == VALUES.shape
+
+
+def test_pad_values_never_move_the_range():
+    bumped = VALUES.copy()
+    bumped[0, :2] = [-100.0, 100.0]  # garbage under the pads
+    np.testing.assert_array_equal(weigh(bumped, N_PAD, WeighConfig()), weigh(VALUES, N_PAD, WeighConfig()))
+
+
+def test_invert_floor_clip():
+    base = normalize(VALUES, N_PAD, WeighConfig())
+    inv = weigh(VALUES, N_PAD, WeighConfig(invert=True))
+    np.testing.assert_allclose(inv, base)  # w = e
+    floored = weigh(VALUES, N_PAD, WeighConfig(floor=0.2))
+    assert floored[0, 4] == pytest.approx(0.2) and floored[0, 0] == 0  # floor on real tokens only
+    clipped = normalize(VALUES, N_PAD, WeighConfig(clip=(0.25, 0.75)))
+    np.testing.assert_allclose(clipped[0], [0, 0, 0.0, 0.5, 1.0])
+
+
+def test_quantile_uses_one_global_scale():
+    cfg = WeighConfig(method="quantile", quantiles=(0.0, 2.0, 10.0))
+    e = normalize(VALUES, N_PAD, cfg)
+    np.testing.assert_allclose(e[0], [0, 0, 0.25, 0.5 + 0.5 / 8, 0.5 + 1.5 / 8])
+    np.testing.assert_allclose(e[2], [0, 0, 0, 0, 0.5 + 2.5 / 8])  # not stretched per sequence
+    with pytest.raises(ValidationError, match="quantiles"):
+        WeighConfig(method="quantile")
+
+
+def test_encodings():
+    w = weigh(VALUES, N_PAD, WeighConfig())
+    u8 = encode_weights(w, "uint8")
+    assert u8.dtype == np.uint8 and u8[0, 2] == 255 and u8[0, 3] == 128 and u8[0, 0] == 0
+    assert np.abs(u8 / 255.0 - w).max() <= 0.5 / 255 + 1e-7
+    f16 = encode_weights(w, "float16")
+    assert f16.dtype == np.float16 and np.abs(f16 - w).max() < 1e-3
+    with pytest.raises(ValueError, match="weight dtype"):
+        encode_weights(w, "int8")
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValidationError, match="floor"):
+        WeighConfig(floor=1.5)
+    with pytest.raises(ValidationError, match="clip"):
+        WeighConfig(clip=(0.8, 0.2))

@@ -1,0 +1,116 @@
+"""Raw per-token values (entropy, loss) -> loss weights in [0, 1]; pads weigh 0.
+
+`minmax` (the write-up): per sequence, e = (x - min) / (max - min) over non-pad positions, w = 1 - e.
+`quantile`: e = the rank of x among reference quantiles of a whole scored dataset (one scale for
+all sequences: a calm sequence keeps high weights instead of being stretched to [0, 1]).
+Then, in order: `clip` e to [lo, hi] and rescale, `invert` (w = e: Rho-1-style "keep the
+learnable" when the values are excess losses), `floor` (w >= floor on real tokens).
+A sequence whose values are all equal gets e = 0 (w = 1: unweighted).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+WEIGHT_DTYPES = ("float16", "uint8")
+
+
+class WeighConfig(BaseModel):
+    """Recorded in the file metadata (`weighting`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["minmax", "quantile"] = "minmax"
+    quantiles: tuple[float, ...] | None = None  # reference values at evenly spaced ranks (quantile)
+    clip: tuple[float, float] | None = None  # on e, before 1 - e; then rescaled to [0, 1]
+    floor: float = 0.0
+    invert: bool = False
+    dtype: Literal["float16", "uint8"] = "float16"
+
+    @field_validator("floor")
+    @classmethod
+    def _floor(cls, v):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"floor must be in [0, 1], not {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.method == "quantile":
+            q = self.quantiles
+            if not q or len(q) < 2 or np.any(np.diff(q) < 0):
+                raise ValueError(
+                    "quantile weighting needs reference quantiles (at least 2, ascending): "
+                    "compute them with entropy_quantiles(SCORED_DIR)"
+                )
+        if self.clip is not None and not 0.0 <= self.clip[0] < self.clip[1] <= 1.0:
+            raise ValueError(f"clip must be 0 <= lo < hi <= 1, not {self.clip}")
+        return self
+
+
+def real_mask(n_pad: np.ndarray, width: int) -> np.ndarray:
+    return np.arange(width)[None, :] >= np.asarray(n_pad)[:, None]
+
+
+def normalize(values: np.ndarray, n_pad: np.ndarray, cfg: WeighConfig) -> np.ndarray:
+    """(B, T) raw values -> e in [0, 1] (float32); pads 0."""
+    x = np.asarray(values, dtype=np.float64)
+    mask = real_mask(n_pad, x.shape[1])
+    if cfg.method == "minmax":
+        lo = np.where(mask, x, np.inf).min(axis=1, keepdims=True)
+        hi = np.where(mask, x, -np.inf).max(axis=1, keepdims=True)
+        span = hi - lo
+        ok = np.isfinite(span) & (span > 0)
+        e = np.where(ok, (x - np.where(ok, lo, 0)) / np.where(ok, span, 1), 0.0)
+    else:
+        q = np.asarray(cfg.quantiles, dtype=np.float64)
+        e = np.interp(x, q, np.linspace(0.0, 1.0, len(q)))
+    if cfg.clip is not None:
+        lo, hi = cfg.clip
+        e = (np.clip(e, lo, hi) - lo) / (hi - lo)
+    return np.where(mask, np.clip(e, 0.0, 1.0), 0.0).astype(np.float32)
+
+
+def weigh(values: np.ndarray, n_pad: np.ndarray, cfg: WeighConfig) -> np.ndarray:
+    """(B, T) raw values -> weights in [0, 1] (float32); pads 0."""
+    e = normalize(values, n_pad, cfg)
+    w = e if cfg.invert else 1.0 - e
+    if cfg.floor:
+        w = np.maximum(w, cfg.floor)
+    return np.where(real_mask(n_pad, w.shape[1]), w, 0.0).astype(np.float32)
+
+
+def encode_weights(w: np.ndarray, dtype: str) -> np.ndarray:
+    """float16, or uint8 holding round(255 w) (readers divide by 255)."""
+    if dtype == "float16":
+        return w.astype(np.float16)
+    if dtype == "uint8":
+        return np.rint(np.clip(w, 0.0, 1.0) * 255.0).astype(np.uint8)
+    raise ValueError(f"weight dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {dtype!r}")
+
+
+def entropy_quantiles(scored: str | Path, n: int = 101, max_tokens: int = 5_000_000) -> tuple[float, ...]:
+    """`n` evenly spaced quantiles of the `entropy` column of a scored directory's real tokens
+    (the reference for `quantile` weighting; read from the first `max_tokens` real tokens)."""
+    import pyarrow.parquet as pq
+
+    files = sorted(Path(scored).glob("part-*.parquet")) if Path(scored).is_dir() else [Path(scored)]
+    chunks, total = [], 0
+    for f in files:
+        table = pq.read_table(f, columns=["entropy", "n_pad"])
+        if "entropy" not in table.column_names or table.num_rows == 0:
+            continue
+        e = np.stack(table.column("entropy").to_numpy(zero_copy_only=False))
+        vals = e[real_mask(table.column("n_pad").to_numpy(), e.shape[1])]
+        chunks.append(vals)
+        total += vals.size
+        if total >= max_tokens:
+            break
+    if not chunks:
+        raise ValueError(f"{scored} holds no `entropy` column: score it without --drop-entropy first")
+    q = np.quantile(np.concatenate(chunks), np.linspace(0.0, 1.0, n))
+    return tuple(float(v) for v in q)
