@@ -257,9 +257,11 @@ class WeightedTokens(IterableDataset):
         info = get_worker_info()
         n_workers, worker = (info.num_workers, info.id) if info else (1, 0)
         n_streams = self.world_size * n_workers
-        stream = self.rank * n_workers + worker
-        # DataLoader hands out workers' items round robin: this worker's share of the consumed ones
-        skip_items = self.start // n_workers + (1 if worker < self.start % n_workers else 0)
+        # DataLoader hands out workers' items round robin, always starting at worker 0: after `start`
+        # items, the next item is stream (start % n_workers)'s, so a resumed worker takes that role
+        role = (worker + self.start) % n_workers
+        stream = self.rank * n_workers + role
+        skip_items = self.start // n_workers + (1 if role < self.start % n_workers else 0)
         per_item = self.batch_size or 1
         for item in self._items(stream, n_streams, skip_items * per_item):
             if info is None:

@@ -1,0 +1,197 @@
+# ruff: noqa: F811 - pytest fixtures imported from test_trainer_fixtures
+"""entroweight.data.WeightedTokens: values, sharding, shuffling, exact resume, refusals, and the two
+documented downstream examples (plain torch loop, Hugging Face Trainer)."""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_trainer_fixtures import make_weighted, one_thread, weighted_dir  # noqa: F401 - fixtures
+
+from entroweight.data import DataError, WeightedTokens
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def rows_of(ds) -> list[tuple]:
+    out = []
+    for item in ds:
+        ids = item["input_ids"]
+        out += [tuple(r.tolist()) for r in (ids if ids.dim() == 2 else ids[None])]
+    return out
+
+
+def test_values_match_the_file_and_pads_are_masked(weighted_dir):
+    f = sorted(weighted_dir.glob("*.parquet"))[0]
+    t = pq.read_table(f)
+    want = {
+        tuple(i): np.array(w, dtype=np.float32)
+        for i, w in zip(t["input_ids"].to_pylist(), t["weight"].to_pylist(), strict=True)
+    }
+    ds = WeightedTokens(f, shuffle=False)
+    n = 0
+    for item in ds:
+        assert set(item) == {"input_ids", "mask", "weight", "entropy"}
+        assert item["input_ids"].dtype == torch.int64 and item["weight"].dtype == torch.float32
+        ids = tuple(item["input_ids"].tolist())
+        np.testing.assert_array_equal(item["weight"].numpy(), want[ids])
+        assert torch.equal(item["mask"], item["input_ids"] != 0)  # pad id 0
+        assert (item["weight"][~item["mask"]] == 0).all()
+        n += 1
+    assert n == t.num_rows
+
+
+def test_uint8_weights_read_as_w_over_255(tokenized_dir, tmp_path):
+    d16 = make_weighted(tokenized_dir, tmp_path / "f16", "float16", files=1)
+    d8 = make_weighted(tokenized_dir, tmp_path / "u8", "uint8", files=1)
+    raw = np.array(pq.read_table(sorted(d8.glob("*.parquet"))[0])["weight"].to_pylist()[0], dtype=np.float32)
+    a = next(iter(WeightedTokens(d8, shuffle=False)))
+    b = next(iter(WeightedTokens(d16, shuffle=False)))
+    np.testing.assert_allclose(a["weight"].numpy(), raw / 255.0, rtol=1e-6)
+    np.testing.assert_allclose(a["weight"].numpy(), b["weight"].numpy(), atol=1 / 255)
+
+
+def test_ranks_split_the_data_disjointly_and_completely(weighted_dir):
+    everything = collections.Counter(rows_of(WeightedTokens(weighted_dir, shuffle=False)))
+    parts = [
+        collections.Counter(rows_of(WeightedTokens(weighted_dir, rank=r, world_size=3, seed=1)))
+        for r in range(3)
+    ]
+    assert sum(parts, collections.Counter()) == everything
+    assert all(sum(p.values()) > 200 for p in parts)
+
+
+def test_dataloader_workers_split_a_rank_and_resume_exactly(weighted_dir):
+    def loader(start):
+        ds = WeightedTokens(weighted_dir, batch_size=4, epochs=None, seed=3, start=start, shuffle_buffer=64)
+        return iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
+
+    it = loader(0)
+    first = [next(it)["input_ids"] for _ in range(7)]
+    again = loader(5)
+    for want in first[5:]:
+        assert torch.equal(next(again)["input_ids"], want)
+    # one epoch through 2 workers covers the data once
+    ds = WeightedTokens(weighted_dir, epochs=1, seed=3)
+    got = collections.Counter(rows_of(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)))
+    assert got == collections.Counter(rows_of(WeightedTokens(weighted_dir, shuffle=False)))
+
+
+def test_shuffle_is_seeded_and_changes_each_epoch(weighted_dir):
+    def first(seed, epochs=1, n=300):
+        ds = WeightedTokens(weighted_dir, seed=seed, epochs=epochs, shuffle_buffer=128)
+        return [r for r, _ in zip(rows_of(ds), range(n), strict=False)]
+
+    assert first(0) == first(0)
+    assert first(0) != first(1)
+    two = rows_of(WeightedTokens(weighted_dir, seed=0, epochs=2, shuffle_buffer=128))
+    half = len(two) // 2
+    assert collections.Counter(two[:half]) == collections.Counter(two[half:]) and two[:half] != two[half:]
+
+
+def test_resume_position_in_process(weighted_dir):
+    ds = WeightedTokens(weighted_dir, batch_size=8, epochs=None, seed=2, shuffle_buffer=100)
+    it = iter(ds)
+    for _ in range(40):  # past an epoch (1000 rows / 8 = 125 batches? no: past several blocks)
+        next(it)
+    state = ds.state_dict()
+    want = [next(it)["input_ids"] for _ in range(3)]
+    ds2 = WeightedTokens(weighted_dir, batch_size=8, epochs=None, seed=2, shuffle_buffer=100)
+    ds2.load_state_dict(state)
+    it2 = iter(ds2)
+    for w in want:
+        assert torch.equal(next(it2)["input_ids"], w)
+    with pytest.raises(DataError, match="same number of processes"):
+        WeightedTokens(weighted_dir, rank=0, world_size=2).load_state_dict(state)
+
+
+# -- refusals, each with a message that says what to do
+
+
+def test_refuses_wrong_tokenizer_and_vocab(weighted_dir):
+    with pytest.raises(DataError, match="re-tokenize"):
+        WeightedTokens(weighted_dir, tokenizer_sha256="0" * 64)
+    with pytest.raises(DataError, match="vocabulary has 1024 tokens but the model's has 2048"):
+        WeightedTokens(weighted_dir, vocab_size=2048)
+
+
+def test_refuses_missing_columns(tokenized_dir):
+    with pytest.raises(DataError, match="no 'weight' column.*score it first"):
+        WeightedTokens(tokenized_dir, require=("weight",))
+    ds = WeightedTokens(tokenized_dir, shuffle=False)  # token-only data still reads, without weights
+    assert set(next(iter(ds))) == {"input_ids", "mask"}
+
+
+def _rewrite(src: Path, dst: Path, weight_rows) -> Path:
+    dst.mkdir()
+    f = sorted(src.glob("*.parquet"))[0]
+    t = pq.read_table(f)
+    i = t.schema.get_field_index("weight")
+    t = t.set_column(i, "weight", pa.array(weight_rows(t), pa.list_(pa.float16())))
+    pq.write_table(t.replace_schema_metadata(pq.read_schema(f).metadata), dst / f.name)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("short", "differ in length from input_ids"),
+        ("nan", r"\[0, 1\] \(found NaN\)"),
+        ("big", r"\[0, 1\] \(found 0\.\.1\.5\)"),
+    ],
+)
+def test_refuses_bad_weights(weighted_dir, tmp_path, case, match):
+    def rows(t):
+        out = [np.array(w, dtype=np.float16) for w in t["weight"].to_pylist()]
+        if case == "short":
+            out[3] = out[3][:-1]
+        elif case == "nan":
+            out[3][5] = np.nan
+        else:
+            out[3][5] = 1.5
+        return out
+
+    d = _rewrite(weighted_dir, tmp_path / case, rows)
+    with pytest.raises(DataError, match=match):
+        list(WeightedTokens(d, shuffle=False))
+
+
+# -- the documented examples
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_plain_torch_loop(weighted_dir):
+    ex = _example("weighted_torch_loop")
+    _, losses, state = ex.main(str(weighted_dir), steps=12, batch_size=8)
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+    assert state["position"] == 12
+
+
+def test_example_hf_trainer_compute_loss(weighted_dir, tmp_path):
+    pytest.importorskip("accelerate")  # transformers.Trainer needs it
+    ex = _example("weighted_hf_trainer")
+    trainer, result = ex.main(str(weighted_dir), str(tmp_path / "hf"), steps=4, batch_size=4)
+    assert result.global_step == 4 and np.isfinite(result.training_loss)
+    # compute_loss applies the weights: zero weights give zero loss, doubled weights double it
+    batch = next(iter(WeightedTokens(weighted_dir, batch_size=4, shuffle=False)))
+    model = trainer.model.eval()
+    with torch.no_grad():
+        base = trainer.compute_loss(model, dict(batch)).item()
+        zero = trainer.compute_loss(model, {**batch, "weight": batch["weight"] * 0}).item()
+        double = trainer.compute_loss(model, {**batch, "weight": batch["weight"] * 2}).item()
+    assert zero == 0.0 and double == pytest.approx(2 * base, rel=1e-5) and base > 0
