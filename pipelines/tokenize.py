@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pyarrow as pa
 from entroweight.schemas import FileMetadata, ShardManifest, with_file_metadata
+from entroweight.transforms.prefetch import prefetch
 from entroweight.transforms.sources import DocumentReader, plan_inputs
 from entroweight.transforms.tokenize import SequenceBuilder
 from entroweight.transforms.tokenizer import LoadedTokenizer, load_tokenizer
@@ -98,7 +99,7 @@ class TokenizeStage(Stage):
         seen: set[str] = set()
         with AtomicParquetWriter(out / output, schema) as writer:
             for reader in readers:
-                for docs in reader:
+                for docs in prefetch(reader):
                     if self.reject_duplicates:
                         docs = _drop_duplicates(docs, seen, reader)
                     for batch in builder.add(docs):

@@ -208,7 +208,7 @@ class DocumentReader:
             except UnicodeEncodeError as e:  # lone surrogates from JSON escapes
                 self._reject(doc_id or text_id(text), "invalid_utf8", str(e))
                 continue
-            if not text.strip():
+            if not text or text.isspace():
                 self._reject(doc_id or fallback_id, "empty", None)
                 continue
             ids.append(doc_id or text_id(text))

@@ -58,12 +58,18 @@ class SequenceBuilder:
         if docs.num_rows == 0:
             return
         doc_ids = docs.column("id").to_pylist()
-        ids = self._encode(docs.column("text").to_pylist())
+        texts = docs.column("text").to_pylist()
+        ids = self._encode(texts)
         self.docs_out += len(doc_ids)
         if self.pack:
             yield from self._pack(doc_ids, ids)
         else:
-            yield self._left_pad(doc_ids, ids)
+            batch = self._left_pad(doc_ids, ids)
+            # a full row is truncated when its tokens cover fewer bytes than the text has
+            full = np.flatnonzero(batch.column("n_pad").to_numpy() == 0)
+            n_bytes = batch.column("n_bytes").to_numpy()
+            self.n_truncated += sum(int(n_bytes[i]) < len(texts[i].encode("utf-8")) for i in full)
+            yield batch
 
     def finish(self) -> Iterator[pa.RecordBatch]:
         if self.pack and self._stream_docs:
@@ -76,7 +82,6 @@ class SequenceBuilder:
         n_pad = np.empty(len(ids), dtype=np.int32)
         for row, seq in enumerate(ids):
             k = min(len(seq), n)
-            self.n_truncated += len(seq) > n
             if k:
                 matrix[row, n - k :] = seq[:k]
             n_pad[row] = n - k
