@@ -63,6 +63,22 @@ class Scorer(ABC):
 
     #: cut left padding to the batch's longest row; a model that attends to pads must keep them
     cut_padding: bool = True
+    #: loaded by setup(); never pickled (engines ship the scorer to workers, which call setup())
+    _heavy: ClassVar[tuple[str, ...]] = ("_model", "_model_tok", "_data_tok")
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for name in self._heavy:
+            if name in state:
+                state[name] = None
+        return state
+
+    def report(self) -> dict[str, Any]:
+        """What the last `reset_report()`..now scored is worth recording in the manifest (e.g. alignment error)."""
+        return {}
+
+    def reset_report(self) -> None:  # noqa: B027 - optional hook
+        """Start a new report (called per shard)."""
 
 
 def length_buckets(lengths: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:

@@ -105,6 +105,12 @@ class CrossTokenizerScorer(Scorer):
             out[r, n_pad[r] :] = values
         return out
 
+    def report(self) -> dict[str, Any]:
+        return {"alignment": self.stats.as_dict()}
+
+    def reset_report(self) -> None:
+        self.stats = AlignStats()
+
     def windows(self, m: int) -> list[tuple[int, int, int]]:
         """(context start, first scored, end) model-token ranges; the first window starts with the
         start token and scores everything in it, each later one scores `stride` new tokens."""

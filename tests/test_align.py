@@ -37,9 +37,14 @@ def brute_force(data_nbytes, model_nbytes, losses, aggregate):
     return np.array(out)
 
 
+@pytest.fixture(scope="module")
+def llama3(llama3_tokenizer):
+    return load_tokenizer(llama3_tokenizer)
+
+
 @pytest.mark.parametrize("text", TEXTS)
-def test_regroup_non_ascii_on_real_tokenizers(text, tokenizer_dir, llama3_tokenizer):
-    data_tok, model_tok = load_tokenizer(tokenizer_dir), load_tokenizer(llama3_tokenizer)
+def test_regroup_non_ascii_on_real_tokenizers(text, tokenizer_dir, llama3):
+    data_tok, model_tok = load_tokenizer(tokenizer_dir), llama3
     raw = text.encode("utf-8")
     data_ids = data_tok.tokenizer.encode(text, add_special_tokens=False).ids
     data_nbytes = data_tok.token_nbytes[data_ids]
@@ -59,8 +64,8 @@ def test_regroup_non_ascii_on_real_tokenizers(text, tokenizer_dir, llama3_tokeni
     assert abs(summed.sum() - losses.sum()) / losses.sum() < 1e-5  # conservation
 
 
-def test_mean_equals_loss_where_tokens_coincide(llama3_tokenizer):
-    tok = load_tokenizer(llama3_tokenizer)
+def test_mean_equals_loss_where_tokens_coincide(llama3):
+    tok = llama3
     ids, nbytes = encode_exact(tok, "The quick brown fox jumps over the lazy dog.")
     losses = np.random.default_rng(0).uniform(0, 10, len(ids))
     starts, ends = spans(nbytes)

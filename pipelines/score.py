@@ -1,0 +1,195 @@
+"""The score stage: a tokenized directory's shards -> weighted shards (ids + entropy + weight).
+
+Each `part-NNNNN.parquet` of sequences becomes a `part-NNNNN.parquet` of weighted sequences (the
+same name) in the output directory, with its manifest. The file metadata is the input's plus the
+scorer, its model id / checkpoint sha256, the aggregate and the weighting. Input whose tokenizer is
+not the one the scorer reads is refused before any work.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from entroweight.schemas import (
+    ShardManifest,
+    read_file_metadata,
+    weighted_sequence_schema,
+    with_file_metadata,
+)
+from entroweight.schemas.manifest import ShardInput
+from entroweight.scorers import Scorer, ScorerError, make_scorer
+from entroweight.transforms.tokenize import fixed_lists
+from entroweight.transforms.tokenizer import load_tokenizer
+from entroweight.transforms.weigh import WeighConfig, encode_weights, weigh
+from entroweight.transforms.writer import AtomicParquetWriter
+
+from entroweight import __version__
+
+from .stage import ShardTask, Stage, StageError
+
+READ_ROWS = 256  # rows read, scored and written at a time (the scorer batches within)
+
+
+def input_files(data_dir: str | Path) -> list[Path]:
+    files = sorted(Path(data_dir).glob("part-*.parquet"))
+    if not files:
+        raise StageError(f"{data_dir} holds no part-*.parquet: tokenize first (`entroweight tokenize`)")
+    return files
+
+
+class ScoreStage(Stage):
+    name = "score"
+    _heavy = ("_tok",)
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        scorer: str | Scorer,
+        scorer_options: dict[str, Any] | None = None,
+        weighting: WeighConfig | None = None,
+        with_entropy: bool = True,
+        tokenizer: str | None = None,
+    ):
+        self.data_dir = str(Path(data_dir).resolve())
+        self.weighting = weighting or WeighConfig()
+        self.with_entropy = with_entropy
+        files = input_files(data_dir)
+        self.input_meta = read_file_metadata(files[0])
+        self._check_inputs(files)
+        sha = self.input_meta["tokenizer_sha256"]
+        self.tokenizer_path, self._tok = None, None
+        if tokenizer is not None:
+            self._tok = load_tokenizer(tokenizer)
+            if self._tok.sha256 != sha:
+                raise StageError(
+                    f"--tokenizer {tokenizer} (sha256 {self._tok.sha256[:12]}…) is not the tokenizer of "
+                    f"{data_dir} ({sha[:12]}…): pass the tokenizer the data was tokenized with"
+                )
+            self.tokenizer_path = str(Path(tokenizer).resolve())
+        self.scorer = scorer if isinstance(scorer, Scorer) else make_scorer(scorer, **(scorer_options or {}))
+        if self.scorer.needs_data_tokenizer and self._tok is None:
+            raise StageError(
+                f"the {self.scorer.name} scorer reads the data's text: pass --tokenizer (the tokenizer.json "
+                f"that tokenized {data_dir})"
+            )
+        self.scorer.check_data_tokenizer(sha, self._tok)
+
+    def _check_inputs(self, files: list[Path]) -> None:
+        meta = self.input_meta
+        if not meta or "input_ids" not in pq.read_schema(files[0]).names:
+            raise StageError(f"{files[0]} is not a tokenized shard (no entroweight metadata or input_ids)")
+        if meta.get("padding_side", "left") != "left":
+            raise StageError(f"{files[0]} is {meta['padding_side']}-padded; the scorers read left padding")
+        for f in files[1:]:
+            other = read_file_metadata(f).get("tokenizer_sha256")
+            if other != meta["tokenizer_sha256"]:
+                raise StageError(
+                    f"{f} was tokenized with another tokenizer than {files[0]}: one per directory"
+                )
+
+    def setup(self) -> None:
+        if getattr(self, "_tok", None) is None:
+            self._tok = None
+        if self._tok is None and self.tokenizer_path is not None:
+            self._tok = load_tokenizer(self.tokenizer_path)
+        self.scorer.setup(self._tok)
+
+    def resources(self) -> dict[str, float]:
+        return {"num_cpus": 1, "num_gpus": 1 if self.scorer.device.startswith("cuda") else 0}
+
+    def config(self) -> dict[str, Any]:
+        # batch size and device change speed, not values (to float tolerance): not hashed
+        return {
+            "input_tokenizer_sha256": self.input_meta["tokenizer_sha256"],
+            "n_ctx": self.input_meta["n_ctx"],
+            "packed": self.input_meta.get("packed", False),
+            **self.scorer.config(),
+            "weighting": self.weighting.model_dump(mode="json"),
+            "with_entropy": self.with_entropy,
+        }
+
+    def plan_inputs(self) -> list[ShardInput]:
+        out = []
+        for f in input_files(self.data_dir):
+            st = f.stat()
+            out.append(ShardInput(uri=str(f), fmt="sequences", size=st.st_size, mtime_ns=st.st_mtime_ns))
+        return out
+
+    def file_metadata(self) -> dict[str, Any]:
+        cfg = self.scorer.config()
+        return {
+            **self.input_meta,
+            "stage": self.name,
+            "config_hash": self.config_hash,
+            "code_version": __version__,
+            **cfg,
+            "weighting": self.weighting.model_dump(mode="json"),
+            "weight_dtype": self.weighting.dtype,
+            "value_convention": "value i is about predicting token i; pads 0 (docs/scoring.md)",
+        }
+
+    def process(self, task: ShardTask) -> ShardManifest:
+        (inp,) = task.inputs
+        source = pq.ParquetFile(inp.uri)
+        meta = self.input_meta
+        schema = weighted_sequence_schema(
+            meta["vocab_size"], meta.get("packed", False), self.weighting.dtype, self.with_entropy
+        )
+        schema = with_file_metadata(schema, self.file_metadata())
+        ids_type = schema.field("input_ids").type
+        weight_type = schema.field("weight").type.value_type
+        output = Path(inp.uri).name  # the input's part name
+        self.scorer.reset_report()
+        rows = real = n_bytes = 0
+        start = time.perf_counter()
+        with AtomicParquetWriter(Path(task.out_dir) / output, schema) as writer:
+            for batch in source.iter_batches(batch_size=READ_ROWS):
+                n = batch.num_rows
+                flat = pc.list_flatten(batch.column("input_ids")).to_numpy(zero_copy_only=False)
+                ids = flat.reshape(n, -1)
+                n_pad = batch.column("n_pad").to_numpy().astype(np.int64)
+                values = self.scorer.score(ids, n_pad)
+                weights = encode_weights(weigh(values, n_pad, self.weighting), self.weighting.dtype)
+                arrays = [
+                    batch.column(name).cast(schema.field(name).type) for name in _sequence_columns(schema)
+                ]
+                arrays[schema.names.index("input_ids")] = batch.column("input_ids").cast(ids_type)
+                if self.with_entropy:
+                    arrays.append(fixed_lists(values.astype(np.float32), pa.float32()))
+                arrays.append(fixed_lists(weights, weight_type))
+                writer.write(pa.RecordBatch.from_arrays(arrays, schema=schema))
+                rows += n
+                real += int(ids.size - n_pad.sum())
+                n_bytes += int(pc.sum(batch.column("n_bytes")).as_py() or 0)
+            sha = writer.close()
+        seconds = time.perf_counter() - start
+        return ShardManifest(
+            shard=task.shard,
+            stage=self.name,
+            inputs=list(task.inputs),
+            output=output,
+            output_sha256=sha,
+            rows_out=rows,
+            docs_in=rows,
+            docs_out=rows,
+            n_tokens=rows * int(meta["n_ctx"]),
+            n_real_tokens=real,
+            n_bytes=n_bytes,
+            config_hash=self.config_hash,
+            code_version=__version__,
+            extra={"scorer": self.scorer.name, "tokens_per_s": round(real / max(seconds, 1e-9), 1)}
+            | self.scorer.report(),
+        )
+
+
+def _sequence_columns(schema: pa.Schema) -> list[str]:
+    return [n for n in schema.names if n not in ("entropy", "weight")]
+
+
+__all__ = ["ScoreStage", "ScorerError", "input_files"]
