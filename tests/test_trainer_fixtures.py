@@ -52,9 +52,12 @@ def weighted_dir(tokenized_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_ckpt(weighted_dir, tokenizer_dir, tmp_path_factory) -> Path:
     """A tiny llama trained 30 steps with weighted_ce (tokenizer stored): for BPB and export tests."""
+    import torch
     from entroweight.trainers import TrainConfig, train
 
     out = tmp_path_factory.mktemp("tiny_ckpt")
+    before = torch.get_num_threads()  # session fixtures run before the module's one_thread
+    torch.set_num_threads(1)
     train(
         TrainConfig(
             data=str(weighted_dir),
@@ -69,6 +72,7 @@ def tiny_ckpt(weighted_dir, tokenizer_dir, tmp_path_factory) -> Path:
             quiet=True,
         )
     )
+    torch.set_num_threads(before)
     return out
 
 
