@@ -102,16 +102,19 @@ def run_ray(
 ) -> list[ShardResult]:
     ray, started = start_ray(address)
     try:
-        return _run(ray, plan, workers, progress)
+        return _run(ray, plan, workers, progress, embedded=not address)
     finally:
         if started:
             ray.shutdown()
 
 
-def _run(ray, plan: RunPlan, workers: int | None, progress: bool) -> list[ShardResult]:
+def _run(ray, plan: RunPlan, workers: int | None, progress: bool, embedded: bool) -> list[ShardResult]:
     stage = plan.stage
     resources = {k: v for k, v in stage.resources().items() if v}
     n = pool_size(ray, resources, workers, len(plan.todo))
+    if embedded and workers:
+        # our own Ray on this machine: the actors share its cores (a stage's thread pools use them)
+        resources["num_cpus"] = max(resources.get("num_cpus", 1), _machine_cpus() // n)
     actor_cls = ray.remote(ShardWorker).options(**resources, max_restarts=0)
     stage_ref = ray.put(stage)  # pickled once (heavy state dropped), shared by all actors
     env = actor_env(resources)
