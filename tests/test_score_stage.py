@@ -192,3 +192,34 @@ def test_quantile_weighting_from_a_scored_run(tmp_path, small_data, tiny_llama, 
     )
     _, e, w = rows(tmp_path)
     assert 0.4 < float(np.median(w[e > 0])) < 0.6  # quantile ranks: the median token weighs ~0.5
+
+
+def test_custom_scorer_from_the_docs(tmp_path, small_data, tokenizer_dir):
+    """The ten-line example of docs/scoring.md, registered in process, through the stage."""
+    from entroweight.scorers import Scorer, register
+
+    class TokenLength(Scorer):
+        name = "token_length"
+        needs_data_tokenizer = True
+
+        def config(self):
+            return {"scorer": self.name}
+
+        def setup(self, data_tokenizer=None):
+            self.nbytes = data_tokenizer.token_nbytes
+
+        def score_batch(self, input_ids, n_pad):
+            return self.nbytes[input_ids].astype(np.float32)
+
+    register(TokenLength)
+    run_stage(
+        ScoreStage(small_data, "token_length", {}, tokenizer=str(tokenizer_dir)), tmp_path, progress=False
+    )
+    table = pq.read_table(next(tmp_path.glob("part-*.parquet")))
+    ids = np.stack(table.column("input_ids").to_numpy(zero_copy_only=False))
+    e = np.stack(table.column("entropy").to_numpy(zero_copy_only=False))
+    pad = np.arange(64)[None] < table.column("n_pad").to_numpy()[:, None]
+    from entroweight.transforms.tokenizer import load_tokenizer
+
+    np.testing.assert_array_equal(e[~pad], load_tokenizer(tokenizer_dir).token_nbytes[ids[~pad]])
+    assert (e[pad] == 0).all()
