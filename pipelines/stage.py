@@ -176,7 +176,7 @@ def plan_run(stage: Stage, out_dir: str | Path, overwrite: bool = False) -> RunP
                 done.append(m)
                 continue
             stale.append(shard)  # the input file changed since: recompute
-        todo.append(ShardTask(shard=shard, inputs=(inp,), out_dir=str(out)))
+        todo.append(ShardTask(shard=shard, inputs=(inp,), out_dir=str(out.resolve())))
     write_json_atomic(registry, registry_file)
     # output of a shard killed after its rename but before its manifest: redo it from scratch
     for task in todo:

@@ -36,7 +36,7 @@ class TokenizeStage(Stage):
             raise ValueError(f"--n-ctx must be at least 2, not {n_ctx}")
         self.sources, self.n_ctx, self.pack = list(sources), n_ctx, pack
         self.shard_docs, self.text_column, self.reject_duplicates = shard_docs, text_column, reject_duplicates
-        self.tokenizer_path = str(Path(tokenizer))
+        self.tokenizer_path = str(Path(tokenizer).resolve())  # workers may run elsewhere
         self._tok: LoadedTokenizer | None = load_tokenizer(tokenizer)  # fail early on a bad file
         self.tokenizer_sha256 = self._tok.sha256
         if self._tok.pad_id is None:
