@@ -15,10 +15,14 @@ Any other runner comes from the options: {"runner": "DataflowRunner", "project":
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import shutil
+import sys
+import threading
 import uuid
 from dataclasses import asdict
 
@@ -122,6 +126,7 @@ def run_beam(
 ) -> list[ShardResult]:
     beam = _import_beam()
     from apache_beam.io.filesystems import FileSystems
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
     _quiet_beam()
     options = dict(options or {})
@@ -130,9 +135,14 @@ def run_beam(
     _remove_tree(root)  # a killed run's leftovers; the driver holds the directory's lock
     prefix = f"{root}/beam-{uuid.uuid4().hex[:8]}/results"
     tasks = list(plan.todo)
+    if progress:  # the runner reports nothing until the end: say what started where
+        mode = pipeline_options.get_all_options().get("direct_running_mode")
+        where = type(runner).__name__ + (f" ({mode})" if isinstance(runner, FnApiRunner) else "")
+        print(f"{plan.stage.name}: {len(tasks)} shard(s) on Beam {where}", file=sys.stderr, flush=True)
     error = None
+    quiet = _filtered_stderr() if threads else contextlib.nullcontext()  # threads: worker processes
     try:
-        with beam.Pipeline(runner=runner, options=pipeline_options) as p:
+        with quiet, beam.Pipeline(runner=runner, options=pipeline_options) as p:
             _ = (
                 p
                 | "Shards" >> beam.Create(tasks, reshuffle=False)
@@ -168,3 +178,35 @@ def _quiet_beam() -> None:
     logger = logging.getLogger("apache_beam")
     if logger.level < logging.WARNING:
         logger.setLevel(logging.WARNING)
+
+
+# What Beam's local SDK worker processes log at start and stop, before they read any option.
+WORKER_NOISE = re.compile(
+    rb"^(INFO:|WARNING:__main__:No semi_persistent|WARNING:root:apitools not found|.*Worker: severity: WARN .*semi_persistent)"
+)
+
+
+@contextlib.contextmanager
+def _filtered_stderr():
+    """Drop the SDK worker processes' start-up chatter from stderr (they inherit its file descriptor);
+    every other line passes through."""
+    read_fd, write_fd = os.pipe()
+    saved = os.dup(2)
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+
+    def pump():
+        with os.fdopen(read_fd, "rb") as src:
+            for line in src:
+                if not WORKER_NOISE.match(line):
+                    os.write(saved, line)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes the pipe's last write end: the pump sees EOF
+        thread.join(timeout=5)
+        os.close(saved)
