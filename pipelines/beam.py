@@ -1,12 +1,14 @@
 """The Beam engine: shards as elements of a real Beam pipeline, on any runner.
 
-    Create(tasks) | Reshuffle | ParDo(RunShard) | Map(json) | WriteToText(results)
+    ReadFromText(tasks.jsonl) | Reshuffle | ParDo(RunShard) | WriteToText(results)
 
 `RunShard.setup()` calls `stage.setup()` once per worker (the tokenizer or model stays loaded
 across shards), `process` calls `run_task`, which never raises: a failing shard becomes a failed
 ShardResult, so one bad input file cannot abort the other shards. Every result (errors included)
 goes through Beam's own file IO to a results directory the driver reads back after the run, so
 the driver knows each shard's outcome on every runner (Dataflow workers cannot call back).
+The tasks go in through a file too, not `beam.Create`: 100k shards pickled into the pipeline
+graph would pass Dataflow's job-request size limit.
 
 Embedded default: the in-process Python FnApiRunner (the DirectRunner may try to download the
 Prism binary, which fails offline); `workers > 1` runs it as that many SDK worker processes.
@@ -25,6 +27,8 @@ import sys
 import threading
 import uuid
 from dataclasses import asdict
+
+from entroweight.schemas.manifest import ShardInput
 
 from .stage import RunPlan, ShardResult, ShardTask, Stage, reconcile_results, run_task
 
@@ -62,8 +66,8 @@ def _dofn():
                 _limit_threads(self.threads)
             self.stage.setup()
 
-        def process(self, task: ShardTask):
-            yield json.dumps(asdict(run_task(self.stage, task)))
+        def process(self, line: str):
+            yield json.dumps(asdict(run_task(self.stage, task_from_json(line))))
 
     return RunShardFn
 
@@ -133,8 +137,10 @@ def run_beam(
     runner, pipeline_options, threads = build_runner(options, workers)
     root = results_root(plan, options)
     _remove_tree(root)  # a killed run's leftovers; the driver holds the directory's lock
-    prefix = f"{root}/beam-{uuid.uuid4().hex[:8]}/results"
+    run_dir = f"{root}/beam-{uuid.uuid4().hex[:8]}"
+    prefix, tasks_file = f"{run_dir}/results", f"{run_dir}/tasks.jsonl"
     tasks = list(plan.todo)
+    _write_tasks(tasks_file, tasks)
     if progress:  # the runner reports nothing until the end: say what started where
         mode = pipeline_options.get_all_options().get("direct_running_mode")
         where = type(runner).__name__ + (f" ({mode})" if isinstance(runner, FnApiRunner) else "")
@@ -145,7 +151,7 @@ def run_beam(
         with quiet, beam.Pipeline(runner=runner, options=pipeline_options) as p:
             _ = (
                 p
-                | "Shards" >> beam.Create(tasks, reshuffle=False)
+                | "Shards" >> beam.io.ReadFromText(tasks_file)
                 | "Spread" >> beam.Reshuffle()
                 | "RunShard" >> beam.ParDo(_dofn()(plan.stage, threads))
                 | "Results" >> beam.io.WriteToText(prefix, file_name_suffix=".jsonl")
@@ -161,6 +167,26 @@ def run_beam(
                 ]
     _remove_tree(root)
     return reconcile_results(plan, results, error or "no result came back from the Beam workers")
+
+
+def task_to_json(task: ShardTask) -> str:
+    return json.dumps(
+        {"shard": task.shard, "out_dir": task.out_dir, "inputs": [i.model_dump() for i in task.inputs]}
+    )
+
+
+def task_from_json(line: str) -> ShardTask:
+    d = json.loads(line)
+    return ShardTask(d["shard"], tuple(ShardInput.model_validate(i) for i in d["inputs"]), d["out_dir"])
+
+
+def _write_tasks(path: str, tasks: list[ShardTask]) -> None:
+    from apache_beam.io.filesystems import FileSystems
+
+    if "://" not in path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    with FileSystems.create(path) as f:
+        f.write("".join(task_to_json(t) + "\n" for t in tasks).encode())
 
 
 def _remove_tree(path: str) -> None:
