@@ -18,7 +18,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from .stage import RunPlan, ShardResult, Stage, reconcile_results, run_task
+from .stage import RunPlan, ShardResult, Stage, StageError, reconcile_results, run_task
 
 IN_FLIGHT_PER_ACTOR = 2  # one running, one queued: no idle gap between shards, little memory
 QUIET_ENV = {
@@ -78,13 +78,22 @@ def _machine_cpus() -> int:
 
 
 def pool_size(ray, resources: dict[str, float], workers: int | None, n_tasks: int) -> int:
-    """`workers`, or as many actors as the cluster's resources fit; never more than there are shards."""
-    if workers:
-        return max(1, min(workers, n_tasks))
+    """`workers`, or as many actors as the cluster's resources fit; never more than fit, or than there are shards."""
     total = ray.cluster_resources()
     names = {"num_cpus": "CPU", "num_gpus": "GPU"}
-    fits = [int(total.get(names.get(k, k), 0) // v) for k, v in resources.items() if v]
-    return max(1, min(min(fits, default=1), n_tasks))
+    fits = {k: int(total.get(names.get(k, k), 0) // v) for k, v in resources.items() if v}
+    short = [
+        f"{k}={resources[k]:g} (the cluster has {total.get(names.get(k, k), 0):g})"
+        for k, n in fits.items()
+        if n == 0
+    ]
+    if short:  # an actor that can never be placed would hang the run
+        raise StageError(
+            f"each worker of this stage needs {', '.join(short)}; add such nodes to the Ray cluster, "
+            "or run the stage on a device that is there (e.g. CPU)"
+        )
+    most = min(fits.values(), default=n_tasks)
+    return max(1, min(workers or most, most, n_tasks))
 
 
 def actor_env(resources: dict[str, float]) -> dict[str, str]:

@@ -309,3 +309,15 @@ def test_failing_shard_exits_nonzero_through_the_cli_on_ray(tmp_path, with_trunc
     proc = cli("tokenize", with_truncated, "--tokenizer", tokenizer_dir, "--out", out, "--engine", "beam")
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "part-00001" in stderr
+
+
+def test_ray_pool_fits_the_cluster(ray_session):
+    """Actors that can never be placed would hang the run: refuse with the reason instead."""
+    from entroweight.pipelines.ray import pool_size
+
+    cpus = int(ray_session.cluster_resources()["CPU"])
+    assert pool_size(ray_session, {"num_cpus": 1}, None, 100) == cpus
+    assert pool_size(ray_session, {"num_cpus": 1}, 64, 100) == cpus  # capped at what fits
+    assert pool_size(ray_session, {"num_cpus": 1}, None, 1) == 1  # never more than there are shards
+    with pytest.raises(StageError, match="num_gpus=1 \\(the cluster has 0\\)"):
+        pool_size(ray_session, {"num_cpus": 1, "num_gpus": 1}, 2, 10)
