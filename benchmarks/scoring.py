@@ -171,17 +171,27 @@ def bench_storage(texts: list[str], n_rows_scored: int, spec: str, quick: bool) 
     pq.write_table(
         table.slice(0, n_rows_scored).replace_schema_metadata(table.schema.metadata), sub / src.name
     )
-    per_token = {}
-    for dtype in ("float16", "uint8"):
-        from entroweight.transforms.weigh import WeighConfig
+    from entroweight.transforms.weigh import WeighConfig, encode_weights, weigh
 
-        opts = {"model": spec, "aggregate": "mean", "batch_size": 8}
-        stage = ScoreStage(sub, "cross_tokenizer", opts, WeighConfig(dtype=dtype), False, str(tmp / "tok"))
-        run_stage(stage, tmp / f"scored-{dtype}", progress=False)
-        out = tmp / f"scored-{dtype}" / src.name
-        scored = pq.read_table(out)
-        real = int(scored.num_rows * 512 - pa.compute.sum(scored.column("n_pad")).as_py())
-        per_token[dtype] = _column_bytes(out, "weight") / real
+    # score once (float16 weights + entropy); the uint8 column is re-encoded from the same entropy
+    opts = {"model": spec, "aggregate": "mean", "batch_size": 8}
+    run_stage(ScoreStage(sub, "cross_tokenizer", opts, WeighConfig(), True, str(tmp / "tok")), tmp / "scored")
+    out = tmp / "scored" / src.name
+    scored = pq.read_table(out)
+    n_pad = scored.column("n_pad").to_numpy()
+    real = int(scored.num_rows * 512 - n_pad.sum())
+    entropy = np.stack(scored.column("entropy").to_numpy(zero_copy_only=False))
+    u8 = encode_weights(weigh(entropy, n_pad, WeighConfig(dtype="uint8")), "uint8")
+    from entroweight.transforms.tokenize import fixed_lists
+
+    u8_table = scored.drop_columns(["entropy", "weight"]).append_column("weight", fixed_lists(u8, pa.uint8()))
+    from entroweight.pipelines.score import parquet_options
+
+    pq.write_table(u8_table, tmp / "u8.parquet", **parquet_options("uint8", False))
+    per_token = {
+        "float16": _column_bytes(out, "weight") / real,
+        "uint8": _column_bytes(tmp / "u8.parquet", "weight") / real,
+    }
     ids_pt = ids_bytes / real_all
     note = (
         f"ids: {table.num_rows} C4 docs, 8k BPE, n_ctx 512; weights: {n_rows_scored} rows scored by SmolLM2"

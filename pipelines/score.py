@@ -27,13 +27,32 @@ from entroweight.scorers import Scorer, ScorerError, make_scorer
 from entroweight.transforms.tokenize import fixed_lists
 from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.transforms.weigh import WeighConfig, encode_weights, weigh
-from entroweight.transforms.writer import AtomicParquetWriter
+from entroweight.transforms.writer import PARQUET_OPTIONS, AtomicParquetWriter
 
 from entroweight import __version__
 
 from .stage import ShardTask, Stage, StageError
 
 READ_ROWS = 256  # rows read, scored and written at a time (the scorer batches within)
+
+
+def parquet_options(weight_dtype: str, with_entropy: bool) -> dict:
+    """The writer's options plus byte-stream-split where it pays: Parquet stores uint8 as INT32, and
+    split streams let zstd drop the three zero bytes (C4: 0.97 vs 1.21 B per token, near the 0.92 B
+    entropy of the weights); float32 entropy compresses better split as well."""
+    split = {"weight.list.element": "BYTE_STREAM_SPLIT"} if weight_dtype == "uint8" else {}
+    if with_entropy:
+        split["entropy.list.element"] = "BYTE_STREAM_SPLIT"
+    return {**PARQUET_OPTIONS, "column_encoding": split} if split else dict(PARQUET_OPTIONS)
+
+
+class _WeightedWriter(AtomicParquetWriter):
+    """AtomicParquetWriter with per-column encodings (its options are fixed for every stage)."""
+
+    def __init__(self, path, schema: pa.Schema, options: dict):
+        super().__init__(path, schema)
+        self._writer.close()
+        self._writer = pq.ParquetWriter(self.tmp, schema, **options)
 
 
 def input_files(data_dir: str | Path) -> list[Path]:
@@ -148,7 +167,8 @@ class ScoreStage(Stage):
         self.scorer.reset_report()
         rows = real = n_bytes = 0
         start = time.perf_counter()
-        with AtomicParquetWriter(Path(task.out_dir) / output, schema) as writer:
+        options = parquet_options(self.weighting.dtype, self.with_entropy)
+        with _WeightedWriter(Path(task.out_dir) / output, schema, options) as writer:
             for batch in source.iter_batches(batch_size=READ_ROWS):
                 n = batch.num_rows
                 flat = pc.list_flatten(batch.column("input_ids")).to_numpy(zero_copy_only=False)
