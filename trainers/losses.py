@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-LOSSES = ("ce", "weighted_ce", "rescaled", "hard_negative", "prefix_smooth")
+LOSSES = ("ce", "weighted_ce", "rescaled", "hard_negative", "prefix_smooth", "tfree_bce")
 # the data columns each loss needs beyond input_ids
 NEEDS = {"weighted_ce": ("weight",), "rescaled": ("entropy",)}
 
@@ -79,6 +79,22 @@ def prefix_smooth(logits, targets, mask, prefix_table: torch.Tensor, prefix_weig
     return _mean(loss, mask)
 
 
+def tfree_bce(logits, targets, mask, codes: torch.Tensor, **_):
+    """T-FREE's multi-label loss: BCE of the (B, T, n_hash) head logits against the target token's
+    multi-hot pattern, summed over the head (the pattern's negative log-likelihood in nats), mean over
+    real targets.
+
+    `codes` (V, K) int64 lists each token's active positions, padded with -1 (`models.tfree`).
+    """
+    n_hash = logits.shape[-1]
+    pos = codes.to(targets.device)[targets]  # (B, T, K)
+    # pads write into an extra column that is then dropped, so they never clear a real 1
+    pos = torch.where(pos >= 0, pos, n_hash)
+    y = torch.zeros(*targets.shape, n_hash + 1, device=logits.device).scatter_(-1, pos, 1.0)[..., :n_hash]
+    bce = F.binary_cross_entropy_with_logits(logits.float(), y, reduction="none").sum(-1)
+    return _mean(bce, mask)
+
+
 def compute_loss(name: str, logits, targets, mask, **kw) -> torch.Tensor:
     fns = {
         "ce": ce,
@@ -86,6 +102,7 @@ def compute_loss(name: str, logits, targets, mask, **kw) -> torch.Tensor:
         "rescaled": rescaled,
         "hard_negative": hard_negative,
         "prefix_smooth": prefix_smooth,
+        "tfree_bce": tfree_bce,
     }
     if name not in fns:
         raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
