@@ -1,0 +1,319 @@
+"""Re-check a stage's output directory against its bookkeeping: the dataset has no silent hole.
+
+`verify_dir(path)` reads everything (manifests, `.shards.json`, `.stage.json`, every parquet and
+rejects file) and returns a list of problems, each naming the file and saying what to do; an empty
+list means the directory is what its manifests claim. It works on tokenized and scored directories.
+
+What it checks:
+- bookkeeping: `.stage.json` parses; every shard of `.shards.json` has a manifest (else a shard
+  failed or was never run: a hole); every manifest is of this stage and config and registered;
+- files: each output and rejects file exists with its recorded sha256 and row counts; no stray
+  non-hidden file, no unreferenced rejects file, no temp file left by a killed run;
+- accounting: per shard and over the run, documents in = documents out + rejected; token and
+  byte totals equal the manifests'; a scored shard has as many rows as its input shard's manifest;
+- contracts: the schema the metadata implies; one tokenizer and one config (scorer) per directory;
+  list lengths of input_ids / entropy / weight equal n_ctx; left pads hold pad_id; weights finite,
+  in [0, 1], 0 on pads; entropy finite.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from entroweight.schemas import ShardManifest, StageRecord, sequence_schema, weighted_sequence_schema
+from entroweight.schemas.arrow import METADATA_KEY
+from entroweight.transforms.writer import TMP_MARK, sha256_file
+
+from .stage import REJECTS_DIR, SHARDS_FILE, STAGE_FILE
+
+# metadata keys that may differ between shards of one config (file name of the tokenizer, code version)
+_FREE_KEYS = {"tokenizer", "code_version"}
+# keys that name the scorer and its model: a difference means two scorers in one directory
+_SCORER_KEYS = {"scorer", "model", "model_sha256", "checkpoint", "checkpoint_sha256", "dtype", "weighting"}
+_ROWS = 1024  # rows read at a time: bounded memory on large shards
+
+
+def verify_dir(path: str | Path) -> list[str]:
+    """Problems found in the stage output directory `path`; [] when every shard checks out."""
+    out = Path(path)
+    if not out.is_dir():
+        return [f"{out} is not a directory"]
+    problems: list[str] = []
+    record = _read_json_model(out / STAGE_FILE, StageRecord, problems)
+    if record is None:
+        if not (out / STAGE_FILE).exists():
+            problems.append(f"{out} has no {STAGE_FILE}: it is not the output of an entroweight stage")
+        return problems
+    registry = _read_registry(out, problems)
+    manifests: dict[str, ShardManifest] = {}
+    for p in sorted(out.glob(".part-*.manifest.json")):
+        m = _read_json_model(p, ShardManifest, problems)
+        if m is not None:
+            manifests[m.shard] = m
+            if p.name != f".{m.shard}.manifest.json":
+                problems.append(f"{p.name} holds the manifest of {m.shard}: the bookkeeping was edited")
+
+    # every registered shard is done (a missing manifest is a failed or unrun shard: a hole)
+    for key, shard in sorted((registry or {}).items(), key=lambda kv: kv[1]):
+        if shard not in manifests:
+            problems.append(
+                f"{shard} (input {key}) has no manifest: it failed or never ran; rerun the stage to complete it"
+            )
+    for shard, m in manifests.items():
+        if m.stage != record.stage or m.config_hash != record.config_hash:
+            problems.append(
+                f"{shard}: manifest of {m.stage} config {m.config_hash}, but {STAGE_FILE} says "
+                f"{record.stage} config {record.config_hash}: mixed configs; rerun with --overwrite"
+            )
+        for inp in m.inputs:
+            if registry is not None and registry.get(inp.key) != shard:
+                problems.append(f"{shard}: its input {inp.key} is not registered to it in {SHARDS_FILE}")
+
+    _check_files_present(out, manifests, problems)
+    first_meta: tuple[str, dict] | None = None
+    totals = {"docs_in": 0, "docs_out": 0, "rejected": 0}
+    for shard in sorted(manifests):
+        m = manifests[shard]
+        totals["docs_in"] += m.docs_in
+        totals["docs_out"] += m.docs_out
+        totals["rejected"] += m.n_rejected
+        meta = _check_shard(out, m, record, problems)
+        if meta is None:
+            continue
+        if first_meta is None:
+            first_meta = (m.output, meta)
+        else:
+            _compare_meta(first_meta, (m.output, meta), problems)
+    if totals["docs_in"] != totals["docs_out"] + totals["rejected"]:
+        problems.append(
+            f"{out}: {totals['docs_in']} documents in, but {totals['docs_out']} out + {totals['rejected']} "
+            "rejected: documents were lost"
+        )
+    return problems
+
+
+# ---------------------------------------------------------------- bookkeeping
+
+
+def _read_json_model(path: Path, model, problems: list[str]):
+    if not path.exists():
+        return None
+    try:
+        return model.model_validate_json(path.read_text())
+    except (ValueError, OSError) as e:
+        problems.append(f"{path.name} does not parse ({type(e).__name__}); rerun the stage to rewrite it")
+        return None
+
+
+def _read_registry(out: Path, problems: list[str]) -> dict[str, str] | None:
+    path = out / SHARDS_FILE
+    if not path.exists():
+        problems.append(f"{out} has no {SHARDS_FILE}: the shard registry is gone; rerun the stage")
+        return None
+    try:
+        registry = json.loads(path.read_text())
+        if not isinstance(registry, dict):
+            raise ValueError("not a mapping")
+        return {str(k): str(v) for k, v in registry.items()}
+    except ValueError as e:
+        problems.append(f"{SHARDS_FILE} does not parse ({e}); rerun the stage")
+        return None
+
+
+def _check_files_present(out: Path, manifests: dict[str, ShardManifest], problems: list[str]) -> None:
+    """Stray files: data nobody accounts for (a shard with no manifest, a copy, a temp file)."""
+    outputs = {m.output for m in manifests.values()}
+    rejects = {m.rejects_file for m in manifests.values() if m.rejects_file}
+    for p in sorted(out.rglob("*")):
+        rel = p.relative_to(out).as_posix()
+        if TMP_MARK in p.name:
+            problems.append(f"{rel} is a temp file of a killed run; rerun the stage (it cleans them up)")
+        elif p.is_dir():
+            continue
+        elif rel.startswith(f"{REJECTS_DIR}/"):
+            if rel not in rejects:
+                problems.append(
+                    f"{rel} is a rejects file no manifest accounts for; delete it or rerun the stage"
+                )
+        elif not any(part.startswith(".") for part in p.relative_to(out).parts):
+            if rel not in outputs:
+                problems.append(
+                    f"{rel} is not a shard of this directory (no manifest names it): datasets would load it; "
+                    "move it out, or rerun the stage if a shard lost its manifest"
+                )
+        # other hidden files (.stage.json, .lock, someone's own): datasets skips them, so do we
+
+
+# ---------------------------------------------------------------- one shard
+
+
+def _check_shard(out: Path, m: ShardManifest, record: StageRecord, problems: list[str]) -> dict | None:
+    """All checks of one shard; returns its file metadata (for cross-shard consistency) or None."""
+    where = f"{m.shard} ({m.output})"
+    if m.docs_in != m.docs_out + m.n_rejected:
+        problems.append(
+            f"{where}: manifest says {m.docs_in} documents in but {m.docs_out} out + {m.n_rejected} rejected"
+        )
+    if m.rejects_file:
+        _check_rejects(out, m, problems)
+    elif m.n_rejected:
+        problems.append(f"{where}: {m.n_rejected} rejected documents but no rejects file")
+    path = out / m.output
+    if not path.is_file():
+        problems.append(f"{where}: the shard file is missing; rerun the stage to rewrite it")
+        return None
+    if sha256_file(path) != m.output_sha256:
+        problems.append(
+            f"{where}: sha256 differs from its manifest (changed or corrupt); rerun with --overwrite"
+        )
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # truncated or not parquet at all
+        problems.append(f"{where}: not a readable parquet file ({type(e).__name__}: {e})")
+        return None
+    if pf.metadata.num_rows != m.rows_out:
+        problems.append(f"{where}: {pf.metadata.num_rows} rows, its manifest says {m.rows_out}")
+    raw = (pf.schema_arrow.metadata or {}).get(METADATA_KEY)
+    try:
+        meta = json.loads(raw) if raw else None
+    except ValueError:
+        meta = None
+    if not meta:
+        problems.append(f"{where}: no entroweight file metadata; it was not written by this stage")
+        return None
+    if meta.get("config_hash") != record.config_hash or meta.get("stage") != record.stage:
+        problems.append(
+            f"{where}: file metadata says {meta.get('stage')} config {meta.get('config_hash')}, the directory "
+            f"{record.stage} config {record.config_hash}"
+        )
+    expected = _expected_schema(meta, record, where, problems)
+    if expected is not None:
+        got = pa.schema([pa.field(f.name, f.type) for f in pf.schema_arrow])
+        want = pa.schema([pa.field(f.name, f.type) for f in expected])
+        if not got.equals(want):
+            problems.append(f"{where}: schema {_fmt(got)} is not the contract {_fmt(want)}")
+        else:
+            _check_values(pf, m, meta, where, problems)
+    if record.stage == "score":
+        _check_score_input(m, where, problems)
+    return meta
+
+
+def _check_rejects(out: Path, m: ShardManifest, problems: list[str]) -> None:
+    path = out / m.rejects_file
+    where = f"{m.shard} ({m.rejects_file})"
+    if not path.is_file():
+        problems.append(f"{where}: rejects file missing; rerun the stage with --overwrite")
+        return
+    if m.rejects_sha256 and sha256_file(path) != m.rejects_sha256:
+        problems.append(f"{where}: sha256 differs from its manifest (changed or corrupt)")
+    try:
+        table = pq.read_table(path, columns=["reason"])
+    except Exception as e:
+        problems.append(f"{where}: not a readable parquet file ({type(e).__name__})")
+        return
+    counts: dict[str, int] = {}
+    for reason in table.column("reason").to_pylist():
+        counts[reason] = counts.get(reason, 0) + 1
+    if counts != dict(m.rejected):
+        problems.append(f"{where}: holds rejects {counts}, its manifest counts {dict(m.rejected)}")
+
+
+def _expected_schema(meta: dict, record: StageRecord, where: str, problems: list[str]) -> pa.Schema | None:
+    try:
+        vocab, packed = int(meta["vocab_size"]), bool(meta.get("packed", False))
+        if record.stage == "tokenize":
+            return sequence_schema(vocab, packed)
+        if record.stage == "score":
+            with_entropy = bool(record.config.get("with_entropy", True))
+            return weighted_sequence_schema(vocab, packed, meta.get("weight_dtype", "float16"), with_entropy)
+    except (KeyError, ValueError, TypeError) as e:
+        problems.append(f"{where}: file metadata lacks what the schema needs ({e})")
+        return None
+    return None  # a stage this checker does not know: bookkeeping checks only
+
+
+def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, problems: list[str]) -> None:
+    n_ctx, pad_id = int(meta["n_ctx"]), int(meta["pad_id"])
+    names = pf.schema_arrow.names
+    lists = [c for c in ("input_ids", "entropy", "weight") if c in names]
+    columns = [*lists, "n_pad", "n_bytes"]
+    real = n_bytes = 0
+    bad: dict[str, int] = {}
+
+    def flag(kind: str, n: int) -> None:
+        if n:
+            bad[kind] = bad.get(kind, 0) + int(n)
+
+    for batch in pf.iter_batches(batch_size=_ROWS, columns=columns):
+        n_pad = batch.column("n_pad").to_numpy().astype(np.int64)
+        flag("n_pad outside [0, n_ctx]", ((n_pad < 0) | (n_pad > n_ctx)).sum())
+        for c in lists:
+            lengths = pc.list_value_length(batch.column(c)).to_numpy(zero_copy_only=False)
+            flag(f"{c} lists not of length n_ctx={n_ctx}", (lengths != n_ctx).sum())
+        if bad:
+            continue  # values cannot be laid out as (rows, n_ctx)
+        rows = batch.num_rows
+        pad = np.arange(n_ctx)[None, :] < n_pad[:, None]
+        ids = _matrix(batch.column("input_ids"), rows, n_ctx)
+        flag("pads that are not pad_id", (ids[pad] != pad_id).sum())
+        real += int(rows * n_ctx - n_pad.sum())
+        n_bytes += int(pc.sum(batch.column("n_bytes")).as_py() or 0)
+        if "weight" in lists:
+            w = _matrix(batch.column("weight"), rows, n_ctx)
+            if w.dtype.kind == "f":
+                w = w.astype(np.float32)
+                flag("weights NaN or infinite", (~np.isfinite(w)).sum())
+                flag("weights outside [0, 1]", ((w < 0) | (w > 1)).sum())
+            flag("pads with a weight other than 0", (w[pad] != 0).sum())
+        if "entropy" in lists:
+            e = _matrix(batch.column("entropy"), rows, n_ctx)
+            flag("entropy NaN or infinite", (~np.isfinite(e)).sum())
+    for kind, n in bad.items():
+        problems.append(f"{where}: {n} {kind}")
+    if not bad:
+        if real != m.n_real_tokens:
+            problems.append(f"{where}: {real} real tokens, its manifest says {m.n_real_tokens}")
+        if n_bytes != m.n_bytes:
+            problems.append(f"{where}: n_bytes sum {n_bytes}, its manifest says {m.n_bytes}")
+
+
+def _matrix(col: pa.ListArray, rows: int, n_ctx: int) -> np.ndarray:
+    flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+    return flat.reshape(rows, n_ctx)
+
+
+def _check_score_input(m: ShardManifest, where: str, problems: list[str]) -> None:
+    """A scored shard scores every row of its input shard (when the input directory is still there)."""
+    for inp in m.inputs:
+        src = Path(inp.uri)
+        manifest = src.parent / f".{src.stem}.manifest.json"
+        if not manifest.is_file():
+            continue
+        try:
+            rows = ShardManifest.model_validate_json(manifest.read_text()).rows_out
+        except ValueError:
+            continue
+        if rows != m.docs_in:
+            problems.append(f"{where}: scored {m.docs_in} rows, its input {src} has {rows}")
+
+
+def _compare_meta(a: tuple[str, dict], b: tuple[str, dict], problems: list[str]) -> None:
+    (fa, ma), (fb, mb) = a, b
+    if ma.get("tokenizer_sha256") != mb.get("tokenizer_sha256"):
+        problems.append(f"{fb}: tokenized with another tokenizer than {fa}: one tokenizer per directory")
+        return
+    keys = sorted(k for k in set(ma) | set(mb) if k not in _FREE_KEYS and ma.get(k) != mb.get(k))
+    if not keys:
+        return
+    what = "another scorer config" if set(keys) & _SCORER_KEYS else "other metadata"
+    problems.append(f"{fb}: {what} than {fa} ({', '.join(keys)} differ): one config per directory")
+
+
+def _fmt(schema: pa.Schema) -> str:
+    return "{" + ", ".join(f"{f.name}: {f.type}" for f in schema) + "}"
