@@ -93,12 +93,16 @@ class CausalLossScorer(Scorer):
         if self.checkpoint is not None:
             from entroweight.models.checkpoint import load_checkpoint
 
-            self._model, _ = load_checkpoint(self.checkpoint, map_location=self.device)
+            self._model, _ = load_checkpoint(
+                self.checkpoint,
+                map_location=self.device,
+                allow_pickle=self.options.get("allow_pickle", False),
+            )
             # our models read no attention mask: they see the left padding they were trained on
             self.cut_padding = "attention_mask" in inspect.signature(self._model.forward).parameters
             self._start = None
         else:
-            self._model = hf.load_causal_lm(self._resolved, self.device)
+            self._model = hf.load_causal_lm(self._resolved, self.device, **hf.load_options(self.options))
             _, self._start = hf.load_model_tokenizer(self._resolved)
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:

@@ -70,7 +70,7 @@ class CrossTokenizerScorer(Scorer):
             raise ScorerError("cross_tokenizer needs the data's tokenizer: pass --tokenizer")
         self._data_tok = data_tokenizer
         if self._model is None:
-            self._model = hf.load_causal_lm(self._resolved, self.device)
+            self._model = hf.load_causal_lm(self._resolved, self.device, **hf.load_options(self.options))
             self._model_tok, self._start = hf.load_model_tokenizer(self._resolved)
             limit = getattr(self._model.config, "max_position_embeddings", None)
             if limit and self.context > limit:

@@ -2,7 +2,8 @@
 
 A GGUF file is converted once into a plain HF directory (safetensors + tokenizer.json) in a cache
 keyed by the file's sha256, so later loads take seconds and the rest of the code sees one format.
-Nothing is loaded with `trust_remote_code`.
+Nothing is loaded with `trust_remote_code` unless asked (--trust-remote-code), and model weights are
+read from safetensors only unless asked (--allow-pickle). Hub ids are checked (OWNER/NAME) first.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from entroweight.transforms.tokenizer import LoadedTokenizer, load_tokenizer
@@ -17,6 +19,8 @@ from entroweight.transforms.writer import sha256_file
 
 # The write-up's large model; downloads need the hub (not available on air-gapped machines).
 LLAMA_32_1B = "meta-llama/Llama-3.2-1B"
+# what the hub accepts as a model id: OWNER/NAME, no '..' or '--' (so never a path outside the cache)
+HUB_MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 
 
 class ModelLoadError(ValueError):
@@ -44,6 +48,10 @@ def resolve_model(spec: str) -> Path | str:
         return p
     if p.exists() or spec.startswith((".", "/")):
         raise ModelLoadError(f"{spec} is neither a model directory nor a .gguf file")
+    if not HUB_MODEL_RE.match(spec) or ".." in spec or "--" in spec:
+        raise ModelLoadError(
+            f"{spec!r} is not a model directory, a .gguf file, or a hub id (OWNER/NAME, e.g. {LLAMA_32_1B})"
+        )
     return spec  # a hub id such as meta-llama/Llama-3.2-1B
 
 
@@ -94,19 +102,39 @@ def model_sha256(resolved: Path | str) -> str | None:
     return h.hexdigest() if files else None
 
 
-def load_causal_lm(resolved: Path | str, device: str = "cpu"):
-    """The model in eval mode, fp32 weights (autocast handles bf16)."""
+def load_causal_lm(
+    resolved: Path | str, device: str = "cpu", allow_pickle: bool = False, trust_remote_code: bool = False
+):
+    """The model in eval mode, fp32 weights (autocast handles bf16). Safetensors only unless `allow_pickle`;
+    a repository's own modelling code runs only with `trust_remote_code`."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    if isinstance(resolved, Path) and not allow_pickle and not list(resolved.glob("*.safetensors")):
+        pickles = [p.name for p in resolved.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+        if pickles:
+            raise ModelLoadError(
+                f"{resolved} holds pickle weights only ({', '.join(sorted(pickles))}), which can run code when "
+                "loaded; convert them to safetensors, or pass --allow-pickle if you trust their source"
+            )
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(resolved), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(resolved),
+            dtype=torch.float32,
+            use_safetensors=None if allow_pickle else True,
+            trust_remote_code=trust_remote_code,
+        )
     except OSError as e:
         raise ModelLoadError(
             f"cannot load {resolved} ({e}); for a hub id, log in and download it first "
             "(e.g. `hf download meta-llama/Llama-3.2-1B`), or pass a local directory or .gguf file"
         ) from e
     return model.to(device).eval()
+
+
+def load_options(options: dict) -> dict:
+    """The safety switches a scorer's options may carry (both off unless the user asked)."""
+    return {k: bool(options.get(k, False)) for k in ("allow_pickle", "trust_remote_code")}
 
 
 def load_model_tokenizer(resolved: Path | str) -> tuple[LoadedTokenizer, int | None]:

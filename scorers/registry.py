@@ -18,6 +18,11 @@ ENTRY_POINT_GROUP = "entroweight.scorers"
 BUILTIN = {
     "causal_loss": "entroweight.scorers.causal_loss:CausalLossScorer",
     "cross_tokenizer": "entroweight.scorers.cross_tokenizer:CrossTokenizerScorer",
+    "occlusion": "entroweight.scorers.occlusion:OcclusionScorer",
+    "decomposition": "entroweight.scorers.decomposition:DecompositionScorer",
+    "two_model": "entroweight.scorers.two_model:TwoModelScorer",
+    "grad_input": "entroweight.scorers.grad_input:GradInputScorer",
+    "excess_loss": "entroweight.scorers.excess_loss:ExcessLossScorer",
 }
 _registered: dict[str, type[Scorer]] = {}
 

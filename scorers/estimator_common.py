@@ -1,0 +1,194 @@
+"""What the scorers that read our own checkpoints share: loading, tokenizer check, model width, windows.
+
+Our models read no attention mask: they were trained on full left-padded rows of n_ctx tokens and
+see the pads. So these scorers never cut padding (`cut_padding = False`) and give the model rows of
+exactly the width it was trained on (left-padded further with the checkpoint's pad id when the data
+is narrower; refused when it is wider, except by the window scorers, which slide).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .base import Scorer, ScorerError
+from .forward import autocast, chunked_ce, resolve_dtype
+
+# fp32 logits per forward sub-batch (rows × width × vocabulary × 4 bytes)
+LOGIT_BYTES = 256 << 20
+
+
+def checkpoint_info(checkpoint: str) -> dict:
+    from entroweight.models.checkpoint import read_checkpoint_config
+
+    return read_checkpoint_config(checkpoint)
+
+
+def check_tokenizer(ckpt_config: dict, checkpoint: str, sha256: str) -> None:
+    want = ckpt_config.get("tokenizer_sha256")
+    if want and want != sha256:
+        raise ScorerError(
+            f"the checkpoint {checkpoint} was trained on tokenizer {want[:12]}…, the data is tokenized "
+            f"with {sha256[:12]}…: retokenize the data with the checkpoint's tokenizer"
+        )
+
+
+def model_n_ctx(ckpt_config: dict) -> int:
+    return int(ckpt_config.get("n_ctx") or ckpt_config["model"]["n_ctx"])
+
+
+def model_pad_id(ckpt_config: dict, checkpoint: str) -> int:
+    pad = ckpt_config.get("pad_id")
+    if pad is None:
+        raise ScorerError(
+            f"the checkpoint {checkpoint} records no pad_id (config.json): these scorers pad windows the "
+            "way the model was trained; retrain with `entroweight train` on left-padded data, or add "
+            '"pad_id" to its config.json'
+        )
+    return int(pad)
+
+
+class CheckpointScorer(Scorer):
+    """A scorer over one of our checkpoints (`checkpoint=DIR`); `kinds` limits the model kinds it takes."""
+
+    kinds: tuple[str, ...] | None = None
+    cut_padding = False  # the models attend to the left padding they were trained on
+
+    def __init__(
+        self,
+        checkpoint: str | None = None,
+        dtype: str | None = None,
+        batch_size: int = 16,
+        device: str = "cpu",
+        **options: Any,
+    ):
+        super().__init__(batch_size=batch_size, device=device, **options)
+        if checkpoint is None:
+            raise ScorerError(f"the {self.name} scorer needs --checkpoint (one of our trained models)")
+        self.checkpoint = str(checkpoint)
+        self.dtype = resolve_dtype(dtype, device)
+        self._ckpt_config = checkpoint_info(self.checkpoint)
+        kind = self._ckpt_config.get("kind")
+        if self.kinds is not None and kind not in self.kinds:
+            raise ScorerError(
+                f"the {self.name} scorer reads an embedding-augmented model ({' or '.join(self.kinds)}); "
+                f"{checkpoint} is a {kind!r}: train one with `entroweight train DATA --model estimator`"
+            )
+        self.n_ctx = model_n_ctx(self._ckpt_config)
+        self.pad_id = model_pad_id(self._ckpt_config, self.checkpoint)
+        self._model = None
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "scorer": self.name,
+            "checkpoint": Path(self.checkpoint).name,
+            "checkpoint_sha256": self._ckpt_config.get("weights_sha256"),
+            "dtype": self.dtype,
+        }
+
+    def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
+        check_tokenizer(self._ckpt_config, self.checkpoint, sha256)
+
+    def setup(self, data_tokenizer=None) -> None:
+        if self._model is None:
+            self._model = load_model(self.checkpoint, self.device, self.options.get("allow_pickle", False))
+
+    def to_model_width(self, input_ids: np.ndarray, n_pad: np.ndarray) -> tuple[torch.Tensor, int]:
+        """(B, T) left-padded ids -> (B, n_ctx) on the device, the checkpoint's pad id on the left; and
+        the number of columns added (T > n_ctx is refused: the encoder must read the whole row)."""
+        B, T = input_ids.shape
+        if T > self.n_ctx:
+            raise ScorerError(
+                f"rows of {T} tokens are longer than the checkpoint's n_ctx {self.n_ctx}: tokenize with "
+                f"--n-ctx {self.n_ctx} or train an estimator of a longer context"
+            )
+        ids = np.full((B, self.n_ctx), self.pad_id, dtype=np.int64)
+        real = np.arange(T)[None, :] >= n_pad[:, None]
+        ids[:, self.n_ctx - T :] = np.where(real, input_ids, self.pad_id)
+        return torch.as_tensor(ids, device=self.device), self.n_ctx - T
+
+
+def load_model(checkpoint: str, device: str, allow_pickle: bool = False) -> nn.Module:
+    from entroweight.models.checkpoint import load_checkpoint
+
+    model, _ = load_checkpoint(checkpoint, map_location=device, allow_pickle=allow_pickle)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def hidden_outputs(model: nn.Module):
+    """Inside, `model.decode` returns the decoder's final hidden states instead of logits (the head is
+    swapped for the identity), so the vocabulary-wide logits are formed later, in chunks."""
+    dec = model.decoder
+    head = dec.lm_head
+    if not isinstance(head, nn.Linear):
+        raise ScorerError(f"the decoder's head is a {type(head).__name__}, not a linear layer")
+    dec.lm_head = nn.Identity()
+    try:
+        yield head
+    finally:
+        dec.lm_head = head
+
+
+def minmax_rows(values: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
+    """Per-row min-max over real positions (the write-up's N_minmax); constant rows give 0; pads 0."""
+    from entroweight.transforms.weigh import WeighConfig, normalize
+
+    return normalize(values, n_pad, WeighConfig())
+
+
+# -- windows (decomposition, two_model)
+
+
+def windows(
+    rows: list[np.ndarray], ends: list[int], keep: int, width: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """For row r and end j: the last `keep` real tokens of rows[r][: j + 1], left-padded to `width`.
+    Returns (N, width) int64 windows and (N,) counts of real tokens in each."""
+    out = np.full((len(ends), width), pad_id, dtype=np.int64)
+    n_real = np.zeros(len(ends), dtype=np.int64)
+    for i, (row, j) in enumerate(zip(rows, ends, strict=True)):
+        w = row[max(0, j + 1 - keep) : j + 1]
+        if len(w):
+            out[i, width - len(w) :] = w
+        n_real[i] = len(w)
+    return out, n_real
+
+
+def window_loss_sums(
+    model: nn.Module, wins: np.ndarray, n_real: np.ndarray, device: str, dtype: str
+) -> np.ndarray:
+    """Σ per-token CE (nats) over each window's real targets: position p predicts p + 1, counted when
+    token p + 1 is real (the first real token is predicted from the pad before it). (N,) float64.
+    Identical windows are run once."""
+    if len(wins) == 0:
+        return np.zeros(0)
+    uniq, inverse = np.unique(np.concatenate([wins, n_real[:, None]], axis=1), axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    x_all = torch.as_tensor(uniq[:, :-1], device=device)
+    counts = torch.as_tensor(uniq[:, -1], device=device)
+    N, W = x_all.shape
+    vocab = model_vocab(model)
+    step = max(1, LOGIT_BYTES // (4 * W * vocab))
+    sums = torch.zeros(N, dtype=torch.float64, device=device)
+    col = torch.arange(1, W, device=device)[None, :]
+    with torch.inference_mode(), autocast(device, dtype):
+        for s in range(0, N, step):
+            x = x_all[s : s + step]
+            pred = col >= (W - counts[s : s + step])[:, None]  # target column p+1 is real
+            if not pred.any():
+                continue
+            ce = chunked_ce(model(x)[:, :-1][pred], x[:, 1:][pred])
+            rows = torch.arange(len(x), device=device)[:, None].expand_as(pred)[pred]
+            sums[s : s + step].index_add_(0, rows, ce.double())
+    return sums.cpu().numpy()[inverse]
+
+
+def model_vocab(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "vocab_size", 0) or 8192)

@@ -1,0 +1,87 @@
+"""occlusion: how much each prediction of an entropy estimator depends on the encoder's embedding.
+
+Two forward passes per row, no gradients (the write-up's `Attr(x) = m(O(x, θd), O(x_o, θd))`):
+the decoder with the encoder's embedding (`x = O(x, θe) ⊕ W_wte x`) and with it occluded
+(`x_o = 0 ⊕ W_wte x`, for a llama decoder also masked from attention: `EntropyEstimator.decode(ids,
+None)`). Outputs compared are the decoder's **logits**, as in the write-up ("we actually use the
+logit activations rather than the embeddings"). Metrics:
+
+- `l1`: Σ_v |logit_v − logit_o,v| per position, then min-max normalised per row over real positions;
+- `cosine`: 1 − cos(logits, logits_o) in [0, 2], not normalised.
+
+Both are computed from the hidden states without forming the (B, T, V) logits: the head W is linear
+with no bias, so the logit difference is W·(h − h_o) (one head matmul, in chunks), and cosines only
+need the D×D Gram matrix WᵀW. Output t is about token t + 1: values are shifted right by one. The
+first real token's value comes from the pad before it (our estimators are trained on left-padded
+rows); a row with no padding gets the mean of its other values (scorers/base.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import ScorerError, fill_first_token
+from .estimator_common import CheckpointScorer, hidden_outputs, minmax_rows
+from .forward import autocast
+
+METRICS = ("l1", "cosine")
+L1_CHUNK_BYTES = 32 << 20  # fp32 logit differences per chunk
+
+
+class OcclusionScorer(CheckpointScorer):
+    name = "occlusion"
+    kinds = ("estimator",)
+
+    def __init__(self, checkpoint: str | None = None, metric: str = "l1", **kw: Any):
+        super().__init__(checkpoint=checkpoint, **kw)
+        if metric not in METRICS:
+            raise ScorerError(f"--metric must be one of {', '.join(METRICS)}, not {metric!r}")
+        self.metric = metric
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "metric": self.metric}
+
+    def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
+        ids, added = self.to_model_width(input_ids, n_pad)
+        raw = occlusion_values(self._model, ids, self.metric, self.dtype)[:, added:]
+        fill_first_token(raw, n_pad, n_pad > 0)
+        if self.metric == "l1":
+            return minmax_rows(raw, n_pad)
+        raw[np.arange(raw.shape[1])[None, :] < n_pad[:, None]] = 0.0
+        return raw
+
+
+def occlusion_values(model, ids: torch.Tensor, metric: str = "l1", dtype: str = "fp32") -> np.ndarray:
+    """(B, T) ids -> (B, T) raw float32 occlusion values, already shifted (value t about token t; value 0
+    is 0): the unnormalised L1 distance or 1 − cos between the logits with and without the embedding."""
+    device = ids.device.type
+    with torch.inference_mode(), autocast(device, dtype), hidden_outputs(model) as head:
+        h = model.decode(ids, model.encode(ids))[:, :-1]
+        h_o = model.decode(ids, None)[:, :-1]
+    B, T1, D = h.shape
+    W = head.weight.float()
+    out = np.zeros((B, T1 + 1), dtype=np.float32)
+    with torch.inference_mode():
+        if metric == "l1":
+            diff = (h.float() - h_o.float()).reshape(-1, D)
+            # cache-sized chunks, and the norm without an |x| temporary: as fast as one bare head matmul
+            rows = max(1, L1_CHUNK_BYTES // (4 * W.shape[0]))
+            norms = [
+                torch.linalg.vector_norm(diff[s : s + rows] @ W.T, ord=1, dim=-1)
+                for s in range(0, len(diff), rows)
+            ]
+            vals = torch.cat(norms)
+        elif metric == "cosine":
+            G = W.T @ W  # logits·logits' = h Wᵀ W h'
+            a, b = h.float().reshape(-1, D), h_o.float().reshape(-1, D)
+            aG = a @ G
+            ab, aa, bb = (aG * b).sum(-1), (aG * a).sum(-1), ((b @ G) * b).sum(-1)
+            cos = ab / (aa.clamp_min(1e-30) * bb.clamp_min(1e-30)).sqrt()
+            vals = (1.0 - cos).clamp(0.0, 2.0)
+        else:
+            raise ScorerError(f"metric must be one of {', '.join(METRICS)}, not {metric!r}")
+    out[:, 1:] = vals.reshape(B, T1).cpu().numpy()
+    return out

@@ -1,0 +1,38 @@
+"""`entroweight compare`: agreement (R², Pearson, Spearman) of two scorers on the same sequences."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from .cli_common import _fail
+
+
+@click.command("compare")
+@click.argument("scored_dir_a", type=click.Path(exists=True, file_okay=False))
+@click.argument("scored_dir_b", type=click.Path(exists=True, file_okay=False))
+@click.option("--column", type=click.Choice(["entropy", "weight"]), default="entropy", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def compare_cmd(scored_dir_a, scored_dir_b, column, as_json):
+    """R², Pearson and Spearman between two scored directories of the same tokenized data, over the real
+    tokens of the sequences (seq_id) both hold."""
+    from entroweight.transforms.agreement import AgreementError, compare_dirs
+
+    try:
+        result = compare_dirs(scored_dir_a, scored_dir_b, column)
+    except AgreementError as e:
+        _fail(str(e))
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"{result['scorer_a']} vs {result['scorer_b']} ({column})")
+    click.echo(f"  R²        {result['r2']:.4f}")
+    click.echo(f"  Pearson   {result['pearson']:.4f}")
+    click.echo(f"  Spearman  {result['spearman']:.4f}")
+    click.echo(f"  tokens    {result['n_tokens']:,} in {result['n_sequences']:,} sequences")
+    if result["only_a"] or result["only_b"]:
+        click.echo(f"  skipped   {result['only_a']} sequences only in A, {result['only_b']} only in B")
+
+
+COMMANDS = [compare_cmd]
