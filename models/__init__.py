@@ -14,6 +14,7 @@ REGISTRY = {
     "mixer": "entroweight.models.mixer:MaskedMixer",
     "estimator": "entroweight.models.estimator:EntropyEstimator",
     "autoencoder": "entroweight.models.autoencoder:Autoencoder",
+    "tfree": "entroweight.models.tfree:TFree",
 }
 
 

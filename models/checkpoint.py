@@ -1,7 +1,9 @@
 """Checkpoints on disk: `model.safetensors` + `config.json` (kind, model config, data provenance).
 
-Only safetensors are read: a pickle cannot run code here. Training state (optimizer, data position)
-is the trainer's business and lives beside these files.
+Only safetensors are read by default: unpickling a `.pt`/`.bin`/`.pth` file can run code. With
+`allow_pickle=True` (the CLI's --allow-pickle) a pickle is read with `torch.load(weights_only=True)`,
+which accepts tensors and plain containers only. Training state (optimizer, data position) is the
+trainer's business and lives beside these files.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from . import build_model
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
 
 
 class CheckpointError(ValueError):
@@ -62,22 +65,26 @@ def read_checkpoint_config(ckpt_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def load_checkpoint(ckpt_dir: str | Path, map_location: str = "cpu", verify: bool = True):
-    """(model in eval mode, config dict). Refuses weights whose sha256 differs from the recorded one."""
+def load_checkpoint(
+    ckpt_dir: str | Path, map_location: str = "cpu", verify: bool = True, allow_pickle: bool = False
+):
+    """(model in eval mode, config dict). Refuses weights whose sha256 differs from the recorded one,
+    and pickle weights unless `allow_pickle` (then read with weights_only=True)."""
     ckpt = Path(ckpt_dir)
     config = read_checkpoint_config(ckpt)
     weights = ckpt / WEIGHTS
     if not weights.is_file():
-        pickles = [p.name for p in ckpt.glob("*.pt")] + [p.name for p in ckpt.glob("*.bin")]
-        hint = f" (found {', '.join(pickles)}: pickle files are not loaded)" if pickles else ""
-        raise CheckpointError(f"{ckpt} has no {WEIGHTS}{hint}")
+        weights = _pickle_weights(ckpt, allow_pickle)
     if verify and config.get("weights_sha256") and sha256_file(weights) != config["weights_sha256"]:
         raise CheckpointError(
             f"{weights} does not match the sha256 recorded in {CONFIG}: the file changed or is corrupt; "
             "re-copy the checkpoint or retrain it"
         )
     model = build_model(config["kind"], config["model"])
-    state = load_file(str(weights), device=map_location)
+    if weights.name == WEIGHTS:
+        state = load_file(str(weights), device=map_location)
+    else:
+        state = _load_pickle_state(weights, map_location)
     missing, unexpected = model.load_state_dict(state, strict=False)
     # tied weights were saved once; anything else missing is an error
     missing = [k for k in missing if not _is_tied(model, k)]
@@ -86,6 +93,36 @@ def load_checkpoint(ckpt_dir: str | Path, map_location: str = "cpu", verify: boo
             f"{weights} does not fit a {config['kind']} model: missing {missing}, unexpected {unexpected}"
         )
     return model.to(map_location).eval(), config
+
+
+def _pickle_weights(ckpt: Path, allow_pickle: bool) -> Path:
+    pickles = sorted(p for p in ckpt.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+    if not pickles:
+        raise CheckpointError(f"{ckpt} has no {WEIGHTS}")
+    names = ", ".join(p.name for p in pickles)
+    if not allow_pickle:
+        raise CheckpointError(
+            f"{ckpt} has no {WEIGHTS}, only pickle files ({names}), which can run code when loaded; "
+            "convert them to safetensors, or pass --allow-pickle if you trust their source "
+            "(they are then read with torch.load(weights_only=True))"
+        )
+    if len(pickles) > 1:
+        raise CheckpointError(f"{ckpt} holds several pickle files ({names}); keep the one to load")
+    return pickles[0]
+
+
+def _load_pickle_state(path: Path, map_location: str) -> dict[str, torch.Tensor]:
+    try:  # weights_only: tensors and plain containers; any other object is refused, not built
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"{path} is refused by torch.load(weights_only=True): {type(e).__name__}: {e}"
+        ) from e
+    if isinstance(state, dict) and isinstance(state.get("model") or state.get("state_dict"), dict):
+        state = state.get("model") or state.get("state_dict")
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise CheckpointError(f"{path} does not hold a state dict of tensors")
+    return state
 
 
 def _is_tied(model: torch.nn.Module, key: str) -> bool:

@@ -1,0 +1,152 @@
+# ruff: noqa: F811 - pytest fixtures imported from test_trainer_fixtures
+"""workflows/configs: every config builds (the write-up's sizes checked); `entroweight train --model
+mixer|estimator|autoencoder --model-config tiny-*.yaml` with every loss; `eval-quant` and the amortized
+bits of `eval-bpb` on a tiny estimator checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from entroweight.models import build_model
+from entroweight.workflows.cli import main
+from test_trainer_fixtures import one_thread, weighted_dir  # noqa: F401 - fixtures
+
+CONFIGS = Path(__file__).resolve().parent.parent / "workflows" / "configs"
+KINDS = ("llama", "mixer", "estimator", "autoencoder")
+
+
+def kind_of(path: Path) -> str:
+    """tiny-estimator.yaml, estimator-mixer.yaml -> estimator."""
+    return next(k for k in KINDS if path.stem.removeprefix("tiny-").split("-")[0] == k)
+
+
+def params(m) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def test_every_config_builds():
+    paths = sorted(CONFIGS.glob("*.yaml"))
+    assert {f"tiny-{k}.yaml" for k in KINDS} <= {p.name for p in paths}
+    for path in paths:
+        cfg = yaml.safe_load(path.read_text())
+        cfg["vocab_size"] = 256  # a small vocabulary keeps this fast; the sizes below are the stacks'
+        cfg.setdefault("n_ctx", 128)  # tiny configs take n_ctx from the data
+        with torch.device("meta"):  # shapes only, no init cost for the 100M-parameter ones
+            m = build_model(kind_of(path), cfg)
+        assert params(m) > 0, path.name
+        if path.stem.startswith("tiny-"):
+            assert params(m) < 1_000_000, path.name  # trains in seconds on CPU
+            real = build_model(kind_of(path), cfg)
+            assert real(torch.randint(0, 256, (2, 128))).shape == (2, 128, 256)
+
+
+def test_write_up_sizes():
+    load = lambda name: yaml.safe_load((CONFIGS / name).read_text())  # noqa: E731
+    with torch.device("meta"):
+        est = build_model("estimator", load("estimator.yaml"))
+        llama = build_model("llama", load("llama.yaml"))
+        mixer = build_model("mixer", load("mixer.yaml"))
+    assert est.embed_dim == 64 and est.config.n_ctx == 1024
+    assert (est.encoder.config.d_model, est.encoder.config.n_layers) == (256, 16)
+    assert (est.decoder.config.d_model, est.decoder.config.n_layers) == (512, 16)
+    c = llama.config
+    assert (c.d_model, c.n_layers, c.n_heads, c.d_ff, c.vocab_size, c.n_ctx) == (512, 16, 4, 2048, 8000, 1024)
+    assert (mixer.config.d_model, mixer.config.n_layers) == (512, 16)
+
+
+def cli(*args):
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    return res
+
+
+LOSS_ARGS = {
+    "ce": [],
+    "weighted_ce": [],
+    "rescaled": [],
+    "hard_negative": ["--margin", "2.0"],
+    "prefix_smooth": ["--prefix-weight", "0.1"],
+    # tfree_bce trains a T-FREE head only (--model tfree): not these kinds
+}
+
+
+@pytest.mark.parametrize("kind", ["mixer", "estimator", "autoencoder"])
+@pytest.mark.parametrize("loss", list(LOSS_ARGS))
+def test_cli_trains_each_kind_with_each_loss(kind, loss, weighted_dir, tokenizer_dir, tmp_path):
+    out = tmp_path / "ck"
+    res = cli(
+        "train", weighted_dir, "--model", kind, "--model-config", CONFIGS / f"tiny-{kind}.yaml",
+        "--loss", loss, *LOSS_ARGS[loss], "--tokenizer", tokenizer_dir, "--out", out,
+        "--steps", 2, "--batch-size", 4, "--log-every", 1, "--device", "cpu",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["kind"] == kind and cfg["loss"] == loss and cfg["model"]["vocab_size"] == 1024
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+
+
+@pytest.fixture(scope="module")
+def tiny_estimator(weighted_dir, tokenizer_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_est")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    res = cli(
+        "train", weighted_dir, "--model", "estimator", "--model-config", CONFIGS / "tiny-estimator.yaml",
+        "--tokenizer", tokenizer_dir, "--out", out, "--steps", 30, "--batch-size", 8, "--lr", 3e-3,
+        "--device", "cpu", "--overwrite",
+    )  # fmt: skip
+    torch.set_num_threads(before)
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_eval_quant(tiny_estimator, tokenized_dir):
+    res = cli("eval-quant", tiny_estimator, "--data", tokenized_dir, "--max-sequences", 64, "--json")
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.output)
+    assert r["sequences"] == 64 and r["embed_dim"] == 8 and r["kind"] == "estimator"
+    for fmt in ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8"):
+        q = r[fmt]
+        assert math.isfinite(q["loss"]) and q["bpb"] == pytest.approx(q["embed_bpb"] + q["token_bpb"])
+        assert abs(q["delta"]) < 0.5, (fmt, q)  # QAT-trained: casting barely moves the loss
+    assert r["float32"]["delta"] == 0
+    # 8-bit formats pay 8 values · 8 bits per sequence (+ a float32 scale for int8)
+    assert r["float8_e4m3fn"]["embed_bpb"] == pytest.approx(64 * 8 * 8 / r["bytes"])
+    assert r["int8"]["embed_bpb"] == pytest.approx(64 * (8 * 8 + 32) / r["bytes"])
+    assert r["float32"]["embed_bpb"] == pytest.approx(4 * r["float8_e5m2"]["embed_bpb"])
+    # the table form
+    res = cli("eval-quant", tiny_estimator, "--data", tokenized_dir, "--max-sequences", 16)
+    assert res.exit_code == 0 and "float8_e4m3fn" in res.output and "bpb" in res.output
+
+
+def test_eval_quant_refusals(tiny_estimator, tokenized_dir, tmp_path):
+    res = cli("eval-quant", tiny_estimator, "--data", tokenized_dir, "--formats", "float4")
+    assert res.exit_code == 2 and "unknown --formats float4" in res.output
+    llama = tmp_path / "llama"
+    res = cli(
+        "train", tokenized_dir, "--model", "llama", "--model-config", CONFIGS / "tiny-llama.yaml",
+        "--out", llama, "--steps", 1, "--batch-size", 2, "--device", "cpu",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    res = cli("eval-quant", llama, "--data", tokenized_dir)
+    assert res.exit_code == 2 and "no embedding to quantize" in res.output
+
+
+def test_eval_bpb_reports_amortized_bits_for_estimators(tiny_estimator):
+    res = cli("eval-bpb", tiny_estimator, "--max-bytes", 4000, "--json")
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.output)
+    assert r["amortized"] and r["embed_format"] == "float8_e4m3fn" and r["stride"] == r["n_ctx"] - 1
+    assert r["bpb"] == pytest.approx(r["token_bpb"] + r["embed_bpb"])
+    assert r["embed_bpb"] == pytest.approx(r["windows"] * 8 * 8 / r["bytes"])
+    assert r["token_bpb"] == pytest.approx(r["nats"] / math.log(2) / r["bytes"])
+    res = cli("eval-bpb", tiny_estimator, "--max-bytes", 4000)
+    assert res.exit_code == 0 and "amortized: embedding" in res.output
+    res = cli("eval-bpb", tiny_estimator, "--max-bytes", 4000, "--stride", 128)
+    assert res.exit_code == 2 and "--stride must be below n_ctx" in res.output

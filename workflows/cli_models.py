@@ -1,0 +1,101 @@
+"""`entroweight eval-quant`: how much an estimator / autoencoder loses when its embedding is stored
+in 8 bits (float8 e4m3fn / e5m2, int8 absmax), and its amortized bits per byte."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from .cli_common import _fail
+
+DEFAULT_FORMATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
+
+
+def token_batches(files, pad_id: int, batch_size: int, max_sequences: int | None):
+    """(input_ids (B, T) left-padded with pad_id, n_bytes (B,)) from token parquet files."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    left = max_sequences if max_sequences is not None else float("inf")
+    for path in files:
+        pf = pq.ParquetFile(path)
+        for batch in pf.iter_batches(batch_size=batch_size, columns=["input_ids", "n_bytes"]):
+            rows = batch.column("input_ids").to_pylist()[: int(min(left, batch.num_rows))]
+            if not rows:
+                return
+            n_bytes = batch.column("n_bytes").to_numpy()[: len(rows)]
+            T = max(len(r) for r in rows)
+            ids = np.full((len(rows), T), pad_id, dtype=np.int64)
+            for i, r in enumerate(rows):  # left padding: a shorter row keeps its tokens at the end
+                ids[i, T - len(r) :] = r
+            yield torch.from_numpy(ids), torch.from_numpy(n_bytes.astype(np.int64))
+            left -= len(rows)
+            if left <= 0:
+                return
+
+
+@click.command("eval-quant")
+@click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--data", "data", multiple=True, required=True, help="Token parquet (dirs or files); repeatable."
+)
+@click.option(
+    "--formats",
+    default=",".join(DEFAULT_FORMATS),
+    show_default=True,
+    help="Embedding formats to compare with float32 (float8_e4m3fn, float8_e5m2, int8, bfloat16, float16).",
+)
+@click.option("--max-sequences", type=int, default=None, help="Evaluate the first N sequences only.")
+@click.option("--batch-size", type=int, default=32, show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def eval_quant_cmd(ckpt_dir, data, formats, max_sequences, batch_size, device, as_json):
+    """Eval loss of CKPT_DIR's decoder with its embedding cast to each format vs float32, and the
+    amortized bits per byte: (embedding bits + Σ token bits) / Σ bytes of the --data sequences."""
+    import torch
+    from entroweight.models.checkpoint import CheckpointError, load_checkpoint
+    from entroweight.models.quant import FORMATS, evaluate_quantized
+    from entroweight.trainers.data import DataError, inspect_data
+
+    fmts = [f.strip() for f in formats.split(",") if f.strip()]
+    unknown = [f for f in fmts if f not in FORMATS]
+    if unknown:
+        _fail(f"unknown --formats {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model, config = load_checkpoint(ckpt_dir, map_location=dev)
+        if not all(hasattr(model, a) for a in ("encode", "decode", "embed_dim")):
+            _fail(
+                f"{ckpt_dir} holds a {config['kind']} model, which has no embedding to quantize; "
+                "eval-quant is for estimator and autoencoder checkpoints (use eval-bpb for the others)"
+            )
+        info = inspect_data(list(data), (), config.get("tokenizer_sha256"))
+    except (CheckpointError, DataError) as e:
+        _fail(str(e))
+    pad_id = info.pad_id if info.pad_id is not None else config.get("pad_id")
+    if pad_id is None:
+        _fail("the data record no pad_id; tokenize it with `entroweight tokenize` (left-padded sequences)")
+    res = evaluate_quantized(
+        model, token_batches(info.files, pad_id, batch_size, max_sequences), pad_id, formats=fmts
+    )
+    res["checkpoint"] = str(ckpt_dir)
+    res["kind"] = config["kind"]
+    if as_json:
+        click.echo(json.dumps(res, indent=2))
+        return
+    click.echo(
+        f"{res['kind']} {ckpt_dir}: {res['sequences']:,} sequences, {res['targets']:,} target tokens, "
+        f"{res['bytes']:,} bytes, embedding {res['embed_dim']} values"
+    )
+    click.echo(f"{'format':<15}{'loss':>9}{'delta':>10}{'embed bpb':>11}{'token bpb':>11}{'bpb':>9}")
+    for fmt in ["float32", *[f for f in fmts if f != "float32"]]:
+        r = res[fmt]
+        click.echo(
+            f"{fmt:<15}{r['loss']:>9.4f}{r['delta']:>+10.4f}{r['embed_bpb']:>11.4f}"
+            f"{r['token_bpb']:>11.4f}{r['bpb']:>9.4f}"
+        )
+
+
+COMMANDS = [eval_quant_cmd]
