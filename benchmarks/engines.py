@@ -8,29 +8,21 @@ the tokenizer, collect results, shut down) is reported as start-up/teardown in i
 
 from __future__ import annotations
 
-import gzip
-import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from .common import LLAMA3, c4_texts, row
+from .common import bench_tokenizer, c4_texts, row, write_jsonl_gz
 
 N_CTX = 512
-SHARD_DOCS = 250  # 4 shards per copy of the C4 sample: enough to keep 2 workers busy
+SHARD_DOCS = 250  # 4 shards per copy of the 1,000-doc C4 sample: enough to keep 2 workers busy
 # (label, engine, options): the distributed ones with one worker per core of this machine
 ENGINES = [
     ("beam in_memory", "beam", {}),
     ("beam multi_processing x2", "beam", {"workers": 2}),
     ("ray actors x2", "ray", {"workers": 2}),
 ]
-
-
-def _write(path: Path, texts: list[str]) -> int:
-    with gzip.open(path, "wt", encoding="utf-8", compresslevel=1) as f:
-        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
-    return sum(len(t.encode()) for t in texts)
 
 
 def _timed_run(corpus: Path, tok: Path, out: Path, engine: str, options: dict) -> tuple[float, float]:
@@ -50,39 +42,33 @@ def _timed_run(corpus: Path, tok: Path, out: Path, engine: str, options: dict) -
 
 
 def run(quick: bool = False) -> list[dict]:
-    from entroweight.transforms.train_tokenizer import save_tokenizer, train_bpe
-
     texts = c4_texts()
-    repeat = 1 if quick else 3  # 2.2 MB of text per copy
-    with tempfile.TemporaryDirectory() as tmp:
+    # full: 2 copies of the 2.2 MB sample in 8 shards; quick: half a copy in 2 shards, beam in_memory only
+    # (Ray's and Beam multi_processing's start-up alone take 10-30 s on a loaded 2-core box)
+    texts = texts * 2 if not quick else texts[: len(texts) // 2]
+    tok = bench_tokenizer(8000, quick)
+    with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp:
         d = Path(tmp)
-        tok = d / "tok"
-        save_tokenizer(train_bpe(texts[: 200 if quick else 1000], 8000, LLAMA3), tok)
         corpus = d / "corpus.jsonl.gz"
-        mb = _write(corpus, texts * repeat) / 1e6
-
-        runs = {label: [] for label in ["local"] + [e[0] for e in ENGINES]}
-        # rounds interleave the engines, so load from elsewhere hits all alike; the best round counts
-        for _ in range(1 if quick else 2):
-            runs["local"].append(_timed_run(corpus, tok, d / "out", "local", {}))
-            for label, engine, options in ENGINES:
-                if not (quick and "multi" in label):
-                    runs[label].append(_timed_run(corpus, tok, d / "out", engine, options))
-        wall, window = min(runs["local"], key=lambda r: r[1])
-        local_mbs = mb / window
-        note = f"{mb:.1f} MB of C4 text, {repeat * 4} shards, 8k BPE, n_ctx {N_CTX}; wall {wall:.1f} s"
-        rows = [row("engines", "local MB/s", local_mbs, None, None, note)]
-        for label, _, _ in ENGINES:
-            if not runs[label]:
-                continue
-            wall, window = min(runs[label], key=lambda r: r[1])
-            note = f"wall {wall:.1f} s; bare = local engine's MB/s"
-            rows.append(
-                row("engines", f"{label} MB/s excl. start-up", mb / window, local_mbs, ">= 0.75", note)
-            )
-            rows.append(
-                row(
-                    "engines", f"{label} start-up+teardown s", wall - window, None, None, "outside the window"
-                )
-            )
+        mb = write_jsonl_gz(corpus, texts) / 1e6
+        # local first and last: each engine is compared with the mean of the two local runs around it all
+        local = [_timed_run(corpus, tok, d / "out", "local", {})]
+        runs = {}
+        for label, engine, options in ENGINES:
+            if not quick or label == "beam in_memory":
+                runs[label] = _timed_run(corpus, tok, d / "out", engine, options)
+        local.append(_timed_run(corpus, tok, d / "out", "local", {}))
+    local_mbs = sum(mb / window for _, window in local) / len(local)
+    n_shards = -(-len(texts) // SHARD_DOCS)
+    note = (
+        f"{mb:.1f} MB of C4 text, {n_shards} shards, 8k BPE, n_ctx {N_CTX}; local runs before and after "
+        f"the others: {', '.join(f'{mb / w:.2f}' for _, w in local)} MB/s"
+    )
+    rows = [row("engines", "local MB/s", local_mbs, None, None, note)]
+    for label, (wall, window) in runs.items():
+        note = f"wall {wall:.1f} s; bare = the local engine's MB/s (mean of its two runs)"
+        rows.append(row("engines", f"{label} MB/s excl. start-up", mb / window, local_mbs, ">= 0.75", note))
+        rows.append(
+            row("engines", f"{label} start-up+teardown s", wall - window, None, None, "outside the window")
+        )
     return rows

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from .stage import RunPlan, ShardResult, run_task
+from .stage import RunPlan, ShardResult, StageError, run_task
 
 
 def run_local(plan: RunPlan, progress: bool = True) -> list[ShardResult]:
     stage = plan.stage
-    stage.setup()  # once: the tokenizer or model stays loaded across shards
+    try:
+        stage.setup()  # once: the tokenizer or model stays loaded across shards
+    except (ValueError, OSError) as e:  # a model or tokenizer that cannot load: refused, not a traceback
+        raise StageError(f"{stage.name} cannot start: {e}") from e
     results = []
     docs = tokens = 0
     with tqdm(total=len(plan.todo), unit="shard", desc=stage.name, disable=not progress) as bar:

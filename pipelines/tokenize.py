@@ -97,11 +97,12 @@ class TokenizeStage(Stage):
         docs_in, rejected, rejects_file, rejects_sha = 0, collections.Counter(), None, None
         readers = [DocumentReader(inp, self.text_column) for inp in task.inputs]
         seen: set[str] = set()
+        duplicates_kept = 0  # ids seen before in this shard, kept (without --reject-duplicates)
         with AtomicParquetWriter(out / output, schema) as writer:
             for reader in readers:
                 for docs in prefetch(reader):
-                    if self.reject_duplicates:
-                        docs = _drop_duplicates(docs, seen, reader)
+                    docs, n_dup = _duplicates(docs, seen, reader, self.reject_duplicates)
+                    duplicates_kept += n_dup
                     for batch in builder.add(docs):
                         writer.write(batch)
             for batch in builder.finish():
@@ -131,16 +132,20 @@ class TokenizeStage(Stage):
             n_bytes=builder.n_bytes,
             config_hash=self.config_hash,
             code_version=__version__,
-            extra={"n_truncated": builder.n_truncated},
+            extra={"n_truncated": builder.n_truncated, "duplicate_ids_kept": duplicates_kept},
         )
 
 
-def _drop_duplicates(docs, seen: set[str], reader: DocumentReader):
-    keep = []
+def _duplicates(docs, seen: set[str], reader: DocumentReader, reject: bool):
+    """(docs, duplicates kept): a repeated id is rejected (counted) with `reject`, else kept and counted."""
+    keep, kept = [], 0
     for i, doc_id in enumerate(docs.column("id").to_pylist()):
-        if doc_id in seen:
-            reader._reject(doc_id, "duplicate_id", "id seen before in this shard")
-        else:
+        if doc_id not in seen:
             seen.add(doc_id)
             keep.append(i)
-    return docs.take(pa.array(keep, pa.int64())) if len(keep) < docs.num_rows else docs
+        elif reject:
+            reader._reject(doc_id, "duplicate_id", "id seen before in this shard")
+        else:
+            keep.append(i)
+            kept += 1
+    return (docs.take(pa.array(keep, pa.int64())) if len(keep) < docs.num_rows else docs), kept

@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -169,12 +170,12 @@ def cli(*args, env=None, **kw) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # the kill reaches Beam's worker processes too
+        start_new_session=True,  # the kill reaches Beam's worker processes and the embedded Ray too
         **kw,
     )
 
 
-@pytest.mark.parametrize("engine", ["local", "beam"])
+@pytest.mark.parametrize("engine", ["local", "beam", "ray"])
 def test_resume_after_sigkill(engine, tmp_path, inputs, tokenizer_dir, local_out):
     out = tmp_path / "out"
     args = [
@@ -191,7 +192,7 @@ def test_resume_after_sigkill(engine, tmp_path, inputs, tokenizer_dir, local_out
     ]
     # a pause between each shard's parquet and its manifest: the kill lands mid-run
     proc = cli(*args, "--engine", engine, env={"ENTROWEIGHT_TEST_SHARD_DELAY": "0.7"})
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while not (out.exists() and read_manifests(out)) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.3)  # inside the next shard's window: parquet written, manifest not
@@ -205,7 +206,10 @@ def test_resume_after_sigkill(engine, tmp_path, inputs, tokenizer_dir, local_out
     rerun = cli(*args, "--engine", engine)
     stdout, stderr = rerun.communicate(timeout=120)
     assert rerun.returncode == 0, stderr
-    assert f"{7 - len(done)} shard(s) run, {len(done)} already done" in stdout
+    run_now, already = map(int, re.search(r"(\d+) shard\(s\) run, (\d+) already done", stdout).groups())
+    # Ray's workers may finish the shard they held after the driver died: its complete manifest counts
+    assert run_now + already == 7 and already >= len(done)
+    assert already == len(done) or engine == "ray"
     assert rows_hash(out) == rows_hash(local_out)
     assert counts(out) == counts(local_out)
     assert sorted(p.name for p in out.rglob("*part-*")) == sorted(p.name for p in local_out.rglob("*part-*"))
@@ -321,3 +325,15 @@ def test_ray_pool_fits_the_cluster(ray_session):
     assert pool_size(ray_session, {"num_cpus": 1}, None, 1) == 1  # never more than there are shards
     with pytest.raises(StageError, match="num_gpus=1 \\(the cluster has 0\\)"):
         pool_size(ray_session, {"num_cpus": 1, "num_gpus": 1}, 2, 10)
+
+
+def test_beam_results_go_through_temp_location(tmp_path, inputs, tokenizer_dir, local_out):
+    """As on Dataflow: the task list and results live under temp_location, are read back, then deleted."""
+    temp = tmp_path / "temp"
+    stage = stage_for(inputs, tokenizer_dir, shard_docs=50)
+    summary = run_stage(
+        stage, tmp_path / "out", engine="beam", options={"temp_location": str(temp)}, progress=False
+    )
+    assert summary.shards_run == 7 and counts(tmp_path / "out") == counts(local_out)
+    assert temp.exists() and not any(temp.rglob("*"))  # nothing left behind
+    assert_valid(tmp_path / "out")

@@ -123,17 +123,32 @@ def eval_bpb(
     max_bytes: int | None = None,
     batch_size: int = 16,
     device: str = "auto",
+    allow_pickle: bool = False,
+    embed_format: str = "float8_e4m3fn",
 ) -> dict:
-    """{bpb, nats, bytes, tokens, n_ctx, stride, text} of a checkpoint on `text_path` (default WikiText-2 test)."""
+    """{bpb, nats, bytes, tokens, n_ctx, stride, text} of a checkpoint on `text_path` (default WikiText-2 test).
+
+    Estimator / autoencoder checkpoints report amortized bits: `bpb` = (embedding bits + Σ token bits)
+    / bytes, each window's embedding stored in `embed_format`, split into `embed_bpb` + `token_bpb`.
+    """
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
     )
-    model, config = load_checkpoint(ckpt_dir, map_location=str(dev))
+    model, config = load_checkpoint(ckpt_dir, map_location=str(dev), allow_pickle=allow_pickle)
     tok = checkpoint_tokenizer(ckpt_dir, tokenizer, config.get("tokenizer_sha256"))
     model_ctx = config["model"].get("n_ctx") or config.get("n_ctx")
     n_ctx = n_ctx or model_ctx
     if model_ctx and n_ctx > model_ctx:
         raise ValueError(f"--n-ctx {n_ctx} is longer than the model's n_ctx {model_ctx}")
+    amortized = all(hasattr(model, a) for a in ("encode", "decode", "embed_dim"))
+    if amortized:
+        # estimator / autoencoder: each window's embedding saw the whole window, so its tokens' CE is
+        # only a code length once the embedding is paid for; windows overlap by one context token
+        stride = stride or max(1, n_ctx - 1)
+        if stride >= n_ctx:
+            raise ValueError(
+                f"--stride must be below n_ctx ({n_ctx}): a window's first token is context only"
+            )
     stride = stride or max(1, n_ctx // 2)
     text = read_text(text_path, max_bytes)
     start = start_token(tok)
@@ -141,9 +156,36 @@ def eval_bpb(
     n_bytes = len(text.encode("utf-8"))
     if start is None:  # no start token: the first token is context only, and its bytes leave the count
         n_bytes -= len(tok.decode(ids[:1]).encode("utf-8"))
+    if amortized:
+        return _amortized(model, ids, n_ctx, stride, batch_size, dev, n_bytes, embed_format, text_path)
     nats = score_stream(model, ids, n_ctx, stride, batch_size, dev)
     return {
         "bpb": nats / (math.log(2) * n_bytes),
+        "nats": nats,
+        "bytes": n_bytes,
+        "tokens": len(ids) - 1,
+        "n_ctx": n_ctx,
+        "stride": stride,
+        "text": str(Path(text_path) if text_path else DEFAULT_TEXT),
+    }
+
+
+def _amortized(model, ids, n_ctx, stride, batch_size, dev, n_bytes, fmt, text_path) -> dict:
+    from entroweight.models.quant import embedding_bits, quantize
+
+    n_windows = sum(1 for _ in windows(len(ids), n_ctx, stride))
+    nats = score_stream(
+        lambda x: model.decode(x, quantize(model.encode(x), fmt)), ids, n_ctx, stride, batch_size, dev
+    )
+    embed_bits = n_windows * embedding_bits(model.embed_dim, fmt)
+    token_bpb = nats / (math.log(2) * n_bytes)
+    return {
+        "bpb": token_bpb + embed_bits / n_bytes,
+        "token_bpb": token_bpb,
+        "embed_bpb": embed_bits / n_bytes,
+        "amortized": True,
+        "embed_format": fmt,
+        "windows": n_windows,
         "nats": nats,
         "bytes": n_bytes,
         "tokens": len(ids) - 1,

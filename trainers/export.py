@@ -52,11 +52,11 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_hf(ckpt_dir, out_dir, tokenizer=None) -> Path:
+def export_hf(ckpt_dir, out_dir, tokenizer=None, allow_pickle: bool = False) -> Path:
     """Write config.json, model.safetensors and tokenizer files of a LlamaForCausalLM to `out_dir`."""
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-    model, config = load_checkpoint(ckpt_dir)
+    model, config = load_checkpoint(ckpt_dir, allow_pickle=allow_pickle)
     if config["kind"] != "llama":
         raise CheckpointError(
             f"{ckpt_dir} holds a {config['kind']} model; only llama checkpoints export to LlamaForCausalLM"

@@ -203,6 +203,14 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
     if cfg.loss == "prefix_smooth" and tok_path is None:
         raise TrainError("--loss prefix_smooth needs the tokenizer's token bytes: pass --tokenizer")
     mc = _model_config(cfg, info, base_model_cfg)
+    if (
+        getattr(model_class(cfg.model), "wants_token_bytes", False)
+        and mc.get("token_bytes") is None
+        and tok_path
+    ):
+        from .prefix import token_bytes  # a T-FREE head hashes each token's bytes
+
+        mc["token_bytes"] = [b.hex() for b in token_bytes(tok_path)]
     if cfg.resume and mc != base_model_cfg:
         raise TrainError(
             f"--model-config differs from the checkpoint's ({base_model_cfg}); drop it to resume"
@@ -229,6 +237,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
         torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     )
     loss_kw: dict = {}
+    fwd_kw: dict = {}  # tfree_bce trains the model's hashed head logits, not vocabulary logits
     if cfg.loss == "weighted_ce":
         loss_kw["normalize"] = cfg.normalize
     elif cfg.loss == "hard_negative":
@@ -239,6 +248,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
         loss_kw.update(
             prefix_table=prefix_table(token_bytes(tok_path)).to(device), prefix_weight=cfg.prefix_weight
         )
+    elif cfg.loss == "tfree_bce":
+        if not hasattr(raw_model, "codes"):
+            raise TrainError("--loss tfree_bce trains a T-FREE head: pass --model tfree")
+        loss_kw["codes"], fwd_kw["hashed"] = raw_model.codes, True
 
     step = state["step"] if state else 0
     tokens = state["tokens"] if state else 0
@@ -302,7 +315,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
             sync = micro == cfg.grad_accum - 1 or world == 1
             ctx = contextlib.nullcontext() if sync else model.no_sync()
             with ctx, autocast:
-                logits = model(ids)[:, :-1]
+                logits = model(ids, **fwd_kw)[:, :-1]
                 loss = compute_loss(cfg.loss, logits, ids[:, 1:], mask, **extra, **loss_kw)
             (loss / cfg.grad_accum).backward()
             loss_acc += loss.item()
@@ -310,7 +323,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
             tokens += ids.numel() * world
             if (step + 1) % cfg.log_every == 0 and micro == 0:
                 with torch.no_grad():  # the plain CE, logged for every loss so runs compare
-                    ce = per_token_ce(logits.detach(), ids[:, 1:])
+                    lg = raw_model.scores(logits.detach()) if fwd_kw else logits.detach()
+                    ce = per_token_ce(lg, ids[:, 1:])
                     ce_acc = float((ce * mask).sum() / mask.sum().clamp(min=1))
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

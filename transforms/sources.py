@@ -56,7 +56,7 @@ class HubId:
 
 def parse_hub_id(spec: str) -> HubId:
     m = HUB_RE.match(spec)
-    if not m:
+    if not m or ".." in m["repo"] or "--" in m["repo"]:  # the hub refuses those; never a path
         raise SourceError(
             f"{spec!r} is not a hub dataset id; write hf:OWNER/NAME[:CONFIG[:SPLIT]], "
             "e.g. hf:HuggingFaceFW/fineweb:sample-10BT"
@@ -103,12 +103,51 @@ def expand_sources(specs: list[str]) -> list[str]:
 
 
 def _open_binary(path: str, fmt: str):
+    if os.path.getsize(path) == 0:
+        # not even a valid empty .gz/.zst/.parquet: an interrupted download or copy, never "no documents"
+        raise SourceError(f"{path} is empty (0 bytes): an interrupted download or copy? replace or remove it")
     raw = open(path, "rb")
     if fmt == "jsonl.gz":
         return gzip.GzipFile(fileobj=raw)
     if fmt == "jsonl.zst":
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        return io.BufferedReader(_ZstdFrames(raw), 1 << 20)
     return raw
+
+
+class _ZstdFrames(io.RawIOBase):
+    """Decompresses concatenated zstd frames and raises on a frame cut short: zstandard's
+    stream_reader returns a clean EOF on a truncated file, which would silently drop documents."""
+
+    def __init__(self, raw):
+        self.raw, self.pending, self.pos = raw, b"", 0
+        self.dobj, self.in_frame = zstandard.ZstdDecompressor().decompressobj(), False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while self.pos >= len(self.pending):
+            self.pending, self.pos = b"", 0
+            chunk = self.raw.read(1 << 20)
+            if not chunk:
+                if self.in_frame:
+                    raise EOFError("zstd stream ended inside a frame (the file is truncated)")
+                return 0
+            while chunk:
+                self.in_frame = True
+                self.pending += self.dobj.decompress(chunk)
+                chunk = b""
+                if self.dobj.eof:  # frame done: the rest starts the next one
+                    chunk, self.in_frame = self.dobj.unused_data, False
+                    self.dobj = zstandard.ZstdDecompressor().decompressobj()
+        n = min(len(buf), len(self.pending) - self.pos)
+        buf[:n] = memoryview(self.pending)[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
 
 
 def _count_rows(path: str, fmt: str) -> int:
@@ -255,7 +294,7 @@ class DocumentReader:
     def _json_rows(self) -> Iterator[tuple[int, dict | None, str | None]]:
         s = self.shard
         with _open_binary(s.uri, s.fmt) as f:
-            for rowno, line in enumerate(io.BufferedReader(f) if s.fmt == "jsonl.zst" else f):
+            for rowno, line in enumerate(f):
                 if rowno < s.start:
                     continue
                 if s.stop is not None and rowno >= s.stop:

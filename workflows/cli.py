@@ -16,7 +16,7 @@ from entroweight import __version__
 from .cli_common import _fail, engine_options, run_stage_cli
 
 # Command modules added by other areas; each exports COMMANDS, a list of click commands.
-COMMAND_MODULES = ("cli_train", "cli_models", "cli_score", "cli_verify", "cli_workflow")
+COMMAND_MODULES = ("cli_train", "cli_models", "cli_score", "cli_compare", "cli_verify", "cli_workflow")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -34,15 +34,28 @@ def main():
     help="Tokenizer whose normalizer and pre-tokenizer to reuse (default: the bundled Llama 3 tokenizer).",
 )
 @click.option("--max-docs", type=int, default=None, help="Train on the first N valid documents only.")
+@click.option(
+    "--algorithm",
+    type=click.Choice(["bpe", "lz78", "lz78-freqgated"]),
+    default="bpe",
+    show_default=True,
+    help="bpe: byte-level BPE. lz78 / lz78-freqgated: byte-level LZ78 dictionary, greedy longest match "
+    "(a related-work baseline; --base is not used, pieces are GPT-2 pre-tokens). See docs/baselines.md.",
+)
 @click.option("--out", required=True, type=click.Path(file_okay=False))
-def train_tokenizer_cmd(sources, vocab_size, base, max_docs, out):
-    """Train a byte-level BPE of VOCAB_SIZE tokens (pad/bos/eos reserved) on SOURCES."""
+def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, out):
+    """Train a tokenizer of VOCAB_SIZE tokens (pad/bos/eos reserved) on SOURCES: BPE or LZ78."""
     from entroweight.transforms.sources import SourceError
     from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_bpe
 
-    base = base or default_base_tokenizer()
     try:
-        tok = train_bpe(corpus_texts(list(sources), max_docs), vocab_size, base, progress=sys.stderr.isatty())
+        texts = corpus_texts(list(sources), max_docs)
+        if algorithm == "bpe":
+            tok = train_bpe(texts, vocab_size, base or default_base_tokenizer(), progress=sys.stderr.isatty())
+        else:
+            from entroweight.transforms import lz78
+
+            tok = lz78.to_tokenizers(lz78.train(texts, vocab_size, algorithm))
     except (SourceError, ValueError) as e:
         _fail(str(e))
     path, sha = save_tokenizer(tok, out)
@@ -76,14 +89,14 @@ def default_base_tokenizer() -> str:
 def tokenize(sources, tokenizer, n_ctx, pack, out, shard_docs, text_column, reject_duplicates, **eng):
     """Tokenize SOURCES into left-padded (or packed) sequences as zstd parquet shards."""
     from entroweight.pipelines.tokenize import TokenizeStage
-    from entroweight.transforms.sources import SourceError
+    from entroweight.transforms.sources import SourceError, expand_sources
     from entroweight.transforms.tokenizer import TokenizerError
 
     try:
+        expand_sources(list(sources))  # cheap (no file is read): refuse before --out is created
         stage = TokenizeStage(
             list(sources), tokenizer, n_ctx, pack, shard_docs, text_column, reject_duplicates
         )
-        stage.plan_inputs  # noqa: B018 - validated lazily in plan
     except (SourceError, TokenizerError, ValueError) as e:
         _fail(str(e))
     try:

@@ -6,13 +6,17 @@ import click
 
 from .cli_common import _fail, engine_options, run_stage_cli
 
+# scorers that take no --aggregate (cross_tokenizer's regrouping)
+ESTIMATOR_SCORERS = ("occlusion", "decomposition", "two_model", "grad_input", "excess_loss")
+
 
 @click.command()
 @click.argument("data_dir", type=click.Path(exists=True, file_okay=False))
 @click.option(
     "--scorer",
     required=True,
-    help="causal_loss | cross_tokenizer, or a scorer registered under the `entroweight.scorers` entry points.",
+    help="causal_loss | cross_tokenizer | occlusion | decomposition | two_model | grad_input | excess_loss, "
+    "or a scorer registered under the `entroweight.scorers` entry points.",
 )
 @click.option(
     "--model",
@@ -46,6 +50,34 @@ from .cli_common import _fail, engine_options, run_stage_cli
 )
 @click.option("--context", type=int, default=None, help="cross_tokenizer: model tokens per window (2048).")
 @click.option("--stride", type=int, default=None, help="cross_tokenizer: new tokens per later window.")
+@click.option(
+    "--metric",
+    type=click.Choice(["l1", "cosine"]),
+    default=None,
+    help="occlusion: L1 of the logit difference (min-max per row; default) or 1 - cosine.",
+)
+@click.option(
+    "--checkpoint-short",
+    default=None,
+    type=click.Path(exists=True),
+    help="two_model: the checkpoint of context N-1 (--checkpoint is the one of context N).",
+)
+@click.option(
+    "--reference",
+    default=None,
+    help="excess_loss: the reference model (our checkpoint directory, or an HF id/directory/.gguf).",
+)
+@click.option(
+    "--allow-pickle",
+    is_flag=True,
+    help="Load .pt/.bin/.pth weights (torch.load weights_only=True) where no safetensors exist. "
+    "Pickles can run code: only for files you trust.",
+)
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Let an HF model repository run its own modelling code (off: only transformers' built-in models).",
+)
 @engine_options
 def score(
     data_dir,
@@ -67,6 +99,11 @@ def score(
     dtype,
     context,
     stride,
+    metric,
+    checkpoint_short,
+    reference,
+    allow_pickle,
+    trust_remote_code,
     **eng,
 ):
     """Score every token of DATA_DIR's shards, weigh it, write weighted parquet shards to --out."""
@@ -85,8 +122,11 @@ def score(
             _fail("--device cuda but no CUDA device is visible here; use --device cpu")
     options = {"model": model, "checkpoint": checkpoint, "dtype": dtype, "batch_size": batch_size}
     options |= {"device": device, "aggregate": aggregate, "context": context, "stride": stride}
+    options |= {"metric": metric, "checkpoint_short": checkpoint_short, "reference": reference}
+    # the safety switches travel only when asked for: default scorer options stay as they were
+    options |= {"allow_pickle": allow_pickle or None, "trust_remote_code": trust_remote_code or None}
     options = {k: v for k, v in options.items() if v is not None}
-    if scorer == "causal_loss":
+    if scorer in ("causal_loss", *ESTIMATOR_SCORERS):
         options.pop("aggregate")
     try:
         quantiles = None

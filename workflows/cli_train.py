@@ -13,6 +13,11 @@ import click
 
 from .cli_common import _fail
 
+ALLOW_PICKLE_HELP = (
+    "Load a checkpoint's .pt/.bin/.pth weights where it has no model.safetensors (torch.load with "
+    "weights_only=True). Pickles can run code: only for files you trust."
+)
+
 
 def _read_model_config(path: str | None) -> dict:
     if path is None:
@@ -36,7 +41,7 @@ def _read_model_config(path: str | None) -> dict:
 @click.option("--model-config", default=None, help="YAML/JSON file of the model's config fields.")
 @click.option(
     "--loss",
-    type=click.Choice(["ce", "weighted_ce", "rescaled", "hard_negative", "prefix_smooth"]),
+    type=click.Choice(["ce", "weighted_ce", "rescaled", "hard_negative", "prefix_smooth", "tfree_bce"]),
     default="ce",
     show_default=True,
 )
@@ -109,15 +114,44 @@ def train_cmd(data, model, model_config, loss, out, compile_, **kw):
     "--unigram", "unigram_data", default=None, help="Also the unigram baseline of this training data."
 )
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--allow-pickle", is_flag=True, help=ALLOW_PICKLE_HELP)
+@click.option(
+    "--embed-format",
+    default="float8_e4m3fn",
+    show_default=True,
+    help="Estimator/autoencoder: the format each window's embedding is stored (and paid) in.",
+)
 def eval_bpb_cmd(
-    ckpt_dir, text, n_ctx, stride, tokenizer, max_bytes, batch_size, device, unigram_data, as_json
+    ckpt_dir,
+    text,
+    n_ctx,
+    stride,
+    tokenizer,
+    max_bytes,
+    batch_size,
+    device,
+    unigram_data,
+    as_json,
+    allow_pickle,
+    embed_format,
 ):
     """Bits per byte of CKPT_DIR on held-out text (sliding window, exact UTF-8 bytes)."""
     from entroweight.models.checkpoint import CheckpointError
     from entroweight.trainers.bpb import eval_bpb, unigram_bpb
 
     try:
-        res = eval_bpb(ckpt_dir, text, n_ctx, stride, tokenizer, max_bytes, batch_size, device)
+        res = eval_bpb(
+            ckpt_dir,
+            text,
+            n_ctx,
+            stride,
+            tokenizer,
+            max_bytes,
+            batch_size,
+            device,
+            allow_pickle=allow_pickle,
+            embed_format=embed_format,
+        )
         if unigram_data:
             tok = tokenizer or str(Path(ckpt_dir) / "tokenizer.json")
             res["unigram_bpb"] = unigram_bpb(unigram_data, tok, text, max_bytes)["bpb"]
@@ -127,6 +161,11 @@ def eval_bpb_cmd(
         click.echo(json.dumps(res, indent=2))
         return
     line = f"BPB {res['bpb']:.4f} ({res['tokens']:,} tokens, {res['bytes']:,} bytes, n_ctx {res['n_ctx']}, stride {res['stride']})"
+    if res.get("amortized"):
+        line += (
+            f"; amortized: embedding {res['embed_bpb']:.4f} ({res['windows']:,} windows in "
+            f"{res['embed_format']}) + tokens {res['token_bpb']:.4f}"
+        )
     if "unigram_bpb" in res:
         line += f"; unigram baseline {res['unigram_bpb']:.4f}"
     click.echo(line)
@@ -136,13 +175,14 @@ def eval_bpb_cmd(
 @click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False))
 @click.option("--tokenizer", default=None, help="When the checkpoint has no tokenizer.json.")
-def export_hf_cmd(ckpt_dir, out, tokenizer):
+@click.option("--allow-pickle", is_flag=True, help=ALLOW_PICKLE_HELP)
+def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle):
     """Write CKPT_DIR as a Hugging Face LlamaForCausalLM directory (config, safetensors, tokenizer)."""
     from entroweight.models.checkpoint import CheckpointError
     from entroweight.trainers.export import export_hf
 
     try:
-        path = export_hf(ckpt_dir, out, tokenizer)
+        path = export_hf(ckpt_dir, out, tokenizer, allow_pickle=allow_pickle)
     except (CheckpointError, ValueError) as e:
         _fail(str(e))
     click.echo(

@@ -1,0 +1,128 @@
+"""The HTML report, read back with html.parser: its numbers are the run's eval and metrics files."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+from entroweight.workflows.report import ReportError, compare, highlight, write_report
+from test_workflow import run_cli, tiny_run  # noqa: F401 - the session fixture: one tiny run for both files
+
+
+class Page(HTMLParser):
+    """Cells with data-value, images, headings, verdicts and the sample spans of a report."""
+
+    def __init__(self):
+        super().__init__()
+        self.cells, self.images, self.headings, self.verdicts, self.spans = [], [], [], [], []
+        self.spans_bpb = []
+        self._in, self._text = None, []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "td" and "data-value" in a:
+            self.cells.append(a)
+        if tag == "img":
+            self.images.append(a["src"])
+        if tag == "span" and "title" in a:
+            self.spans.append(a)
+        if tag == "span" and "data-value" in a:
+            self.spans_bpb.append(a)
+        if tag in ("h2", "p") and (tag == "h2" or a.get("class") == "verdict"):
+            self._in, self._text = (tag, a), []
+
+    def handle_data(self, data):
+        if self._in:
+            self._text.append(data)
+
+    def handle_endtag(self, tag):
+        if self._in and tag == self._in[0]:
+            text = "".join(self._text)
+            (self.headings if tag == "h2" else self.verdicts).append((text, self._in[1]))
+            self._in = None
+
+
+@pytest.fixture(scope="module")
+def page(tiny_run):  # noqa: F811
+    p = Page()
+    p.feed((tiny_run["run_dir"] / "report.html").read_text())
+    return p
+
+
+def test_report_is_self_contained(page, tiny_run):  # noqa: F811
+    html = (tiny_run["run_dir"] / "report.html").read_text()
+    assert page.images and all(src.startswith("data:image/png;base64,") for src in page.images)
+    assert "http://" not in html and "https://" not in html and "<script" not in html
+    titles = [h for h, _ in page.headings]
+    for want in ("Provenance", "Scorers", "Mean entropy by position", "Sample texts", "Scorer agreement"):
+        assert any(t.startswith(want) for t in titles), titles
+    assert any(t.startswith("Bits per byte") for t in titles)
+
+
+def test_bpb_numbers_equal_the_eval_files(page, tiny_run):  # noqa: F811
+    run = tiny_run["run_dir"]
+    per_seed = {
+        (c["data-run"], int(c["data-seed"])): float(c["data-value"]) for c in page.cells if "data-seed" in c
+    }
+    stats = {(c["data-run"], c["data-stat"]): float(c["data-value"]) for c in page.cells if "data-stat" in c}
+    assert len(per_seed) == 4
+    for r in ("reference", "weighted-causal"):
+        values = []
+        for s in (0, 1):
+            bpb = json.loads((run / "eval" / r / f"seed-{s}.json").read_text())["bpb"]
+            assert per_seed[(r, s)] == bpb  # repr round-trips exactly
+            values.append(bpb)
+        assert stats[(r, "mean")] == pytest.approx(np.mean(values), rel=1e-12)
+        assert stats[(r, "std")] == pytest.approx(np.std(values, ddof=1), rel=1e-12)
+    ((verdict, attrs),) = page.verdicts
+    assert attrs["data-run"] == "weighted-causal"
+    assert "seed noise" in verdict
+
+
+def test_training_curves_come_from_the_metrics_files(tiny_run):  # noqa: F811
+    run = tiny_run["run_dir"]
+    html = (run / "report.html").read_text()
+    for r in ("reference", "weighted-causal"):
+        finals = [
+            json.loads((run / "train" / r / f"seed-{s}" / "metrics.jsonl").read_text().splitlines()[-1])["ce"]
+            for s in (0, 1)
+        ]
+        assert f"<tr><td>{r}</td><td class='num'>{np.mean(finals):.4f}</td>" in html
+
+
+def test_samples_decode_exact_bytes_and_shade_by_entropy(page, tiny_run):  # noqa: F811
+    assert page.spans, "no highlighted tokens"
+    alphas = [float(s["style"].split(",")[-1].rstrip(")")) for s in page.spans]
+    assert min(alphas) == 0.0 and max(alphas) == 1.0
+
+
+def test_highlight_joins_tokens_split_inside_a_character():
+    class Tok:  # token 0: first byte of "é", token 1: its second byte, token 2: "x"
+        token_bytes = ["é".encode()[:1], "é".encode()[1:], b"<x>"]
+
+    out = highlight(Tok(), np.array([0, 1, 2]), np.array([0.0, 2.0, 1.0]))
+    assert out.count("<span") == 2
+    assert ">é</span>" in out and ">&lt;x&gt;</span>" in out
+    assert 'rgba(220,0,0,1.00)" title="2.000">é' in out  # the run takes its tokens' largest value
+
+
+def test_noise_verdict():
+    ref = {"run": "ref", "seeds": {0: 1.00, 1: 1.01, 2: 0.99}}
+    near = compare({"run": "w", "seeds": {0: 1.005, 1: 0.995, 2: 1.0}}, ref)
+    assert near["exceeds_noise"] is False and "within the seed noise" in near["verdict"]
+    far = compare({"run": "w", "seeds": {0: 0.90, 1: 0.91, 2: 0.89}}, ref)
+    assert far["exceeds_noise"] is True and "beyond the seed noise" in far["verdict"]
+    one = compare({"run": "w", "seeds": {0: 0.9}}, {"run": "ref", "seeds": {0: 1.0}})
+    assert one["exceeds_noise"] is None and "add seeds" in one["verdict"]
+
+
+def test_report_cli_and_refusal(tiny_run, tmp_path):  # noqa: F811
+    code, out = run_cli("report", tiny_run["run_dir"], "--out", tmp_path / "r.html")
+    assert code == 0, out
+    assert (tmp_path / "r.html").stat().st_size > 10_000
+    with pytest.raises(ReportError, match="not a workflow run"):
+        write_report(tmp_path)
+    code, out = run_cli("report", tmp_path)
+    assert code == 2 and "run.json" in out

@@ -1,0 +1,312 @@
+"""Workflows: spec refusals name the key, the tiny end-to-end run, incremental reruns, dry run, the lock."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from entroweight.workflows.cli import main
+from entroweight.workflows.spec import SpecError, load_workflow, parse_workflow
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "data" / "workflow-tiny.yaml"
+C4 = ROOT / "tests" / "data" / "c4" / "c4-sample.00000-of-00001.json.gz"
+
+
+def c4_subset(path: Path, start: int, stop: int) -> Path:
+    lines = gzip.open(C4, "rt").readlines()[start:stop]
+    with gzip.open(path, "wt") as f:
+        f.writelines(lines)
+    return path
+
+
+def tiny_spec(tmp: Path, **changes) -> dict:
+    spec = yaml.safe_load(TINY.read_text())
+    spec["run_dir"] = str(tmp / "run")
+    spec["sources"] = [str(c4_subset(tmp / "c4-120.json.gz", 0, 120))]
+    spec.update(changes)
+    return spec
+
+
+def write_yaml(path: Path, spec: dict) -> Path:
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def run_cli(*args) -> tuple[int, str]:
+    res = CliRunner().invoke(main, list(map(str, args)), catch_exceptions=False)
+    return res.exit_code, res.output
+
+
+_RUNS: dict[str, dict] = {}  # test_report.py imports the fixture: one run for both files
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> dict:
+    """The smaller default workflow, run once end to end: 120 docs, 1k tokenizer, tiny causal model and
+    estimator, causal_loss + occlusion scores, reference and weighted runs over 2 seeds, BPB, report."""
+    if "tiny" in _RUNS:
+        return _RUNS["tiny"]
+    tmp = tmp_path_factory.mktemp("wf")
+    wf = write_yaml(tmp / "wf.yaml", tiny_spec(tmp))
+    start = time.perf_counter()
+    code, out = run_cli("run", wf)
+    assert code == 0, out
+    _RUNS["tiny"] = {
+        "yaml": wf,
+        "run_dir": tmp / "run",
+        "output": out,
+        "seconds": time.perf_counter() - start,
+    }
+    return _RUNS["tiny"]
+
+
+# -- the spec
+def refusal(spec: dict) -> str:
+    with pytest.raises(SpecError) as e:
+        parse_workflow(spec)
+    return str(e.value)
+
+
+BASE = {"run_dir": "runs/x", "sources": ["a.jsonl"], "tokenizer": {"train": {"vocab_size": 512}}}
+
+
+def test_unknown_key_is_refused_with_its_path():
+    msg = refusal({**BASE, "scores": [{"name": "a", "scorer": "causal_loss"}, {"name": "b", "scorr": "x"}]})
+    assert "scores[1].scorr: unknown key" in msg
+    assert "scores[1].scorer: Field required" in msg
+    assert "tokenize.n_ctxx: unknown key" in refusal({**BASE, "tokenize": {"n_ctxx": 3}})
+    assert "colour: unknown key" in refusal({**BASE, "colour": "red"})
+
+
+def test_wrong_type_is_refused_with_its_path():
+    msg = refusal({**BASE, "tokenize": {"n_ctx": "long"}})
+    assert msg.splitlines()[1].startswith("tokenize.n_ctx: ")
+    msg = refusal({**BASE, "train": {"seeds": ["a"], "runs": [{"name": "r"}]}})
+    assert "train.seeds[0]: " in msg
+
+
+@pytest.mark.parametrize(
+    "where,value",
+    [
+        ("tokenize", "../outside"),
+        ("tokenize", "/etc/evil"),
+        ("tokenize", "a/../../b"),
+        ("report", "../r.html"),
+    ],
+)
+def test_outputs_cannot_leave_the_run_dir(where, value):
+    msg = refusal({**BASE, where: {"out": value}})
+    assert f"{where}.out: " in msg
+    assert "run_dir" in msg
+
+
+def test_references_are_checked():
+    msg = refusal({**BASE, "scores": [{"name": "s", "scorer": "causal_loss", "checkpoint_from": "nope"}]})
+    assert "scores[0].checkpoint_from: 'nope' is not a models step" in msg
+    msg = refusal({**BASE, "train": {"runs": [{"name": "w", "data": "missing", "loss": "weighted_ce"}]}})
+    assert "train.runs[0].data: " in msg
+    msg = refusal({**BASE, "train": {"runs": [{"name": "w", "loss": "weighted_ce"}]}})
+    assert "train.runs[0].loss: weighted_ce needs weights" in msg
+    assert "tokenizer: " in refusal({**BASE, "tokenizer": {"path": "t.json", "train": {"vocab_size": 512}}})
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    p = tmp_path / "evil.yaml"
+    p.write_text("run_dir: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_workflow(p)
+
+
+def test_bundled_workflows_validate():
+    for name in ("default.yaml", "paper.yaml"):
+        wf = load_workflow(ROOT / "workflows" / name)
+        assert wf.train is not None and len(wf.train.seeds) >= 3
+        assert {s.scorer for s in wf.scores} >= {"causal_loss", "cross_tokenizer", "occlusion"}
+
+
+def test_cli_refuses_a_bad_workflow_with_exit_2(tmp_path):
+    p = write_yaml(tmp_path / "bad.yaml", {**BASE, "tokenize": {"out": "../x"}})
+    code, out = run_cli("run", p)
+    assert code == 2
+    assert "tokenize.out" in out
+
+
+def test_paper_workflow_dry_runs_here():
+    code, out = run_cli("run", ROOT / "workflows" / "paper.yaml", "--dry-run")
+    assert code == 0, out
+    assert "tokenizer tokenizer: would run - train a 8000-token bpe" in out
+    assert "train reference/seed-0: would run" in out
+    assert "score llama-1b: would run - after tokens" in out
+    assert "33 of 33 step(s) would run" in out
+
+
+# -- the end-to-end run
+def test_tiny_workflow_runs_end_to_end(tiny_run):
+    run = tiny_run["run_dir"]
+    assert (run / "report.html").is_file()
+    record = json.loads((run / "run.json").read_text())
+    assert record["code_version"].startswith("0.")
+    assert record["config"]["tokenize"]["n_ctx"] == 64
+    steps = {(s["kind"], s["name"]): s for s in record["steps"]}
+    assert all(s["status"] == "ran" for s in steps.values()), steps
+    tok_manifests = steps[("tokenize", "tokens")]["manifests"]
+    assert len(tok_manifests) == 3 and sum(m["docs_in"] for m in tok_manifests) == 120
+    assert len(steps[("score", "occlusion")]["manifests"]) == 2  # limit_shards: 2
+    for r in ("reference", "weighted-causal"):
+        for s in (0, 1):
+            res = json.loads((run / "eval" / r / f"seed-{s}.json").read_text())
+            assert 0 < res["bpb"] < 10
+            assert (run / "train" / r / f"seed-{s}" / "metrics.jsonl").is_file()
+    assert 0 < json.loads((run / "eval" / "unigram.json").read_text())["bpb"] < 10
+    assert tiny_run["seconds"] < 240  # ~60-100 s on 2 shared cores
+
+
+def test_second_run_does_no_work(tiny_run):
+    run = tiny_run["run_dir"]
+    # every output and manifest stays untouched (the stage record and shard registry are rewritten)
+    bookkeeping = ("run.json", ".lock", ".stage.json", ".shards.json")
+    mtimes = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file() and p.name not in bookkeeping}
+    code, out = run_cli("run", tiny_run["yaml"])
+    assert code == 0, out
+    assert "nothing to do: all 16 step(s)" in out
+    assert ": ran" not in out
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+    record = json.loads((run / "run.json").read_text())
+    assert {s["status"] for s in record["steps"]} == {"up to date"}
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tiny_run, tmp_path):
+    code, out = run_cli("run", tiny_run["yaml"], "--dry-run")
+    assert code == 0
+    assert "tokenize tokens: up to date - all 3 shard(s) done" in out
+    assert "nothing to do: all steps are up to date" in out
+    # a fresh run dir: everything would run, nothing appears on disk
+    fresh = write_yaml(
+        tmp_path / "fresh.yaml",
+        {**yaml.safe_load(tiny_run["yaml"].read_text()), "run_dir": str(tmp_path / "new")},
+    )
+    code, out = run_cli("run", fresh, "--dry-run")
+    assert code == 0, out
+    assert "tokenize tokens: would run - after tokenizer" in out
+    assert "train weighted-causal/seed-1: would run" in out
+    assert "16 of 16 step(s) would run" in out
+    assert not (tmp_path / "new").exists()
+
+
+def test_changed_training_config_retrains_only_that(tiny_run, tmp_path):
+    spec = yaml.safe_load(tiny_run["yaml"].read_text())
+    spec["train"]["seeds"] = [0, 1, 2]  # one more seed: two new runs and their evals
+    p = write_yaml(tmp_path / "more-seeds.yaml", spec)
+    code, out = run_cli("run", p, "--dry-run")
+    assert code == 0
+    would = [ln for ln in out.splitlines() if ": would run" in ln]
+    assert sorted(ln.split(":")[0] for ln in would) == [
+        "eval reference/seed-2",
+        "eval weighted-causal/seed-2",
+        "report report",
+        "train reference/seed-2",
+        "train weighted-causal/seed-2",
+    ]
+
+
+# -- incremental data stages (no training: cheap)
+def test_new_input_only_processes_the_new_shard(tmp_path, tokenizer_dir):
+    a = c4_subset(tmp_path / "a.json.gz", 0, 30)
+    spec = {
+        "run_dir": str(tmp_path / "run"),
+        "sources": [str(a)],
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "tokenize": {"n_ctx": 32},
+        "report": None,
+    }
+    p = write_yaml(tmp_path / "wf.yaml", spec)
+    assert run_cli("run", p)[0] == 0
+    c4_subset(tmp_path / "b.json.gz", 30, 60)
+    spec["sources"] = [str(a), str(tmp_path / "b.json.gz")]
+    write_yaml(p, spec)
+    code, out = run_cli("run", p, "--dry-run")
+    assert "tokenize tokens: would run - 1 shard(s) to run, 1 done" in out
+    code, out = run_cli("run", p)
+    assert code == 0
+    assert "1 shard(s) run, 1 already done" in out
+
+
+# -- the lock
+def test_a_second_concurrent_run_exits_3(tmp_path, tokenizer_dir):
+    spec = {"run_dir": str(tmp_path / "run"), "sources": [str(C4)], "tokenizer": {"path": str(tokenizer_dir)}}
+    p = write_yaml(tmp_path / "wf.yaml", spec)
+    (tmp_path / "run").mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys,time; from filelock import FileLock; "
+            f"l = FileLock({str(tmp_path / 'run' / '.lock')!r}); l.acquire(); print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        res = subprocess.run(
+            [sys.executable, "-m", "entroweight.workflows.cli", "run", str(p)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert res.returncode == 3, res.stderr
+        assert "another entroweight run holds" in res.stderr
+        assert not (tmp_path / "run" / "tokens").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_data_stage_that_fails_verification_fails_the_run(tmp_path, tokenizer_dir):
+    """verify_dir runs after each data stage: a stray file in the tokens directory is a problem (exit 1)."""
+    spec = {
+        "run_dir": str(tmp_path / "run"),
+        "sources": [str(c4_subset(tmp_path / "a.json.gz", 0, 20))],
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "tokenize": {"n_ctx": 32},
+        "report": None,
+    }
+    p = write_yaml(tmp_path / "wf.yaml", spec)
+    code, out = run_cli("run", p)
+    assert code == 0 and "verified" in out
+    (tmp_path / "run" / "tokens" / "stray.parquet").write_bytes(b"not a shard")
+    code, out = run_cli("run", p)
+    assert code == 1
+    assert "failed verification" in out and "stray.parquet" in out
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["steps"][-1]["status"] == "failed"
+
+
+def test_engine_is_passed_to_the_data_stages(tmp_path, tokenizer_dir):
+    """--engine beam runs the tokenize stage on Beam's in-process runner: the same shards as local."""
+    src = c4_subset(tmp_path / "a.json.gz", 0, 40)
+    digests = {}
+    for engine in ("local", "beam"):
+        spec = {
+            "run_dir": str(tmp_path / engine),
+            "sources": [str(src)],
+            "tokenizer": {"path": str(tokenizer_dir)},
+            "tokenize": {"n_ctx": 32, "shard_docs": 20},
+            "report": None,
+        }
+        code, out = run_cli("run", write_yaml(tmp_path / f"{engine}.yaml", spec), "--engine", engine)
+        assert code == 0, out
+        record = json.loads((tmp_path / engine / "run.json").read_text())
+        assert record["engine"] == engine
+        digests[engine] = [m["output_sha256"] for m in record["steps"][1]["manifests"]]
+    assert len(digests["local"]) == 2 and digests["beam"] == digests["local"]

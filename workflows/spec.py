@@ -1,0 +1,342 @@
+"""A workflow YAML file as pydantic models: what `entroweight run WORKFLOW.yaml` runs.
+
+Every section refuses unknown keys, and a refusal names the key's path (`scores[1].scorer: ...`).
+Input paths (sources, model configs, a given tokenizer) are read where they are; every output
+lies under `run_dir`, and a step's `out` cannot leave it (no absolute paths, no `..`).
+See docs/workflows.md for the reference.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+TOKENS = "tokens"  # the data name of the tokenized (unweighted) dataset
+
+
+class SpecError(ValueError):
+    """The workflow file is refused; the message names the offending key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _name(v: str) -> str:
+    if not NAME.match(v):
+        raise ValueError(f"{v!r} is not a step name (letters, digits, _ . -; at most 64)")
+    return v
+
+
+def _inside(v: str | None) -> str | None:
+    """An output path relative to run_dir that stays inside it."""
+    if v is None:
+        return v
+    p = PurePosixPath(v.replace("\\", "/"))
+    if p.is_absolute() or v.startswith("~") or re.match(r"^[A-Za-z]:", v):
+        raise ValueError(f"{v!r} is absolute: outputs are paths relative to run_dir")
+    if ".." in p.parts:
+        raise ValueError(f"{v!r} leaves run_dir ('..'): outputs stay inside the run directory")
+    if not p.parts or str(p) == ".":
+        raise ValueError("an output path must name a directory below run_dir")
+    return str(p)
+
+
+class TrainTokenizer(_Strict):
+    vocab_size: int = Field(8000, ge=16, le=1 << 20)
+    max_docs: int | None = Field(None, ge=1)
+    algorithm: Literal["bpe", "lz78", "lz78-freqgated"] = "bpe"
+    base: str | None = None  # tokenizer whose pre-tokenizer BPE reuses (default: bundled Llama 3)
+
+
+class TokenizerSpec(_Strict):
+    """Either `path` (a tokenizer.json or its directory) or `train` (a new one on the sources)."""
+
+    path: str | None = None
+    train: TrainTokenizer | None = None
+    out: str = "tokenizer"
+
+    _out = field_validator("out")(_inside)
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.path is None) == (self.train is None):
+            raise ValueError(
+                "give exactly one of `path` (an existing tokenizer) or `train` (vocab_size, ...)"
+            )
+        return self
+
+
+class TokenizeSpec(_Strict):
+    n_ctx: int = Field(512, ge=2)
+    pack: bool = False
+    shard_docs: int | None = Field(None, ge=1)
+    text_column: str = "text"
+    reject_duplicates: bool = False
+    out: str = "tokens"
+
+    _out = field_validator("out")(_inside)
+
+
+class TrainSettings(_Strict):
+    """The trainer's knobs (entroweight train's options) shared by estimator and experiment runs."""
+
+    steps: int = Field(1000, ge=1)
+    batch_size: int = Field(32, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(2e-4, gt=0)
+    warmup_steps: int | None = Field(None, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
+    shuffle_buffer: int = Field(4096, ge=1)
+    log_every: int = Field(10, ge=1)
+    device: str = "auto"
+    compile: bool = False
+    nproc: int = Field(1, ge=1)  # >1: torchrun --nproc_per_node N (GPUs)
+
+
+class ModelSpec(TrainSettings):
+    """A model trained on the tokenized data before scoring (a causal scorer, an estimator)."""
+
+    name: str
+    kind: str = "llama"  # models.REGISTRY kind: llama, mixer, estimator, ...
+    model_config_file: str | None = Field(None, alias="model_config")
+    config: dict[str, Any] = Field(default_factory=dict)  # inline fields, over the file's
+    loss: str = "ce"
+    seed: int = 0
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    _name = field_validator("name")(_name)
+
+
+class Weighting(_Strict):
+    method: Literal["minmax", "quantile"] = "minmax"
+    quantiles_from: str | None = None  # quantile: a score step (scored with minmax) that sets the scale
+    clip: tuple[float, float] | None = None
+    floor: float = Field(0.0, ge=0, le=1)
+    invert: bool = False
+    dtype: Literal["float16", "uint8"] = "float16"
+
+    @model_validator(mode="after")
+    def _q(self):
+        if self.method == "quantile" and not self.quantiles_from:
+            raise ValueError("method quantile needs quantiles_from: a score step scored with minmax")
+        return self
+
+
+class ScoreSpec(_Strict):
+    name: str
+    scorer: str  # causal_loss | cross_tokenizer | occlusion | a registered scorer
+    checkpoint_from: str | None = None  # a `models` step: its checkpoint becomes options.checkpoint
+    options: dict[str, Any] = Field(default_factory=dict)  # the scorer's own options (model, metric, ...)
+    weighting: Weighting = Field(default_factory=Weighting)
+    with_entropy: bool = True
+    limit_shards: int | None = Field(None, ge=1)  # score the first N shards only (slow scorers)
+    out: str | None = None  # default scores/<name>
+
+    _name = field_validator("name")(_name)
+    _out = field_validator("out")(_inside)
+
+    @field_validator("options")
+    @classmethod
+    def _opts(cls, v):
+        if "checkpoint" in v:
+            raise ValueError("set checkpoint_from: <models step> (or options.model for a HF model)")
+        return v
+
+
+class ExperimentRun(_Strict):
+    name: str
+    data: str = TOKENS  # `tokens` or a score step's name
+    loss: Literal["ce", "weighted_ce", "rescaled", "hard_negative", "prefix_smooth"] = "ce"
+    normalize: Literal["tokens", "weight"] = "tokens"
+    margin: float = 2.0
+    prefix_weight: float = 0.1
+
+    _name = field_validator("name")(_name)
+
+
+class TrainSpec(TrainSettings):
+    """The experiment: one model config, each run trained once per seed."""
+
+    kind: str = "llama"
+    model_config_file: str | None = Field(None, alias="model_config")
+    config: dict[str, Any] = Field(default_factory=dict)
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    runs: list[ExperimentRun] = Field(min_length=1)
+    reference: str | None = None  # the run the others are compared to (default: the first `ce` run)
+    out: str = "train"
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    _out = field_validator("out")(_inside)
+
+
+class EvalSpec(_Strict):
+    text: str | None = None  # default: the bundled WikiText-2 test set
+    max_bytes: int | None = Field(None, ge=1)
+    n_ctx: int | None = Field(None, ge=2)
+    stride: int | None = Field(None, ge=1)
+    batch_size: int = Field(16, ge=1)
+    device: str = "auto"
+    out: str = "eval"
+
+    _out = field_validator("out")(_inside)
+
+
+class ReportSpec(_Strict):
+    out: str = "report.html"
+    samples: int = Field(3, ge=0, le=50)  # sample texts highlighted per scorer
+    max_tokens: int = Field(2_000_000, ge=1000)  # tokens read per scorer for the histograms
+
+    @field_validator("out")
+    @classmethod
+    def _o(cls, v):
+        return _inside(v)
+
+
+class Workflow(_Strict):
+    run_dir: str
+    sources: list[str] = Field(min_length=1)
+    tokenizer: TokenizerSpec
+    tokenize: TokenizeSpec = Field(default_factory=TokenizeSpec)
+    models: list[ModelSpec] = Field(default_factory=list)
+    scores: list[ScoreSpec] = Field(default_factory=list)
+    train: TrainSpec | None = None
+    eval: EvalSpec | None = None
+    report: ReportSpec | None = Field(default_factory=ReportSpec)
+
+    @model_validator(mode="after")
+    def _references(self):
+        def unique(items, what):
+            seen = set()
+            for i, it in enumerate(items):
+                if it.name in seen:
+                    raise _At(f"{what}[{i}].name", f"duplicate name {it.name!r}")
+                seen.add(it.name)
+            return seen
+
+        model_names = unique(self.models, "models")
+        score_names = unique(self.scores, "scores")
+        if TOKENS in score_names:
+            raise _At("scores", f"{TOKENS!r} names the tokenized data; give the score step another name")
+        for i, s in enumerate(self.scores):
+            if s.checkpoint_from is not None and s.checkpoint_from not in model_names:
+                raise _At(
+                    f"scores[{i}].checkpoint_from",
+                    f"{s.checkpoint_from!r} is not a models step ({', '.join(sorted(model_names)) or 'none'})",
+                )
+            q = s.weighting.quantiles_from
+            if q is not None and q not in {x.name for x in self.scores[:i]}:
+                raise _At(f"scores[{i}].weighting.quantiles_from", f"{q!r} is not an earlier score step")
+        if self.train is not None:
+            unique(self.train.runs, "train.runs")
+            for i, r in enumerate(self.train.runs):
+                if r.data != TOKENS and r.data not in score_names:
+                    raise _At(
+                        f"train.runs[{i}].data",
+                        f"{r.data!r} is neither {TOKENS!r} nor a score step ({', '.join(sorted(score_names))})",
+                    )
+                if r.loss != "ce" and r.data == TOKENS and r.loss != "hard_negative":
+                    raise _At(f"train.runs[{i}].loss", f"{r.loss} needs weights: data must be a score step")
+            names = [r.name for r in self.train.runs]
+            if self.train.reference is not None and self.train.reference not in names:
+                raise _At("train.reference", f"{self.train.reference!r} is not a run ({', '.join(names)})")
+            if len(set(self.train.seeds)) != len(self.train.seeds):
+                raise _At("train.seeds", "seeds repeat")
+        if self.eval is not None and self.train is None:
+            raise _At("eval", "evaluation needs a train section (the models it evaluates)")
+        return self
+
+    # -- where things go
+    @property
+    def root(self) -> Path:
+        return Path(self.run_dir)
+
+    def tokenizer_dir(self) -> Path:
+        return Path(self.tokenizer.path) if self.tokenizer.path else self.root / self.tokenizer.out
+
+    def tokens_dir(self) -> Path:
+        return self.root / self.tokenize.out
+
+    def model_dir(self, name: str) -> Path:
+        return self.root / "models" / name
+
+    def score_dir(self, name: str) -> Path:
+        s = next(s for s in self.scores if s.name == name)
+        return self.root / (s.out or f"scores/{name}")
+
+    def data_dir(self, data: str) -> Path:
+        return self.tokens_dir() if data == TOKENS else self.score_dir(data)
+
+    def run_ckpt(self, run: str, seed: int) -> Path:
+        return self.root / self.train.out / run / f"seed-{seed}"
+
+    def eval_file(self, run: str, seed: int) -> Path:
+        return self.root / self.eval.out / run / f"seed-{seed}.json"
+
+    def reference_run(self) -> str | None:
+        if self.train is None:
+            return None
+        if self.train.reference:
+            return self.train.reference
+        return next((r.name for r in self.train.runs if r.loss == "ce"), None)
+
+
+class _At(ValueError):
+    """A cross-reference error raised from the top-level validator, carrying its key path."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after[_one(), TokenizerSpec]",) or str(part).startswith("function-"):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def format_errors(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        msg = err["msg"].removeprefix("Value error, ")
+        where = _loc(err["loc"])
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check its spelling; docs/workflows.md lists the keys)"
+        if isinstance(err.get("ctx", {}).get("error"), _At):
+            lines.append(msg)  # already names its path
+        else:
+            lines.append(f"{where}: {msg}" if where else msg)
+    return "\n".join(lines)
+
+
+def parse_workflow(data: Any, origin: str = "workflow") -> Workflow:
+    if not isinstance(data, dict):
+        raise SpecError(f"{origin}: a workflow is a mapping (run_dir: ..., sources: [...], ...)")
+    try:
+        return Workflow.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(f"{origin} is refused:\n{format_errors(e)}") from None
+
+
+def load_workflow(path: str | Path) -> Workflow:
+    """Read and validate a workflow YAML file (safe loader only)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise SpecError(f"cannot read {path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise SpecError(f"{path} is not valid YAML: {e}") from None
+    return parse_workflow(data, str(path))
