@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from entroweight.transforms.writer import remove_stale_tmp
+
 from .stage import LockHeld, RunSummary, Stage, StageError, StageFailed, plan_run, run_lock
 
 ENGINES = ("local", "beam", "ray")
@@ -42,6 +44,9 @@ def run_stage(
             from .ray import run_ray
 
             results = run_ray(plan, progress=progress, **engine_options)
+        # A worker that died mid-shard (SIGKILL, OOM) left its temp file; we hold the lock and the
+        # engine is done, so nothing else writes here: clear them now rather than at the next run.
+        remove_stale_tmp(out_dir)
         return finish_run(plan, results, time.perf_counter() - start)
     finally:
         lock.release()

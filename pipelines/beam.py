@@ -77,12 +77,9 @@ def _limit_threads(threads: int) -> None:
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    try:
-        import torch
+    import torch
 
-        torch.set_num_threads(threads)
-    except ImportError:
-        pass
+    torch.set_num_threads(threads)
 
 
 def build_runner(options: dict, workers: int | None):

@@ -33,12 +33,9 @@ class ShardWorker:
     def __init__(self, stage: Stage, env: dict[str, str]):
         os.environ.update(env)  # before setup(): thread pools read it when they start
         if env.get("OMP_NUM_THREADS"):
-            try:
-                import torch
+            import torch
 
-                torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-            except ImportError:
-                pass
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
         self.stage = stage
         stage.setup()
 

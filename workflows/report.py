@@ -379,10 +379,8 @@ def _samples(scores: dict, tok, n: int) -> str:
 
 
 def _agreement(wf: Workflow, scores: dict) -> str:
-    try:
-        from entroweight.transforms.agreement import compare_dirs
-    except ImportError:
-        return "<p>Scorer agreement needs entroweight.transforms.agreement, which is not installed.</p>"
+    from entroweight.transforms.agreement import compare_dirs
+
     names = [n for n, s in scores.items() if s["entropy"] is not None]
     if len(names) < 2:
         return "<p>One scorer only: nothing to compare.</p>"

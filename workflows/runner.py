@@ -25,6 +25,7 @@ from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import SHARDS_FILE, STAGE_FILE, read_manifests, run_lock
 from entroweight.pipelines.tokenize import TokenizeStage
+from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas import StageRecord
 from entroweight.transforms.writer import write_json_atomic
 
@@ -281,11 +282,7 @@ class Runner:
         self._say(step, "ran" if summary.shards_run else "up to date", summary.line() + note)
 
     def _verify(self, step: Step) -> str:
-        """Every shard against its manifest after each data stage (pipelines/verify.py, when present)."""
-        try:
-            from entroweight.pipelines.verify import verify_dir
-        except ImportError:
-            return " (not verified: entroweight.pipelines.verify is not installed)"
+        """Every shard against its manifest after each data stage (`entroweight verify`)."""
         problems = verify_dir(step.out)
         if problems:
             step.status = "failed"
