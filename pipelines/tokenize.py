@@ -98,12 +98,19 @@ class TokenizeStage(Stage):
         readers = [DocumentReader(inp, self.text_column) for inp in task.inputs]
         seen: set[str] = set()
         duplicates_kept = 0  # ids seen before in this shard, kept (without --reject-duplicates)
+
+        def encoded(reader):
+            nonlocal duplicates_kept
+            for docs in prefetch(reader):
+                docs, n_dup = _duplicates(docs, seen, reader, self.reject_duplicates)
+                duplicates_kept += n_dup
+                yield docs, builder.encode(docs)
+
+        # Three threads: read+parse, encode (releases the GIL), pad+write: the encoder never waits on I/O.
         with AtomicParquetWriter(out / output, schema) as writer:
             for reader in readers:
-                for docs in prefetch(reader):
-                    docs, n_dup = _duplicates(docs, seen, reader, self.reject_duplicates)
-                    duplicates_kept += n_dup
-                    for batch in builder.add(docs):
+                for docs, ids in prefetch(encoded(reader)):
+                    for batch in builder.add(docs, ids):
                         writer.write(batch)
             for batch in builder.finish():
                 writer.write(batch)

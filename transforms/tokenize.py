@@ -48,18 +48,21 @@ class SequenceBuilder:
         self._stream: list[np.ndarray] = []  # packing: pending token runs
         self._stream_docs: list[tuple[str, int]] = []  # (doc id, tokens of it still pending)
 
-    def _encode(self, texts: list[str]) -> list[list[int]]:
+    def encode(self, docs: pa.RecordBatch) -> list[list[int]]:
+        """Token ids of each document (no state touched: may run in another thread than `add`)."""
+        texts = docs.column("text").to_pylist()
         if not self.pack:
             texts = [t if len(t) <= self.char_budget else _cut(t, self.char_budget) for t in texts]
         encs = self.tok.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         return [e.ids for e in encs]
 
-    def add(self, docs: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
+    def add(self, docs: pa.RecordBatch, ids: list[list[int]] | None = None) -> Iterator[pa.RecordBatch]:
+        """Sequences of `docs`, given their `encode` output if it was computed ahead."""
         if docs.num_rows == 0:
             return
         doc_ids = docs.column("id").to_pylist()
-        texts = docs.column("text").to_pylist()
-        ids = self._encode(texts)
+        if ids is None:
+            ids = self.encode(docs)
         self.docs_out += len(doc_ids)
         if self.pack:
             yield from self._pack(doc_ids, ids)
@@ -68,7 +71,8 @@ class SequenceBuilder:
             # a full row is truncated when its tokens cover fewer bytes than the text has
             full = np.flatnonzero(batch.column("n_pad").to_numpy() == 0)
             n_bytes = batch.column("n_bytes").to_numpy()
-            self.n_truncated += sum(int(n_bytes[i]) < len(texts[i].encode("utf-8")) for i in full)
+            texts = docs.column("text")
+            self.n_truncated += sum(int(n_bytes[i]) < len(texts[int(i)].as_py().encode("utf-8")) for i in full)
             yield batch
 
     def finish(self) -> Iterator[pa.RecordBatch]:
