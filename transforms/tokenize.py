@@ -72,7 +72,9 @@ class SequenceBuilder:
             full = np.flatnonzero(batch.column("n_pad").to_numpy() == 0)
             n_bytes = batch.column("n_bytes").to_numpy()
             texts = docs.column("text")
-            self.n_truncated += sum(int(n_bytes[i]) < len(texts[int(i)].as_py().encode("utf-8")) for i in full)
+            self.n_truncated += sum(
+                int(n_bytes[i]) < len(texts[int(i)].as_py().encode("utf-8")) for i in full
+            )
             yield batch
 
     def finish(self) -> Iterator[pa.RecordBatch]:
