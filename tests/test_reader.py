@@ -183,7 +183,6 @@ def test_example_plain_torch_loop(weighted_dir):
 
 
 def test_example_hf_trainer_compute_loss(weighted_dir, tmp_path):
-    pytest.importorskip("accelerate")  # transformers.Trainer needs it
     ex = _example("weighted_hf_trainer")
     trainer, result = ex.main(str(weighted_dir), str(tmp_path / "hf"), steps=4, batch_size=4)
     assert result.global_step == 4 and np.isfinite(result.training_loss)
