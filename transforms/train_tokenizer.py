@@ -12,6 +12,8 @@ from .sources import DocumentReader, plan_inputs
 from .tokenizer import BOS, EOS, PAD, resolve_tokenizer_path
 
 SPECIALS = [PAD, BOS, EOS]
+# The Llama 3 tokenizer a repo checkout ships (the write-up's base); an installed package has none.
+DEFAULT_BASE = Path(__file__).resolve().parent.parent / "tests" / "data" / "tokenizers" / "llama3"
 
 
 def corpus_texts(sources: list[str], max_docs: int | None = None) -> Iterator[str]:
@@ -56,6 +58,27 @@ def train_bpe(
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    algorithm: str = "bpe",
+    base: str | Path | None = None,
+    progress: bool = False,
+) -> Tokenizer:
+    """A `vocab_size` tokenizer of `algorithm`: BPE on `base`'s pre-tokenizer (default DEFAULT_BASE),
+    or an LZ78 dictionary (a related-work baseline, docs/baselines.md; `base` unused)."""
+    if algorithm == "bpe":
+        if base is None and not DEFAULT_BASE.exists():
+            raise ValueError(
+                "no default base tokenizer here (only a repo checkout ships one): pass --base PATH, "
+                "or tokenizer.train.base in a workflow (e.g. a Llama 3 tokenizer.json)"
+            )
+        return train_bpe(texts, vocab_size, base or DEFAULT_BASE, progress=progress)
+    from . import lz78
+
+    return lz78.to_tokenizers(lz78.train(texts, vocab_size, algorithm))
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> tuple[Path, str]:

@@ -100,9 +100,13 @@ def write_table_atomic(table: pa.Table, path: str | Path) -> str:
         return w.close()
 
 
-def write_json_atomic(obj: dict, path: str | Path) -> None:
+def write_text_atomic(text: str, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(path)
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.write_text(text, encoding="utf-8")
     _commit(tmp, path)
+
+
+def write_json_atomic(obj: dict, path: str | Path) -> None:
+    write_text_atomic(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", path)

@@ -46,30 +46,15 @@ def main():
 def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, out):
     """Train a tokenizer of VOCAB_SIZE tokens (pad/bos/eos reserved) on SOURCES: BPE or LZ78."""
     from entroweight.transforms.sources import SourceError
-    from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_bpe
+    from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_tokenizer
 
     try:
         texts = corpus_texts(list(sources), max_docs)
-        if algorithm == "bpe":
-            tok = train_bpe(texts, vocab_size, base or default_base_tokenizer(), progress=sys.stderr.isatty())
-        else:
-            from entroweight.transforms import lz78
-
-            tok = lz78.to_tokenizers(lz78.train(texts, vocab_size, algorithm))
+        tok = train_tokenizer(texts, vocab_size, algorithm, base, progress=sys.stderr.isatty())
     except (SourceError, ValueError) as e:
         _fail(str(e))
     path, sha = save_tokenizer(tok, out)
     click.echo(f"wrote {path} ({tok.get_vocab_size()} tokens, sha256 {sha})")
-
-
-def default_base_tokenizer() -> str:
-    """The Llama 3 tokenizer shipped in tests/data (a repo checkout), as the write-up did."""
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent.parent / "tests" / "data" / "tokenizers" / "llama3"
-    if not here.exists():
-        _fail("no default base tokenizer here; pass --base PATH (e.g. a Llama 3 tokenizer.json)")
-    return str(here)
 
 
 @main.command()
@@ -130,12 +115,7 @@ def inspect(path, as_json):
 
 def _add_command_modules() -> None:
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"entroweight.workflows.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"entroweight.workflows.{name}":
-                continue  # that area has not landed yet
-            raise
+        module = importlib.import_module(f"entroweight.workflows.{name}")
         for command in module.COMMANDS:
             main.add_command(command)
 

@@ -103,7 +103,9 @@ def train_cmd(data, model, model_config, loss, out, compile_, **kw):
 
 @click.command("eval-bpb")
 @click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--text", default=None, help="UTF-8 text file (default: the bundled WikiText-2 test set).")
+@click.option(
+    "--text", "text_path", default=None, help="UTF-8 text file (default: the bundled WikiText-2 test set)."
+)
 @click.option("--n-ctx", type=int, default=None, help="Window length (default: the model's n_ctx).")
 @click.option("--stride", type=int, default=None, help="Window step (default: n_ctx/2).")
 @click.option("--tokenizer", default=None, help="When the checkpoint has no tokenizer.json.")
@@ -121,40 +123,16 @@ def train_cmd(data, model, model_config, loss, out, compile_, **kw):
     show_default=True,
     help="Estimator/autoencoder: the format each window's embedding is stored (and paid) in.",
 )
-def eval_bpb_cmd(
-    ckpt_dir,
-    text,
-    n_ctx,
-    stride,
-    tokenizer,
-    max_bytes,
-    batch_size,
-    device,
-    unigram_data,
-    as_json,
-    allow_pickle,
-    embed_format,
-):
+def eval_bpb_cmd(ckpt_dir, unigram_data, as_json, **kw):
     """Bits per byte of CKPT_DIR on held-out text (sliding window, exact UTF-8 bytes)."""
     from entroweight.models.checkpoint import CheckpointError
     from entroweight.trainers.bpb import eval_bpb, unigram_bpb
 
     try:
-        res = eval_bpb(
-            ckpt_dir,
-            text,
-            n_ctx,
-            stride,
-            tokenizer,
-            max_bytes,
-            batch_size,
-            device,
-            allow_pickle=allow_pickle,
-            embed_format=embed_format,
-        )
+        res = eval_bpb(ckpt_dir, **kw)  # the options are eval_bpb's keyword arguments
         if unigram_data:
-            tok = tokenizer or str(Path(ckpt_dir) / "tokenizer.json")
-            res["unigram_bpb"] = unigram_bpb(unigram_data, tok, text, max_bytes)["bpb"]
+            tok = kw["tokenizer"] or str(Path(ckpt_dir) / "tokenizer.json")
+            res["unigram_bpb"] = unigram_bpb(unigram_data, tok, kw["text_path"], kw["max_bytes"])["bpb"]
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
     if as_json:

@@ -68,7 +68,6 @@ def report_cmd(run_dir, out, samples):
     """Write one self-contained HTML report of RUN_DIR (plots embedded; opens offline)."""
     from .report import ReportError, write_report
 
-    out = out or str(Path(run_dir) / "report.html")
     try:
         path = write_report(run_dir, out, samples=samples)
     except ReportError as e:

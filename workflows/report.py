@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import yaml
+from entroweight.transforms.writer import write_text_atomic
 
 from .spec import TOKENS, SpecError, Workflow, parse_workflow
 
@@ -485,9 +486,5 @@ def write_report(
     run_dir: str | Path, out: str | Path | None = None, samples: int = 3, max_tokens: int = 2_000_000
 ) -> Path:
     out = Path(out) if out else Path(run_dir) / "report.html"
-    page = build_report(run_dir, samples, max_tokens)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(out)
+    write_text_atomic(build_report(run_dir, samples, max_tokens), out)
     return out

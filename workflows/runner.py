@@ -11,6 +11,7 @@ version, what each step did and every data stage's manifests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import subprocess
@@ -31,6 +32,7 @@ from entroweight.transforms.writer import write_json_atomic
 
 from entroweight import __version__
 
+from .report import read_metrics, write_report
 from .spec import TOKENS, ModelSpec, TrainSettings, Workflow
 
 STEP_FILE = ".workflow-step.json"  # in a tokenizer or checkpoint directory: the key it was built with
@@ -76,6 +78,7 @@ class Step:
         return d
 
 
+@functools.cache
 def code_version() -> str:
     """The package version, plus `git describe` of the checkout when it is one."""
     repo = Path(__file__).resolve().parent.parent
@@ -167,6 +170,18 @@ class Runner:
         return self.steps
 
     def _all_steps(self) -> None:
+        try:
+            self._each_step()
+        except (
+            ValueError
+        ) as e:  # input refused below (SourceError, TokenizerError, ScorerError, TrainError...)
+            step = self.steps[-1] if self.steps else None
+            if step is None:
+                raise WorkflowError(str(e)) from None
+            step.status = "failed"
+            raise WorkflowError(f"{step.kind} {step.name}: {e}") from None
+
+    def _each_step(self) -> None:
         wf = self.wf
         self._tokenizer()
         self._tokenize()
@@ -214,7 +229,7 @@ class Runner:
 
             try:
                 resolve_tokenizer_path(spec.path)
-            except Exception as e:
+            except (ValueError, OSError) as e:
                 raise WorkflowError(f"tokenizer.path: {e}") from None
             return self._say(step, "up to date", f"given: {spec.path}")
         key = _key({"train": spec.train.model_dump(mode="json")})
@@ -233,18 +248,13 @@ class Runner:
             return self._say(
                 step, "would run", f"train a {spec.train.vocab_size}-token {spec.train.algorithm}"
             )
-        from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_bpe
+        from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_tokenizer
 
         t0 = time.perf_counter()
-        texts = corpus_texts(list(self.wf.sources), spec.train.max_docs)
-        if spec.train.algorithm == "bpe":
-            from .cli import default_base_tokenizer
-
-            tok = train_bpe(texts, spec.train.vocab_size, spec.train.base or default_base_tokenizer())
-        else:
-            from entroweight.transforms import lz78
-
-            tok = lz78.to_tokenizers(lz78.train(texts, spec.train.vocab_size, spec.train.algorithm))
+        t = spec.train
+        tok = train_tokenizer(
+            corpus_texts(list(self.wf.sources), t.max_docs), t.vocab_size, t.algorithm, t.base
+        )
         path, sha = save_tokenizer(tok, out)
         write_json_atomic({"key": key, "sha256": sha}, marker)
         step.seconds = time.perf_counter() - t0
@@ -262,7 +272,7 @@ class Runner:
             return self._say(step, "would run", f"after {', '.join(u for u in upstream if u in self.stale)}")
         try:
             stage = build()
-        except StageError as e:
+        except StageError as e:  # refusals that are not ValueErrors (e.g. the data's tokenizer)
             raise WorkflowError(f"{step.kind} {step.name}: {e}") from None
         if self.dry_run:
             done, todo, note = preview(stage, out)
@@ -276,8 +286,6 @@ class Runner:
         )
         step.seconds = time.perf_counter() - t0
         step.manifests = [json.loads(m.model_dump_json()) for m in read_manifests(out)]
-        if summary.shards_run:
-            self.stale.add(step.name)  # downstream fingerprints change: not needed beyond the record
         note = self._verify(step)
         self._say(step, "ran" if summary.shards_run else "up to date", summary.line() + note)
 
@@ -330,18 +338,15 @@ class Runner:
                 invert=w.invert,
                 dtype=w.dtype,
             )
-            try:
-                return LimitedScoreStage(
-                    wf.tokens_dir(),
-                    s.scorer,
-                    options,
-                    weigh,
-                    s.with_entropy,
-                    self.tokenizer_file(),
-                    limit=s.limit_shards,
-                )
-            except ValueError as e:  # ScorerError, CheckpointError, ModelLoadError, TokenizerError
-                raise StageError(str(e)) from None
+            return LimitedScoreStage(
+                wf.tokens_dir(),
+                s.scorer,
+                options,
+                weigh,
+                s.with_entropy,
+                self.tokenizer_file(),
+                limit=s.limit_shards,
+            )
 
         self._stage(step, build, upstream)
 
@@ -403,16 +408,11 @@ class Runner:
         if nproc > 1:
             self._torchrun(cfg, nproc)
         else:
-            from entroweight.models.checkpoint import CheckpointError
-            from entroweight.trainers import DataError, TrainError, train
+            from entroweight.trainers import train
 
-            try:
-                train(cfg)
-            except (TrainError, DataError, CheckpointError) as e:
-                raise WorkflowError(f"{step.kind} {step.name}: {e}") from None
+            train(cfg)  # a refusal (TrainError, DataError, CheckpointError) is reported by _all_steps
         write_json_atomic({"key": key, "steps": cfg.steps}, out / STEP_FILE)
         step.seconds = time.perf_counter() - t0
-        self.stale.add(step.name)
         last = _last_metrics(out)
         self._say(
             step, "ran", f"{cfg.steps} steps, ce {last.get('ce', float('nan')):.4f} ({step.seconds:.1f} s)"
@@ -567,7 +567,6 @@ class Runner:
             return self._say(step, "up to date", str(out))
         if self.dry_run:
             return self._say(step, "would run", str(out))
-        from .report import write_report
 
         t0 = time.perf_counter()
         self._write_record(0.0)  # the report reads run.json: give it this run's steps
@@ -577,8 +576,4 @@ class Runner:
 
 
 def _last_metrics(out: Path) -> dict:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return {}
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    return json.loads(lines[-1]) if lines else {}
+    return (read_metrics(out) or [{}])[-1]
