@@ -118,8 +118,9 @@ def _load_pickle_state(path: Path, map_location: str) -> dict[str, torch.Tensor]
         raise CheckpointError(
             f"{path} is refused by torch.load(weights_only=True): {type(e).__name__}: {e}"
         ) from e
-    if isinstance(state, dict) and isinstance(state.get("model") or state.get("state_dict"), dict):
-        state = state.get("model") or state.get("state_dict")
+    if isinstance(state, dict):
+        # a training checkpoint nests the weights; never test a tensor's truth ("model" may be one)
+        state = next((state[k] for k in ("model", "state_dict") if isinstance(state.get(k), dict)), state)
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
         raise CheckpointError(f"{path} does not hold a state dict of tensors")
     return state

@@ -94,14 +94,17 @@ class TFree(Llama):
             codes[i, : len(r)] = torch.tensor(r)
         # derived from the config, so not saved with the weights
         self.register_buffer("codes", codes, persistent=False)
+        # the same as embedding_bag's flat indices and per-token offsets, built once, not per forward
+        valid = codes >= 0
+        n = valid.sum(1)
+        self.register_buffer("bag_indices", codes[valid], persistent=False)
+        self.register_buffer("bag_offsets", torch.cumsum(n, 0) - n, persistent=False)
 
     def scores(self, z: torch.Tensor) -> torch.Tensor:
         """Head logits (..., n_hash) -> vocabulary scores (..., V): the mean of each token's activated logits."""
         flat = z.reshape(-1, z.shape[-1]).float()
-        valid = self.codes >= 0
-        n = valid.sum(1)
         # one bag per token over the head positions: (V, N) without a dense (V, n_hash) matrix
-        s = F.embedding_bag(self.codes[valid], flat.t(), torch.cumsum(n, 0) - n, mode="mean")
+        s = F.embedding_bag(self.bag_indices, flat.t(), self.bag_offsets, mode="mean")
         return s.t().reshape(*z.shape[:-1], -1)
 
     def forward(self, input_ids: torch.Tensor, hashed: bool = False) -> torch.Tensor:

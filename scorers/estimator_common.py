@@ -189,6 +189,48 @@ def window_loss_sums(
     return sums.cpu().numpy()[inverse]
 
 
+def window_differences(
+    long: nn.Module,
+    short: nn.Module,
+    input_ids: np.ndarray,
+    n_pad: np.ndarray,
+    n_long: int,
+    n_short: int,
+    pad_id: int,
+    device: str = "cpu",
+    dtype: str = "fp32",
+) -> np.ndarray:
+    """(B, T) left-padded ids -> (B, T) float32: value i = L_long(window of the last n_long tokens ending
+    at i, width n_long) − L_short(window of the last n_long − 1 tokens ending at i − 1, width n_short).
+    All windows of the batch run together (sub-batched by memory); pads 0."""
+    B, T = input_ids.shape
+    rows, ends, where = [], [], []
+    for r in range(B):
+        tokens = np.asarray(input_ids[r, n_pad[r] :], dtype=np.int64)
+        for j in range(len(tokens)):
+            rows.append(tokens)
+            ends.append(j)
+            where.append((r, int(n_pad[r]) + j))
+    out = np.zeros((B, T), dtype=np.float32)
+    if not rows:
+        return out
+    w_long, c_long = windows(rows, ends, n_long, n_long, pad_id)
+    w_short, c_short = windows(rows, [j - 1 for j in ends], n_long - 1, n_short, pad_id)
+    if short is long and n_short == n_long:
+        # one model: run the union of windows once (the shifted window of i is usually the window of i − 1)
+        sums = window_loss_sums(
+            long, np.concatenate([w_long, w_short]), np.concatenate([c_long, c_short]), device, dtype
+        )
+        diff = sums[: len(rows)] - sums[len(rows) :]
+    else:
+        diff = window_loss_sums(long, w_long, c_long, device, dtype) - window_loss_sums(
+            short, w_short, c_short, device, dtype
+        )
+    r_idx, c_idx = np.array(where).T
+    out[r_idx, c_idx] = diff
+    return out
+
+
 def model_vocab(model: nn.Module) -> int:
     cfg = getattr(model, "config", None)
     return int(getattr(cfg, "vocab_size", 0) or 8192)

@@ -55,16 +55,13 @@ class ExcessLossScorer(Scorer):
         **options: Any,
     ):
         super().__init__(batch_size=batch_size, device=device, **options)
-        if (model is None) == (checkpoint is None):
-            raise ScorerError(
-                "excess_loss: give the model as exactly one of --checkpoint (ours) or --model (HF)"
-            )
         if reference is None:
             raise ScorerError(
                 "excess_loss needs --reference (our checkpoint directory, or an HF id, directory or .gguf)"
             )
         kw = {"dtype": dtype, "batch_size": batch_size, "device": device}
         kw |= {k: v for k, v in options.items() if k in ("allow_pickle", "trust_remote_code")}
+        # CausalLossScorer refuses anything but exactly one of model / checkpoint
         self.model = CausalLossScorer(model=model, checkpoint=checkpoint, **kw)
         self.reference = _side(str(reference), **kw)
         a = (self.model._ckpt_config or {}).get("tokenizer_sha256")
@@ -98,6 +95,3 @@ class ExcessLossScorer(Scorer):
     def score(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         # each side buckets and pads its own way (HF: cut to the batch; ours: full rows)
         return self.model.score(input_ids, n_pad) - self.reference.score(input_ids, n_pad)
-
-    def __getstate__(self):
-        return self.__dict__.copy()  # the sides drop their own models when pickled

@@ -37,7 +37,7 @@ def grad_input_values(model, ids: torch.Tensor, dtype: str = "fp32", first: int 
     """(B, T) ids -> (B, T) raw float32 attributions, shifted (value t + 1 from output t; value 0 is 0).
     Outputs before `first` are skipped (they predict pads)."""
     B, T = ids.shape
-    out = np.zeros((B, T), dtype=np.float32)
+    out = torch.zeros((B, T), dtype=torch.float32, device=ids.device)  # on the device: one copy at the end
     with torch.enable_grad(), autocast(ids.device.type, dtype):
         with torch.no_grad():
             e = model.encode(ids)
@@ -47,5 +47,5 @@ def grad_input_values(model, ids: torch.Tensor, dtype: str = "fp32", first: int 
         norms = logits.abs().sum(-1)  # (B, T): L1 norm of each output's logits
         for t in range(first, T - 1):
             (g,) = torch.autograd.grad(norms[:, t].sum(), e, retain_graph=t < T - 2)
-            out[:, t + 1] = (g * e).sum(-1).detach().cpu().numpy()
-    return out
+            out[:, t + 1] = (g * e).sum(-1).detach()
+    return out.cpu().numpy()

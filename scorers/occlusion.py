@@ -48,15 +48,15 @@ class OcclusionScorer(CheckpointScorer):
         ids, added = self.to_model_width(input_ids, n_pad)
         raw = occlusion_values(self._model, ids, self.metric, self.dtype)[:, added:]
         fill_first_token(raw, n_pad, n_pad > 0)
-        if self.metric == "l1":
-            return minmax_rows(raw, n_pad)
-        raw[np.arange(raw.shape[1])[None, :] < n_pad[:, None]] = 0.0
-        return raw
+        # pads: Scorer.score zeroes them after every batch
+        return minmax_rows(raw, n_pad) if self.metric == "l1" else raw
 
 
 def occlusion_values(model, ids: torch.Tensor, metric: str = "l1", dtype: str = "fp32") -> np.ndarray:
     """(B, T) ids -> (B, T) raw float32 occlusion values, already shifted (value t about token t; value 0
     is 0): the unnormalised L1 distance or 1 − cos between the logits with and without the embedding."""
+    if metric not in METRICS:  # before the forward passes, not after
+        raise ScorerError(f"metric must be one of {', '.join(METRICS)}, not {metric!r}")
     device = ids.device.type
     with torch.inference_mode(), autocast(device, dtype), hidden_outputs(model) as head:
         h = model.decode(ids, model.encode(ids))[:, :-1]
@@ -74,14 +74,12 @@ def occlusion_values(model, ids: torch.Tensor, metric: str = "l1", dtype: str = 
                 for s in range(0, len(diff), rows)
             ]
             vals = torch.cat(norms)
-        elif metric == "cosine":
+        else:  # cosine
             G = W.T @ W  # logits·logits' = h Wᵀ W h'
             a, b = h.float().reshape(-1, D), h_o.float().reshape(-1, D)
             aG = a @ G
             ab, aa, bb = (aG * b).sum(-1), (aG * a).sum(-1), ((b @ G) * b).sum(-1)
             cos = ab / (aa.clamp_min(1e-30) * bb.clamp_min(1e-30)).sqrt()
             vals = (1.0 - cos).clamp(0.0, 2.0)
-        else:
-            raise ScorerError(f"metric must be one of {', '.join(METRICS)}, not {metric!r}")
     out[:, 1:] = vals.reshape(B, T1).cpu().numpy()
     return out

@@ -14,10 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .base import ScorerError
-from .decomposition import window_differences
+from .decomposition import DecompositionScorer
 from .estimator_common import (
     CheckpointScorer,
     check_tokenizer,
@@ -28,9 +26,10 @@ from .estimator_common import (
 )
 
 
-class TwoModelScorer(CheckpointScorer):
+class TwoModelScorer(DecompositionScorer):
+    """decomposition with the shifted windows on a second checkpoint (its score_batch)."""
+
     name = "two_model"
-    _heavy = (*CheckpointScorer._heavy, "_short")
 
     def __init__(self, checkpoint: str | None = None, checkpoint_short: str | None = None, **kw: Any):
         super().__init__(checkpoint=checkpoint, **kw)
@@ -66,7 +65,7 @@ class TwoModelScorer(CheckpointScorer):
         check_tokenizer(self._short_config, self.checkpoint_short, sha256)
 
     def setup(self, data_tokenizer=None) -> None:
-        super().setup(data_tokenizer)
+        CheckpointScorer.setup(self, data_tokenizer)  # not decomposition's: the short model is its own
         if self._short is None:
             same = Path(self.checkpoint_short).resolve() == Path(self.checkpoint).resolve()
             self._short = (
@@ -74,16 +73,3 @@ class TwoModelScorer(CheckpointScorer):
                 if same
                 else load_model(self.checkpoint_short, self.device, self.options.get("allow_pickle", False))
             )
-
-    def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
-        return window_differences(
-            self._model,
-            self._short,
-            input_ids,
-            n_pad,
-            self.n_ctx,
-            self.n_short,
-            self.pad_id,
-            self.device,
-            self.dtype,
-        )

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from entroweight.schemas import read_file_metadata
+from scipy.stats import rankdata  # 1-based average ranks (ties share their mean), float64
 
 COLUMNS = ("entropy", "weight")
 
@@ -48,18 +49,6 @@ def _read(dir_: str | Path, column: str) -> tuple[dict, dict[str, tuple[np.ndarr
         for sid, r, p in zip(t.column("seq_id").to_pylist(), range(n), n_pad, strict=True):
             rows[sid] = (ids[r, p:], vals[r, p:])
     return meta, rows
-
-
-def rankdata(x: np.ndarray) -> np.ndarray:
-    """1-based average ranks (ties share their mean rank), as Spearman's rho needs."""
-    order = np.argsort(x, kind="stable")
-    xs = x[order]
-    starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
-    ends = np.r_[starts[1:], len(xs)]
-    avg = (starts + ends + 1) / 2.0  # 1-based
-    ranks = np.empty(len(x), dtype=np.float64)
-    ranks[order] = np.repeat(avg, ends - starts)
-    return ranks
 
 
 def pearson(a: np.ndarray, b: np.ndarray) -> float:
