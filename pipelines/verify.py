@@ -25,11 +25,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from entroweight.schemas import ShardManifest, StageRecord, sequence_schema, weighted_sequence_schema
-from entroweight.schemas.arrow import METADATA_KEY
+from entroweight.schemas import (
+    ShardManifest,
+    StageRecord,
+    read_file_metadata,
+    sequence_schema,
+    weighted_sequence_schema,
+)
 from entroweight.transforms.writer import TMP_MARK, sha256_file
 
-from .stage import REJECTS_DIR, SHARDS_FILE, STAGE_FILE
+from .stage import REJECTS_DIR, SHARDS_FILE, STAGE_FILE, manifest_path
 
 # metadata keys that may differ between shards of one config (file name of the tokenizer, code version)
 _FREE_KEYS = {"tokenizer", "code_version"}
@@ -55,7 +60,7 @@ def verify_dir(path: str | Path) -> list[str]:
         m = _read_json_model(p, ShardManifest, problems)
         if m is not None:
             manifests[m.shard] = m
-            if p.name != f".{m.shard}.manifest.json":
+            if p.name != manifest_path(out, m.shard).name:
                 problems.append(f"{p.name} holds the manifest of {m.shard}: the bookkeeping was edited")
 
     # every registered shard is done (a missing manifest is a failed or unrun shard: a hole)
@@ -178,10 +183,9 @@ def _check_shard(out: Path, m: ShardManifest, record: StageRecord, problems: lis
         return None
     if pf.metadata.num_rows != m.rows_out:
         problems.append(f"{where}: {pf.metadata.num_rows} rows, its manifest says {m.rows_out}")
-    raw = (pf.schema_arrow.metadata or {}).get(METADATA_KEY)
     try:
-        meta = json.loads(raw) if raw else None
-    except ValueError:
+        meta = read_file_metadata(path)
+    except ValueError:  # metadata that does not parse: not ours either
         meta = None
     if not meta:
         problems.append(f"{where}: no entroweight file metadata; it was not written by this stage")
@@ -244,7 +248,7 @@ def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, 
     lists = [c for c in ("input_ids", "entropy", "weight") if c in names]
     columns = [*lists, "n_pad", "n_bytes"]
     real = n_bytes = 0
-    bad: dict[str, int] = {}
+    bad: dict[str, int] = {}  # over the whole file: any problem also skips the totals check below
 
     def flag(kind: str, n: int) -> None:
         if n:
@@ -252,12 +256,14 @@ def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, 
 
     for batch in pf.iter_batches(batch_size=_ROWS, columns=columns):
         n_pad = batch.column("n_pad").to_numpy().astype(np.int64)
-        flag("n_pad outside [0, n_ctx]", ((n_pad < 0) | (n_pad > n_ctx)).sum())
+        layout = {"n_pad outside [0, n_ctx]": ((n_pad < 0) | (n_pad > n_ctx)).sum()}
         for c in lists:
             lengths = pc.list_value_length(batch.column(c)).to_numpy(zero_copy_only=False)
-            flag(f"{c} lists not of length n_ctx={n_ctx}", (lengths != n_ctx).sum())
-        if bad:
-            continue  # values cannot be laid out as (rows, n_ctx)
+            layout[f"{c} lists not of length n_ctx={n_ctx}"] = (lengths != n_ctx).sum()
+        for kind, n in layout.items():
+            flag(kind, n)
+        if any(layout.values()):
+            continue  # this batch cannot be laid out as (rows, n_ctx); later batches are still checked
         rows = batch.num_rows
         pad = np.arange(n_ctx)[None, :] < n_pad[:, None]
         ids = _matrix(batch.column("input_ids"), rows, n_ctx)
@@ -292,7 +298,7 @@ def _check_score_input(m: ShardManifest, where: str, problems: list[str]) -> Non
     """A scored shard scores every row of its input shard (when the input directory is still there)."""
     for inp in m.inputs:
         src = Path(inp.uri)
-        manifest = src.parent / f".{src.stem}.manifest.json"
+        manifest = manifest_path(src.parent, src.stem)
         if not manifest.is_file():
             continue
         try:

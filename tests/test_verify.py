@@ -292,3 +292,21 @@ def test_scored_shard_with_fewer_rows_than_its_input(scored, tokens, tmp_path):
     m["rows_out"] = m["docs_in"] = m["docs_out"] = m["rows_out"] - 1
     mpath.write_text(json.dumps(m))
     one(verify_dir(d), "part-00000", "its input", "has")
+
+
+def test_value_checks_run_in_every_batch(scored, tmp_path):
+    """A problem in the first 1024-row batch does not hide another in the second."""
+    d = copy(scored, tmp_path)
+
+    def fn(t):
+        t = pa.concat_tables([t] * (2048 // t.num_rows + 1)).slice(0, 2048).combine_chunks()
+        n_pad = t.column("n_pad").to_numpy()
+        ids, w = get_list(t, "input_ids"), get_list(t, "weight")
+        ids[int(np.argmax(n_pad[:1024])), 0] = 5  # a wrong pad in batch 1
+        w[1024 + int(np.argmin(n_pad[1024:])), -1] = np.nan  # a NaN weight in batch 2
+        return set_list(set_list(t, "input_ids", ids), "weight", w)
+
+    rewrite(d, "part-00001", fn)
+    problems = verify_dir(d)
+    one(problems, "part-00001", "1 pads that are not pad_id")
+    one(problems, "part-00001", "1 weights NaN or infinite")

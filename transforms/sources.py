@@ -128,18 +128,22 @@ class _ZstdFrames(io.RawIOBase):
     def readinto(self, buf) -> int:
         while self.pos >= len(self.pending):
             self.pending, self.pos = b"", 0
-            chunk = self.raw.read(1 << 20)
+            # small reads: each finished frame copies the rest of the chunk (unused_data), so a big
+            # chunk of many small frames (one document per frame) would be quadratic
+            chunk = self.raw.read(1 << 16)
             if not chunk:
                 if self.in_frame:
                     raise EOFError("zstd stream ended inside a frame (the file is truncated)")
                 return 0
+            pieces = []  # joined once: `pending +=` per frame is quadratic too
             while chunk:
                 self.in_frame = True
-                self.pending += self.dobj.decompress(chunk)
+                pieces.append(self.dobj.decompress(chunk))
                 chunk = b""
                 if self.dobj.eof:  # frame done: the rest starts the next one
                     chunk, self.in_frame = self.dobj.unused_data, False
                     self.dobj = zstandard.ZstdDecompressor().decompressobj()
+            self.pending = b"".join(pieces)
         n = min(len(buf), len(self.pending) - self.pos)
         buf[:n] = memoryview(self.pending)[self.pos : self.pos + n]
         self.pos += n

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from entroweight.schemas import sequence_schema
 
 from .tokenizer import LoadedTokenizer
@@ -72,10 +73,8 @@ class SequenceBuilder:
             # a full row is truncated when its tokens cover fewer bytes than the text has
             full = np.flatnonzero(batch.column("n_pad").to_numpy() == 0)
             n_bytes = batch.column("n_bytes").to_numpy()
-            texts = docs.column("text")
-            self.n_truncated += sum(
-                int(n_bytes[i]) < len(texts[int(i)].as_py().encode("utf-8")) for i in full
-            )
+            text_bytes = pc.binary_length(docs.column("text")).to_numpy()  # UTF-8 bytes, no Python strings
+            self.n_truncated += int((n_bytes[full] < text_bytes[full]).sum())
             yield batch
 
     def finish(self) -> Iterator[pa.RecordBatch]:
