@@ -92,11 +92,6 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def best_of(fn, repeat: int = 3) -> float:
-    """The fastest of `repeat` runs, in seconds: the least disturbed by other load on the machine."""
-    return min(timed(fn) for _ in range(repeat))
-
-
 def alternate(fns: dict, rounds: int) -> dict[str, list[float]]:
     """Seconds of each of `fns` over `rounds` rounds, run in alternating order (A B, B A, ...), so that
     load from other processes on a shared machine falls on every variant alike."""

@@ -12,12 +12,11 @@ random over an 8k vocabulary, left-padded to random lengths.
 from __future__ import annotations
 
 import tempfile
-import time
 
 import numpy as np
 import torch
 
-from .common import best_of, row
+from .common import alternate, row, timed
 
 TARGET = ">= 0.9"
 
@@ -73,61 +72,41 @@ def run(quick: bool = False) -> list[dict]:
                     model.decode(x, model.encode(x))
                     model.decode(x, None)
 
+        rates = {}  # occlusion tokens/s per metric
         for metric in ("l1", "cosine"):
             scorer = make_scorer("occlusion", checkpoint=tmp, metric=metric, dtype=dtype, batch_size=batch)
             scorer.setup()
             scorer.score(ids[:batch], n_pad[:batch])  # warm-up
-            t_score, t_bare = float("inf"), float("inf")
-            for _ in range(repeat):  # interleaved, best of each: the least disturbed by other load
-                t_score = min(t_score, best_of(lambda s=scorer: s.score(ids, n_pad), 1))
-                t_bare = min(t_bare, best_of(bare, 1))
+            # interleaved, best of each: the least disturbed by other load
+            times = alternate({"score": lambda s=scorer: s.score(ids, n_pad), "bare": bare}, repeat)
+            t_score, t_bare = min(times["score"]), min(times["bare"])
+            rates[metric] = real / t_score
             out.append(
                 row(
                     "score",
                     f"occlusion {metric} tokens/s (vs 2 bare decoder forwards)",
-                    real / t_score,
+                    rates[metric],
                     real / t_bare,
                     TARGET,
                     note,
                 )  # fmt: skip
             )
-        occ_rate = real / t_score
 
-        # grad_input: one backward per position; a few rows are enough to time it
-        g_rows = 1 if quick else 4
-        scorer = make_scorer("grad_input", checkpoint=tmp, dtype=dtype, batch_size=g_rows)
-        scorer.setup()
-        g_real = int(g_rows * n_ctx - n_pad[:g_rows].sum())
-        start = time.perf_counter()
-        scorer.score(ids[:g_rows], n_pad[:g_rows])
-        per_tok = (time.perf_counter() - start) / g_real
-        out.append(
-            row(
-                "score",
-                "grad_input ms/token",
-                per_tok * 1e3,
-                None,
-                None,
-                f"{g_rows} rows; {per_tok * occ_rate:.0f}× occlusion cosine's time per token",
-            )  # fmt: skip
-        )
-
-        # decomposition: one forward of a whole window per token
-        d_rows = 1 if quick else 2
-        scorer = make_scorer("decomposition", checkpoint=tmp, dtype=dtype, batch_size=d_rows)
-        scorer.setup()
-        d_real = int(d_rows * n_ctx - n_pad[:d_rows].sum())
-        start = time.perf_counter()
-        scorer.score(ids[:d_rows], n_pad[:d_rows])
-        per_tok = (time.perf_counter() - start) / d_real
-        out.append(
-            row(
-                "score",
-                "decomposition ms/token",
-                per_tok * 1e3,
-                None,
-                None,
-                f"{d_rows} rows; {per_tok * occ_rate:.0f}× occlusion cosine's time per token",
-            )  # fmt: skip
-        )
+        # grad_input: one backward per position; decomposition: one forward of a whole window per
+        # token. A few rows are enough to time them.
+        for name, n_rows in (("grad_input", 1 if quick else 4), ("decomposition", 1 if quick else 2)):
+            scorer = make_scorer(name, checkpoint=tmp, dtype=dtype, batch_size=n_rows)
+            scorer.setup()
+            n_real = int(n_rows * n_ctx - n_pad[:n_rows].sum())
+            per_tok = timed(lambda s=scorer, k=n_rows: s.score(ids[:k], n_pad[:k])) / n_real
+            out.append(
+                row(
+                    "score",
+                    f"{name} ms/token",
+                    per_tok * 1e3,
+                    None,
+                    None,
+                    f"{n_rows} rows; {per_tok * rates['cosine']:.0f}× occlusion cosine's time per token",
+                )  # fmt: skip
+            )
     return out

@@ -176,7 +176,7 @@ def _cross_scorer(spec, batch, data_tok, model, aggregate):
     return scorer
 
 
-def bench_storage(texts: list[str], n_rows_scored: int, spec: str, model) -> list[dict]:
+def bench_storage(n_rows_scored: int, spec: str, model) -> list[dict]:
     """Bytes per real token of zstd parquet: ids of the whole C4 sample (8k BPE, n_ctx 512, left-padded),
     plus the weight column (float16, uint8: the score stage's encodings) of SmolLM2 cross-tokenizer
     weights on the first rows, written with the stage's parquet options."""
@@ -248,7 +248,7 @@ def run(quick: bool = False) -> list[dict]:
                 spec, texts[100:], 4 if quick else 8, 32 if quick else 128, 8, data_tok, scorer._model, rounds
             )
             if not quick:
-                rows += bench_storage(texts, 8, spec, scorer._model)
+                rows += bench_storage(8, spec, scorer._model)
     finally:
         torch.set_num_threads(threads)
     rows.append(

@@ -61,37 +61,28 @@ def run(quick: bool = False) -> list[dict]:
         bare_texts = texts if not quick else texts[:500]  # per bare chunk: one copy of the sample, or half
         bare_mb = sum(len(t.encode()) for t in bare_texts) / 1e6
 
-        def bare_with_offsets() -> float:
-            """MB/s of Tokenizer.encode_batch (with offsets): the issue's reference, and what datatrove's
-            tokenizer step calls."""
+        def bare(encode) -> float:
+            """MB/s of `encode` over one chunk of the same text, batches of 1,024 docs: encode_batch_fast
+            (without offsets: what the stage calls, and the stricter limit) or encode_batch (with offsets:
+            the issue's reference, and what datatrove's tokenizer step calls)."""
             seconds = timed(
                 lambda: [
-                    tokenizer.encode_batch(bare_texts[i : i + 1024], add_special_tokens=False)
+                    encode(bare_texts[i : i + 1024], add_special_tokens=False)
                     for i in range(0, len(bare_texts), 1024)
                 ]
             )
             return bare_mb / seconds
 
-        def bare() -> float:
-            """MB/s of bare encode_batch_fast (encode_batch without offsets: what the stage calls, and the
-            stricter limit) over one chunk of the same text, batches of 1,024 docs."""
-            seconds = timed(
-                lambda: [
-                    tokenizer.encode_batch_fast(bare_texts[i : i + 1024], add_special_tokens=False)
-                    for i in range(0, len(bare_texts), 1024)
-                ]
-            )
-            return bare_mb / seconds
-
+        fast, with_offsets = tokenizer.encode_batch_fast, tokenizer.encode_batch
         # bare, stage, bare, stage, ...: each stage run against the bare chunks either side of it
-        b, b_off = [bare()], [bare_with_offsets()]
+        b, b_off = [bare(fast)], [bare(with_offsets)]
         main = _stage(large, tok_dir, d / "out")
-        b.append(bare())
-        b_off.append(bare_with_offsets())
+        b.append(bare(fast))
+        b_off.append(bare(with_offsets))
         packed = _stage(small, tok_dir, d / "packed", pack=True)
-        b.append(bare())
+        b.append(bare(fast))
         small_run = _stage(small, tok_dir, d / "small")
-        b.append(bare())
+        b.append(bare(fast))
         info = summarize(d / "out")
 
     setup = (
