@@ -28,6 +28,7 @@ from entroweight.transforms.tokenize import fixed_lists
 from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.transforms.weigh import WeighConfig, encode_weights, weigh
 from entroweight.transforms.writer import PARQUET_OPTIONS, AtomicParquetWriter
+from tqdm.auto import tqdm
 
 from entroweight import __version__
 
@@ -55,6 +56,26 @@ class _WeightedWriter(AtomicParquetWriter):
         self._writer = pq.ParquetWriter(self.tmp, schema, **options)
 
 
+def check_device(device: str) -> None:
+    """Where the scorer runs (a worker, or the local engine's driver): is its device here?"""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise StageError(f"--device {device} but no CUDA device is visible here; use --device cpu")
+
+
+def max_id(files: list[Path]) -> tuple[int, Path | None]:
+    """The largest token id in the shards, and the first file holding it (one read of input_ids)."""
+    top, where = -1, None
+    for f in files:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=4096, columns=["input_ids"]):
+            m = pc.max(pc.list_flatten(batch.column("input_ids"))).as_py()
+            if m is not None and m > top:
+                top, where = m, f
+    return top, where
+
+
 def input_files(data_dir: str | Path) -> list[Path]:
     files = sorted(Path(data_dir).glob("part-*.parquet"))
     if not files:
@@ -65,6 +86,8 @@ def input_files(data_dir: str | Path) -> list[Path]:
 class ScoreStage(Stage):
     name = "score"
     _heavy = ("_tok",)
+    #: a progress bar of rows per shard (the local engine, whose workers share the terminal)
+    row_progress: bool = False
 
     def __init__(
         self,
@@ -98,6 +121,21 @@ class ScoreStage(Stage):
                 f"that tokenized {data_dir})"
             )
         self.scorer.check_data_tokenizer(sha, self._tok)
+        self._check_vocab(files)
+
+    def _check_vocab(self, files: list[Path]) -> None:
+        """A model must have a row for every id of the data: refused here, not as an IndexError per shard.
+        The data's ids are below its tokenizer's size, so the scan runs only when the model is smaller."""
+        model_vocab = self.scorer.vocab_size()
+        if model_vocab is None or model_vocab >= int(self.input_meta["vocab_size"]):
+            return
+        top, where = max_id(files)
+        if top >= model_vocab:
+            raise StageError(
+                f"{where} holds token id {top}, but the {self.scorer.name} scorer's model reads ids below "
+                f"{model_vocab} only (its vocab_size): score with a model of the data's tokenizer "
+                f"({self.input_meta['vocab_size']} ids)"
+            )
 
     def _check_inputs(self, files: list[Path]) -> None:
         meta = self.input_meta
@@ -113,6 +151,7 @@ class ScoreStage(Stage):
                 )
 
     def setup(self) -> None:
+        check_device(self.scorer.device)
         if getattr(self, "_tok", None) is None:
             self._tok = None
         if self._tok is None and self.tokenizer_path is not None:
@@ -168,7 +207,16 @@ class ScoreStage(Stage):
         rows = real = n_bytes = 0
         start = time.perf_counter()
         options = parquet_options(self.weighting.dtype, self.with_entropy)
-        with _WeightedWriter(Path(task.out_dir) / output, schema, options) as writer:
+        # rows as they are scored, not only when the shard ends (mininterval 0: a batch takes seconds)
+        bar = tqdm(
+            total=source.metadata.num_rows,
+            unit="row",
+            desc=output,
+            leave=False,
+            mininterval=0,
+            disable=not self.row_progress,
+        )
+        with bar, _WeightedWriter(Path(task.out_dir) / output, schema, options) as writer:
             for batch in source.iter_batches(batch_size=READ_ROWS):
                 n = batch.num_rows
                 flat = pc.list_flatten(batch.column("input_ids")).to_numpy(zero_copy_only=False)
@@ -185,6 +233,7 @@ class ScoreStage(Stage):
                 arrays.append(fixed_lists(weights, weight_type))
                 writer.write(pa.RecordBatch.from_arrays(arrays, schema=schema))
                 rows += n
+                bar.update(n)
                 real += int(ids.size - n_pad.sum())
                 n_bytes += int(pc.sum(batch.column("n_bytes")).as_py() or 0)
             sha = writer.close()

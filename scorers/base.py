@@ -13,19 +13,106 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ScorerError(ValueError):
     """A scorer that cannot run on this input or with these options; the message says what to do."""
 
 
+def flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+class OptionsError(ScorerError):
+    """Options a scorer's `Options` model refuses. `problems` holds (key, message) pairs (key "" for
+    the options as a whole; "{valid}" in a message stands for the valid keys) so that each front end
+    names keys its own way (`--dtype`, `scores[0].options.dtype`); str() names them as CLI flags."""
+
+    def __init__(self, scorer: str, problems: list[tuple[str, str]], valid: list[str]):
+        self.scorer, self.problems, self.valid = scorer, problems, valid
+        super().__init__(self.render(flag, flag))
+
+    def lines(self, where, name=str) -> list[str]:
+        """One per problem; `where(key)` names a key given by the caller, `name(key)` a valid key."""
+        valid = ", ".join(name(k) for k in self.valid)
+        return [
+            f"{where(key)}: {message.replace('{valid}', valid)}" if key else message
+            for key, message in self.problems
+        ]
+
+    def render(self, where, name=str) -> str:
+        return f"the {self.scorer} scorer's options are refused: " + "; ".join(self.lines(where, name))
+
+
+class ScorerOptions(BaseModel):
+    """What every scorer takes. A scorer declares its own as a subclass named `Options` (one field per
+    option, one line each); unknown keys are refused, so a typo never runs with a default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_size: int = Field(16, ge=1, description="Rows per forward pass (speed and memory, not values).")
+    device: str = Field("cpu", description="A torch device: cpu, cuda, cuda:N, mps.")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        # the syntax only: whether CUDA is there is a worker's question (a cluster's driver may have none)
+        import torch
+
+        try:
+            torch.device(v)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"{v!r} is not a torch device (cpu, cuda, cuda:N, mps)") from None
+        return v
+
+
+class ModelOptions(ScorerOptions):
+    """A scorer that runs a torch model."""
+
+    dtype: Literal["bf16", "fp32"] | None = Field(
+        None, description="Compute dtype (default: bf16 where native)."
+    )
+    allow_pickle: bool = Field(
+        False, description="Load pickle weights (.pt/.bin) where no safetensors exist."
+    )
+
+
+class HFModelOptions(ModelOptions):
+    """A scorer that may load a Hugging Face model."""
+
+    trust_remote_code: bool = Field(False, description="Let an HF repository run its own modelling code.")
+
+
+def validate_options(cls: type[Scorer], options: dict[str, Any]) -> ScorerOptions:
+    """`options` through the scorer's Options model; OptionsError names every bad key and the valid ones."""
+    try:
+        return cls.Options.model_validate(options)
+    except ValidationError as e:
+        valid = list(cls.Options.model_fields)
+        problems = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                message = f"does not apply to the {cls.name} scorer (its options: {{valid}})"
+            elif err["type"] == "missing":
+                message = "is required"
+            else:
+                message = err["msg"].removeprefix("Value error, ")
+            problems.append((key, message))
+        raise OptionsError(cls.name, problems, valid) from None
+
+
 class Scorer(ABC):
-    """Subclass, set `name`, implement `config`, `setup` and `score_batch` (or override `score`)."""
+    """Subclass, set `name`, declare `Options`, implement `config`, `setup` and `score_batch` (or
+    override `score`). The constructor receives the validated options as keywords."""
 
     name: ClassVar[str] = "scorer"
+    #: the options this scorer takes (a ScorerOptions subclass): CLI, workflow and entry points validate here
+    Options: ClassVar[type[ScorerOptions]] = ScorerOptions
     #: a scorer that reads text (cross_tokenizer) needs the data tokenizer file; one that reads ids may not
     needs_data_tokenizer: ClassVar[bool] = False
 
@@ -39,6 +126,11 @@ class Scorer(ABC):
 
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:  # noqa: B027 - optional
         """Raise ScorerError when ids of this tokenizer are not what the model reads (driver side)."""
+
+    def vocab_size(self) -> int | None:
+        """How many ids the model reads (ids from 0 to this − 1), found cheaply on the driver; None
+        when it reads text or cannot tell. The score stage refuses data with larger ids up front."""
+        return None
 
     @abstractmethod
     def setup(self, data_tokenizer=None) -> None:

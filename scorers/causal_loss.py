@@ -7,19 +7,34 @@ or a .gguf file). Value i = CE of token i given the tokens before it (see scorer
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field, model_validator
 
 from . import hf
-from .base import Scorer, ScorerError, fill_first_token
+from .base import HFModelOptions, Scorer, ScorerError, fill_first_token
+from .estimator_common import checkpoint_vocab
 from .forward import autocast, chunked_ce, hf_token_losses, resolve_dtype, with_start_token
+
+ONE_MODEL = "give exactly one of --model (HF id, directory or .gguf) or --checkpoint (ours)"
 
 
 class CausalLossScorer(Scorer):
     name = "causal_loss"
+
+    class Options(HFModelOptions):
+        model: str | None = Field(None, description="HF causal LM: hub id, directory or .gguf file.")
+        checkpoint: str | None = Field(None, description="One of our checkpoints (instead of model).")
+
+        @model_validator(mode="after")
+        def _one_model(self):
+            if (self.model is None) == (self.checkpoint is None):
+                raise ValueError(ONE_MODEL)
+            return self
 
     def __init__(
         self,
@@ -32,9 +47,7 @@ class CausalLossScorer(Scorer):
     ):
         super().__init__(batch_size=batch_size, device=device, **options)
         if (model is None) == (checkpoint is None):
-            raise ScorerError(
-                "give exactly one of --model (HF id, directory or .gguf) or --checkpoint (ours)"
-            )
+            raise ScorerError(ONE_MODEL)
         self.model_spec, self.checkpoint = model, checkpoint
         self.dtype = resolve_dtype(dtype, device)
         self._model = None
@@ -62,6 +75,15 @@ class CausalLossScorer(Scorer):
             "model_sha256": hf.model_sha256(self._resolved),
             "dtype": self.dtype,
         }
+
+    def vocab_size(self) -> int | None:
+        if self.checkpoint is not None:
+            return checkpoint_vocab(self._ckpt_config)
+        if not isinstance(self._resolved, Path):
+            return None  # a hub id: its config is not read before the model loads
+        cfg = json.loads((self._resolved / "config.json").read_text())
+        size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+        return int(size) if size else None
 
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
         if self.checkpoint is not None:

@@ -10,20 +10,32 @@ byte of valid text is covered; the alignment error goes into the shard manifest.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from entroweight.transforms.align import AGGREGATES, AlignStats, encode_exact_batch, regroup, utf8_runs
+from pydantic import Field
 
 from . import hf
-from .base import Scorer, ScorerError, length_buckets
+from .base import HFModelOptions, Scorer, ScorerError, length_buckets
 from .forward import hf_token_losses, resolve_dtype
 
 
 class CrossTokenizerScorer(Scorer):
     name = "cross_tokenizer"
     needs_data_tokenizer = True
+
+    class Options(HFModelOptions):
+        model: str = Field(hf.LLAMA_32_1B, description="HF causal LM: hub id, directory or .gguf file.")
+        aggregate: Literal[AGGREGATES] = Field(
+            "mean", description="Model-token CE onto data tokens: mean or sum."
+        )
+        context: int = Field(2048, ge=4, description="Model tokens per window.")
+        stride: int | None = Field(
+            None, ge=1, description="New tokens per later window (default context / 2)."
+        )
+        batch_size: int = Field(8, ge=1, description="Windows per forward pass.")
 
     def __init__(
         self,

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+from pydantic import Field
 
-from .base import Scorer, ScorerError
+from .base import ModelOptions, Scorer, ScorerError
 from .forward import autocast, chunked_ce, resolve_dtype
 
 # fp32 logits per forward sub-batch (rows × width × vocabulary × 4 bytes)
@@ -36,6 +37,12 @@ def check_tokenizer(ckpt_config: dict, checkpoint: str, sha256: str) -> None:
             f"the checkpoint {checkpoint} was trained on tokenizer {want[:12]}…, the data is tokenized "
             f"with {sha256[:12]}…: retokenize the data with the checkpoint's tokenizer"
         )
+
+
+def checkpoint_vocab(ckpt_config: dict) -> int | None:
+    """The embedding rows of one of our checkpoints (its model config; the data's as recorded otherwise)."""
+    size = (ckpt_config.get("model") or {}).get("vocab_size") or ckpt_config.get("vocab_size")
+    return int(size) if size else None
 
 
 def model_n_ctx(ckpt_config: dict) -> int:
@@ -58,6 +65,9 @@ class CheckpointScorer(Scorer):
 
     kinds: tuple[str, ...] | None = None
     cut_padding = False  # the models attend to the left padding they were trained on
+
+    class Options(ModelOptions):
+        checkpoint: str = Field(description="One of our checkpoints (a workflow's checkpoint_from).")
 
     def __init__(
         self,
@@ -93,6 +103,9 @@ class CheckpointScorer(Scorer):
 
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
         check_tokenizer(self._ckpt_config, self.checkpoint, sha256)
+
+    def vocab_size(self) -> int | None:
+        return checkpoint_vocab(self._ckpt_config)
 
     def setup(self, data_tokenizer=None) -> None:
         if self._model is None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import Field
 
 from .base import Scorer, ScorerError
 from .causal_loss import CausalLossScorer
@@ -43,6 +44,11 @@ def _side(spec: str, **kw: Any) -> CausalLossScorer:
 
 class ExcessLossScorer(Scorer):
     name = "excess_loss"
+
+    class Options(CausalLossScorer.Options):
+        reference: str = Field(
+            description="The reference model: our checkpoint, or an HF id/directory/.gguf."
+        )
 
     def __init__(
         self,
@@ -78,6 +84,10 @@ class ExcessLossScorer(Scorer):
             "scorer": self.name,
             "reference": {k: v for k, v in self.reference.config().items() if k != "scorer"},
         }
+
+    def vocab_size(self) -> int | None:
+        sizes = [v for v in (self.model.vocab_size(), self.reference.vocab_size()) if v]
+        return min(sizes) if sizes else None
 
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
         for side, what in ((self.model, "model"), (self.reference, "reference")):

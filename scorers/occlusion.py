@@ -18,10 +18,11 @@ rows); a row with no padding gets the mean of its other values (scorers/base.py)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from .base import ScorerError, fill_first_token
 from .estimator_common import CheckpointScorer, hidden_outputs, minmax_rows
@@ -34,6 +35,9 @@ L1_CHUNK_BYTES = 32 << 20  # fp32 logit differences per chunk
 class OcclusionScorer(CheckpointScorer):
     name = "occlusion"
     kinds = ("estimator",)
+
+    class Options(CheckpointScorer.Options):
+        metric: Literal[METRICS] = Field("l1", description="l1 (min-max per row) or cosine (1 − cos).")
 
     def __init__(self, checkpoint: str | None = None, metric: str = "l1", **kw: Any):
         super().__init__(checkpoint=checkpoint, **kw)

@@ -4,6 +4,10 @@ A third-party package registers its Scorer subclass in its pyproject.toml:
 
     [project.entry-points."entroweight.scorers"]
     my_scorer = "my_package.scoring:MyScorer"
+
+Every scorer, built-in or not, declares the options it takes as a pydantic model (`Options`, a
+`ScorerOptions` subclass); `make_scorer` validates through it, so an unknown or mistyped key is
+refused with the scorer's valid keys instead of being ignored.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 
-from .base import Scorer, ScorerError
+from .base import Scorer, ScorerError, ScorerOptions, validate_options
 
 ENTRY_POINT_GROUP = "entroweight.scorers"
 
@@ -54,5 +58,12 @@ def get_scorer_class(name: str) -> type[Scorer]:
     raise ScorerError(f"unknown scorer {name!r}; available: {', '.join(available())}")
 
 
+def check_options(name: str, options: dict) -> ScorerOptions:
+    """The options `name` would be built with, validated (no model load): ScorerError / OptionsError."""
+    return validate_options(get_scorer_class(name), options)
+
+
 def make_scorer(name: str, **options) -> Scorer:
-    return get_scorer_class(name)(**options)
+    """A scorer built from validated options (every field of its Options model, defaults filled in)."""
+    cls = get_scorer_class(name)
+    return cls(**validate_options(cls, options).model_dump())

@@ -14,12 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from .base import ScorerError
 from .decomposition import DecompositionScorer
 from .estimator_common import (
     CheckpointScorer,
     check_tokenizer,
     checkpoint_info,
+    checkpoint_vocab,
     load_model,
     model_n_ctx,
     model_pad_id,
@@ -30,6 +33,9 @@ class TwoModelScorer(DecompositionScorer):
     """decomposition with the shifted windows on a second checkpoint (its score_batch)."""
 
     name = "two_model"
+
+    class Options(DecompositionScorer.Options):
+        checkpoint_short: str = Field(description="The checkpoint of context N − 1 (checkpoint: context N).")
 
     def __init__(self, checkpoint: str | None = None, checkpoint_short: str | None = None, **kw: Any):
         super().__init__(checkpoint=checkpoint, **kw)
@@ -59,6 +65,10 @@ class TwoModelScorer(DecompositionScorer):
             "checkpoint_short": Path(self.checkpoint_short).name,
             "checkpoint_short_sha256": self._short_config.get("weights_sha256"),
         }
+
+    def vocab_size(self) -> int | None:
+        sizes = [v for v in (super().vocab_size(), checkpoint_vocab(self._short_config)) if v]
+        return min(sizes) if sizes else None
 
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
         super().check_data_tokenizer(sha256, data_tokenizer)

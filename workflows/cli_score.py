@@ -6,8 +6,39 @@ import click
 
 from .cli_common import _fail, engine_options, run_stage_cli
 
-# scorers that take no --aggregate (cross_tokenizer's regrouping)
-ESTIMATOR_SCORERS = ("occlusion", "decomposition", "two_model", "grad_input", "excess_loss")
+# the dedicated flags that are scorer options: aliases of `--option KEY=VALUE`, validated by the scorer
+SCORER_FLAGS = (
+    "model",
+    "checkpoint",
+    "dtype",
+    "batch_size",
+    "device",
+    "aggregate",
+    "context",
+    "stride",
+    "metric",
+    "checkpoint_short",
+    "reference",
+    "allow_pickle",
+    "trust_remote_code",
+)
+
+
+def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str]]:
+    """The options the user gave (dedicated flags that were set, then each `--option KEY=VALUE`) and
+    which keys came from dedicated flags. A key given twice is refused."""
+    options = {k: v for k, v in flags.items() if v is not None and v is not False}
+    dedicated = set(options)
+    for item in generic:
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not sep or not key:
+            _fail(f"--option takes KEY=VALUE, not {item!r}")
+        if key in options:
+            given = f"--{key.replace('_', '-')}" if key in dedicated else f"--option {key}"
+            _fail(f"--option {key}: already given as {given}")
+        options[key] = value
+    return options, dedicated
 
 
 @click.command()
@@ -29,7 +60,12 @@ ESTIMATOR_SCORERS = ("occlusion", "decomposition", "two_model", "grad_input", "e
     default=None,
     help="The data's tokenizer.json (needed by cross_tokenizer; checked against the data's sha256).",
 )
-@click.option("--aggregate", type=click.Choice(["mean", "sum"]), default="mean", show_default=True)
+@click.option(
+    "--aggregate",
+    type=click.Choice(["mean", "sum"]),
+    default=None,
+    help="cross_tokenizer: model-token CE onto data tokens (default mean).",
+)
 @click.option("--weighting", type=click.Choice(["minmax", "quantile"]), default="minmax", show_default=True)
 @click.option(
     "--quantiles-from",
@@ -43,8 +79,8 @@ ESTIMATOR_SCORERS = ("occlusion", "decomposition", "two_model", "grad_input", "e
 @click.option("--weight-dtype", type=click.Choice(["float16", "uint8"]), default="float16", show_default=True)
 @click.option("--drop-entropy", is_flag=True, help="Do not store the raw `entropy` column.")
 @click.option("--out", required=True, type=click.Path(file_okay=False))
-@click.option("--batch-size", type=int, default=16, show_default=True)
-@click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
+@click.option("--batch-size", type=int, default=None, help="Rows per forward pass (default: the scorer's).")
+@click.option("--device", default=None, help="cpu | cuda | cuda:N (default cpu).")
 @click.option(
     "--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="Default: bf16 where native."
 )
@@ -55,6 +91,14 @@ ESTIMATOR_SCORERS = ("occlusion", "decomposition", "two_model", "grad_input", "e
     type=click.Choice(["l1", "cosine"]),
     default=None,
     help="occlusion: L1 of the logit difference (min-max per row; default) or 1 - cosine.",
+)
+@click.option(
+    "--option",
+    "generic_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Any option of the scorer (repeatable), e.g. --option dtype=fp32; docs/scoring.md lists each "
+    "scorer's. The dedicated flags above are aliases.",
 )
 @click.option(
     "--checkpoint-short",
@@ -82,10 +126,7 @@ ESTIMATOR_SCORERS = ("occlusion", "decomposition", "two_model", "grad_input", "e
 def score(
     data_dir,
     scorer,
-    model,
-    checkpoint,
     tokenizer,
-    aggregate,
     weighting,
     quantiles_from,
     clip,
@@ -94,46 +135,36 @@ def score(
     weight_dtype,
     drop_entropy,
     out,
-    batch_size,
-    device,
-    dtype,
-    context,
-    stride,
-    metric,
-    checkpoint_short,
-    reference,
-    allow_pickle,
-    trust_remote_code,
-    **eng,
+    generic_options,
+    **rest,
 ):
     """Score every token of DATA_DIR's shards, weigh it, write weighted parquet shards to --out."""
     from entroweight.models.checkpoint import CheckpointError
-    from entroweight.pipelines.score import ScoreStage
+    from entroweight.pipelines.score import ScoreStage, check_device
     from entroweight.pipelines.stage import StageError
-    from entroweight.scorers import ScorerError
+    from entroweight.scorers import OptionsError, ScorerError, check_options
+    from entroweight.scorers.base import flag
     from entroweight.scorers.hf import ModelLoadError
     from entroweight.transforms.tokenizer import TokenizerError
     from entroweight.transforms.weigh import WeighConfig, entropy_quantiles
 
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            _fail("--device cuda but no CUDA device is visible here; use --device cpu")
-    options = {"model": model, "checkpoint": checkpoint, "dtype": dtype, "batch_size": batch_size}
-    options |= {"device": device, "aggregate": aggregate, "context": context, "stride": stride}
-    options |= {"metric": metric, "checkpoint_short": checkpoint_short, "reference": reference}
-    # the safety switches travel only when asked for: default scorer options stay as they were
-    options |= {"allow_pickle": allow_pickle or None, "trust_remote_code": trust_remote_code or None}
-    options = {k: v for k, v in options.items() if v is not None}
-    if scorer in ("causal_loss", *ESTIMATOR_SCORERS):
-        options.pop("aggregate")
+    options, dedicated = scorer_options({k: rest.pop(k) for k in SCORER_FLAGS}, generic_options)
+    eng = rest
     try:
-        quantiles = None
-        if weighting == "quantile":
-            if not quantiles_from:
-                _fail("--weighting quantile needs --quantiles-from SCORED_DIR (a run scored with minmax)")
-            quantiles = entropy_quantiles(quantiles_from)
+        # every refusal that needs no model comes first: nothing is loaded, nothing written
+        validated = check_options(scorer, options)
+    except OptionsError as e:
+        _fail(e.render(lambda k: flag(k) if k in dedicated else f"--option {k}", flag))
+    except ScorerError as e:
+        _fail(str(e))
+    if quantiles_from and weighting != "quantile":
+        _fail("--quantiles-from applies to --weighting quantile only: drop it or add --weighting quantile")
+    if weighting == "quantile" and not quantiles_from:
+        _fail("--weighting quantile needs --quantiles-from SCORED_DIR (a run scored with minmax)")
+    try:
+        if eng["engine"] == "local":  # the workers are this process: a missing GPU is known now
+            check_device(validated.device)
+        quantiles = entropy_quantiles(quantiles_from) if quantiles_from else None
         weigh = WeighConfig(
             method=weighting,
             quantiles=quantiles,
@@ -143,6 +174,7 @@ def score(
             dtype=weight_dtype,
         )
         stage = ScoreStage(data_dir, scorer, options, weigh, not drop_entropy, tokenizer)
+        stage.row_progress = eng["engine"] == "local"
     except (ScorerError, StageError, ModelLoadError, CheckpointError, TokenizerError, ValueError) as e:
         _fail(str(e))
     run_stage_cli(stage, out, **eng)

@@ -324,8 +324,7 @@ class Runner:
         upstream = [TOKENS, s.checkpoint_from or "", s.weighting.quantiles_from or ""]
 
         def build():
-            options = dict(s.options)
-            options.setdefault("device", "cpu")
+            options = dict(s.options)  # validated with the spec (the scorer's Options model)
             if s.checkpoint_from:
                 options["checkpoint"] = str(wf.model_dir(s.checkpoint_from))
             w = s.weighting

@@ -127,6 +127,10 @@ class Weighting(_Strict):
     def _q(self):
         if self.method == "quantile" and not self.quantiles_from:
             raise ValueError("method quantile needs quantiles_from: a score step scored with minmax")
+        if self.quantiles_from and self.method != "quantile":
+            raise ValueError(
+                "quantiles_from applies to method quantile only: drop it or set method: quantile"
+            )
         return self
 
 
@@ -134,7 +138,7 @@ class ScoreSpec(_Strict):
     name: str
     scorer: str  # causal_loss | cross_tokenizer | occlusion | a registered scorer
     checkpoint_from: str | None = None  # a `models` step: its checkpoint becomes options.checkpoint
-    options: dict[str, Any] = Field(default_factory=dict)  # the scorer's own options (model, metric, ...)
+    options: dict[str, Any] = Field(default_factory=dict)  # validated by the scorer's Options model
     weighting: Weighting = Field(default_factory=Weighting)
     with_entropy: bool = True
     limit_shards: int | None = Field(None, ge=1)  # score the first N shards only (slow scorers)
@@ -143,12 +147,51 @@ class ScoreSpec(_Strict):
     _name = field_validator("name")(_name)
     _out = field_validator("out")(_inside)
 
+    @field_validator("scorer")
+    @classmethod
+    def _known(cls, v):
+        from entroweight.scorers import ScorerError, get_scorer_class
+
+        try:
+            get_scorer_class(v)
+        except ScorerError as e:
+            raise ValueError(str(e)) from None
+        return v
+
     @field_validator("options")
     @classmethod
     def _opts(cls, v):
         if "checkpoint" in v:
             raise ValueError("set checkpoint_from: <models step> (or options.model for a HF model)")
         return v
+
+    def option_problems(self, at: str) -> list[str]:
+        """The scorer's Options model on these options (checkpoint_from standing in for the checkpoint it
+        will give), one `path: message` line per problem; nothing is loaded."""
+        from entroweight.scorers import OptionsError, check_options
+
+        options = dict(self.options)
+        if self.checkpoint_from is not None:
+            options["checkpoint"] = f"<checkpoint of {self.checkpoint_from}>"
+        try:
+            check_options(self.scorer, options)
+        except OptionsError as e:
+            # the checkpoint comes from checkpoint_from: say it in those terms
+            takes = "checkpoint" in e.valid
+            about_checkpoint = (
+                f"the {self.scorer} scorer needs one of our checkpoints: set checkpoint_from: <models step>"
+                if takes
+                else f"the {self.scorer} scorer reads no checkpoint (drop checkpoint_from)"
+            )
+            e.problems = [(k, about_checkpoint if k == "checkpoint" else m) for k, m in e.problems]
+
+            def where(key: str) -> str:
+                if key == "checkpoint":
+                    return f"{at}.checkpoint_from"
+                return f"{at}.options.{key}" if key else f"{at}.options"
+
+            return e.lines(where)
+        return []
 
 
 class ExperimentRun(_Strict):
@@ -225,15 +268,19 @@ class Workflow(_Strict):
         score_names = unique(self.scores, "scores")
         if TOKENS in score_names:
             raise _At("scores", f"{TOKENS!r} names the tokenized data; give the score step another name")
+        problems: list[str] = []  # every score step's option problems at once
         for i, s in enumerate(self.scores):
             if s.checkpoint_from is not None and s.checkpoint_from not in model_names:
                 raise _At(
                     f"scores[{i}].checkpoint_from",
                     f"{s.checkpoint_from!r} is not a models step ({', '.join(sorted(model_names)) or 'none'})",
                 )
+            problems += s.option_problems(f"scores[{i}]")
             q = s.weighting.quantiles_from
             if q is not None and q not in {x.name for x in self.scores[:i]}:
                 raise _At(f"scores[{i}].weighting.quantiles_from", f"{q!r} is not an earlier score step")
+        if problems:
+            raise _At(None, "\n".join(problems))
         if self.train is not None:
             unique(self.train.runs, "train.runs")
             for i, r in enumerate(self.train.runs):
@@ -291,8 +338,8 @@ class Workflow(_Strict):
 class _At(ValueError):
     """A cross-reference error raised from the top-level validator, carrying its key path."""
 
-    def __init__(self, path: str, message: str):
-        super().__init__(f"{path}: {message}")
+    def __init__(self, path: str | None, message: str):
+        super().__init__(f"{path}: {message}" if path else message)
 
 
 def _loc(loc: tuple) -> str:
@@ -330,11 +377,42 @@ def parse_workflow(data: Any, origin: str = "workflow") -> Workflow:
         raise SpecError(f"{origin} is refused:\n{format_errors(e)}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """The safe loader (no tags that build objects) that refuses a key given twice in one mapping:
+    PyYAML would keep the last silently, so a setting edited in one place and repeated lower down would
+    quietly win or lose. Merge keys (`<<: *base`) still override as YAML defines."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"duplicate key {key!r} (line {line}; first given on line {seen[key]}): "
+                        "give each key once",
+                        key_node.start_mark,
+                    )
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(path: Path) -> Any:
+    """A YAML file as the workflow files are read: safe tags only, no duplicate keys."""
+    with open(path, encoding="utf-8") as f:  # a stream: errors name the file and line
+        return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_workflow(path: str | Path) -> Workflow:
-    """Read and validate a workflow YAML file (safe loader only)."""
+    """Read and validate a workflow YAML file (safe loader only, duplicate keys refused)."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path)
     except OSError as e:
         raise SpecError(f"cannot read {path}: {e}") from None
     except yaml.YAMLError as e:
