@@ -405,7 +405,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_yaml(path: Path) -> Any:
     """A YAML file as the workflow files are read: safe tags only, no duplicate keys."""
     with open(path, encoding="utf-8") as f:  # a stream: errors name the file and line
-        return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        loader = _UniqueKeyLoader(f)  # what yaml.safe_load does, with our SafeLoader subclass
+        try:
+            return loader.get_single_data()
+        finally:
+            loader.dispose()
 
 
 def load_workflow(path: str | Path) -> Workflow:
