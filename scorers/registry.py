@@ -52,7 +52,10 @@ def get_scorer_class(name: str) -> type[Scorer]:
         return getattr(importlib.import_module(module), attr)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
-            cls = ep.load()
+            try:
+                cls = ep.load()
+            except Exception as e:  # a broken third-party package: say which, not a traceback
+                raise ScorerError(f"entry point {ep.value} ({name}) cannot be loaded: {e}") from e
             if not (isinstance(cls, type) and issubclass(cls, Scorer)):
                 raise ScorerError(f"entry point {ep.value} ({name}) is not a Scorer subclass")
             return cls

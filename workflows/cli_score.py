@@ -136,7 +136,7 @@ def score(
     drop_entropy,
     out,
     generic_options,
-    **rest,
+    **eng,
 ):
     """Score every token of DATA_DIR's shards, weigh it, write weighted parquet shards to --out."""
     from entroweight.models.checkpoint import CheckpointError
@@ -148,8 +148,8 @@ def score(
     from entroweight.transforms.tokenizer import TokenizerError
     from entroweight.transforms.weigh import WeighConfig, entropy_quantiles
 
-    options, dedicated = scorer_options({k: rest.pop(k) for k in SCORER_FLAGS}, generic_options)
-    eng = rest
+    # what remains in `eng` after the scorer's flags are taken out: the engine options
+    options, dedicated = scorer_options({k: eng.pop(k) for k in SCORER_FLAGS}, generic_options)
     try:
         # every refusal that needs no model comes first: nothing is loaded, nothing written
         validated = check_options(scorer, options)
