@@ -132,6 +132,8 @@ def document_bounds(rows: Rows, eos_id: int | None) -> np.ndarray:
     One document per row, or over consecutive rows with one doc_id (a long document split over
     rows). Packed rows hold the shard's documents joined by eos: a document ends after its eos.
     """
+    if len(rows.doc_ids) == 0:  # a shard whose documents were all rejected
+        return np.zeros(1, dtype=np.int64)
     if rows.window_docs is None:
         starts = np.flatnonzero(np.r_[True, rows.doc_ids[1:] != rows.doc_ids[:-1]])
         return np.r_[rows.offsets[starts], rows.offsets[-1]]

@@ -182,6 +182,24 @@ def test_megatron_packed(tmp_path, tiny_llama, tokenizer_dir):  # noqa: F811
     )
 
 
+def test_document_bounds_edge_cases():
+    from entroweight.pipelines.export_data import Rows, document_bounds
+
+    empty = Rows(
+        "part-00000", np.array([], dtype=object), np.zeros(1, np.int64), np.zeros(0), np.zeros(0), None
+    )
+    assert document_bounds(empty, None).tolist() == [0]  # no phantom document
+    rows = Rows(
+        "p",
+        np.array(["a", "a", "b", "a"], dtype=object),
+        np.array([0, 3, 5, 6, 9]),
+        np.zeros(9),
+        np.zeros(9),
+        None,
+    )
+    assert document_bounds(rows, None).tolist() == [0, 5, 6, 9]  # a's rows 0-1 join; a later "a" is another
+
+
 # -- LitData
 
 
@@ -229,6 +247,10 @@ def test_hf_layout_loads_with_datasets(scored, tmp_path):
         assert got["doc_id"] == doc_id
         assert np.array_equal(got["input_ids"], ids) and np.array_equal(got["weight"], w.astype(np.float16))
 
+    from huggingface_hub import DatasetCard  # what push_to_hub and the hub read the card with
+
+    card_data = DatasetCard.load(out / "README.md").data.to_dict()
+    assert card_data["configs"][0]["data_files"][0]["split"] == "train"
     card = (out / "README.md").read_text()
     header = yaml.safe_load(card.split("---")[1])
     assert header["configs"][0]["data_files"][0]["path"] == "data/train-*"
