@@ -92,17 +92,17 @@ def open_scored(src: str | Path) -> Source:
     if not manifests:
         raise ExportError(f"{src} is not a scored directory (no shard manifests); {hint}")
     files = [path / m.output for m in manifests]
-    meta = read_file_metadata(files[0]) if files[0].exists() else {}
-    if meta.get("stage") != "score" or "weight" not in pq.read_schema(files[0]).names:
-        raise ExportError(f"{src} is not scored (its shards have no weight column); {hint}")
     registry = path / SHARDS_FILE
     planned = set(json.loads(registry.read_text()).values()) if registry.exists() else set()
-    missing = sorted(planned - {m.shard for m in manifests}) + [str(f) for f in files if not f.exists()]
+    missing = sorted(planned - {m.shard for m in manifests}) + [f.name for f in files if not f.exists()]
     if missing:
         raise ExportError(
             f"{src} is incomplete ({', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
-            "not done): rerun the score command so no document is left out"
+            "not done): rerun its score command, so that no document is left out"
         )
+    meta = read_file_metadata(files[0])
+    if meta.get("stage") != "score" or "weight" not in pq.read_schema(files[0]).names:
+        raise ExportError(f"{src} is not scored (its shards have no weight column); {hint}")
     return Source(path, files, meta)
 
 

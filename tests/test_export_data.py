@@ -269,7 +269,8 @@ def test_hf_layout_loads_with_datasets(scored, tmp_path):
     [
         ("unscored", "is not scored (its shards have no weight column)"),
         ("empty", "not a scored directory (no shard manifests)"),
-        ("incomplete", "is incomplete"),
+        ("incomplete", "is incomplete (part-00001 not done)"),
+        ("shard_gone", "is incomplete (part-00002.parquet not done)"),
         ("mds", "MosaicML Streaming (mds) is not supported"),
         ("unknown", "unknown format 'parquet'"),
         ("out_is_src", "is inside the input"),
@@ -289,6 +290,8 @@ def test_refusals(scored, small_data, tmp_path, case, message):  # noqa: F811
         src.mkdir()
     elif case == "incomplete":
         (src / ".part-00001.manifest.json").unlink()
+    elif case == "shard_gone":
+        (src / "part-00002.parquet").unlink()
     elif case in ("mds", "unknown"):
         fmt = "mds" if case == "mds" else "parquet"
     elif case == "out_is_src":
