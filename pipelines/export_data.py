@@ -1,0 +1,336 @@
+"""Scored shards -> a dataset another trainer reads natively, written with that trainer's own library.
+
+- `megatron`: Megatron-LM / NeMo indexed datasets (megatron-core's `IndexedDatasetBuilder`): the
+  documents' tokens in `text_document.{bin,idx}` and their weights in `text_document_weight.{bin,idx}`,
+  one document per document, in shard order (trainers/megatron.py reads the weights as `loss_mask`).
+- `litdata`: LitData chunks (its `BinaryWriter`), one sample per row: `doc_id`, `input_ids`, `weight`.
+- `hf`: the Hugging Face hub layout, parquet under `data/` and a README dataset card;
+  `datasets.load_dataset(OUT)` and `push_to_hub` read it as is. One row per row, as for litdata.
+
+Every export holds real tokens only (pads dropped) and the weights exactly as scored (float16, or
+uint8 = round(255·w)); Megatron's indexed dataset has no float16, so float16 weights go to float32
+there (every float16 is a float32: no loss). `export.json` records the provenance and the counts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import yaml
+from entroweight.schemas import read_file_metadata
+from entroweight.schemas.exports import EXPORT_RECORD, MEGATRON_PREFIX, megatron_weight_prefix
+from entroweight.transforms.writer import write_json_atomic
+
+from entroweight import __version__
+
+from .stage import SHARDS_FILE, read_manifests
+
+FORMATS = ("megatron", "litdata", "hf")
+# Formats asked for that this install cannot write, and why (checked before anything is read).
+UNSUPPORTED = {
+    "mds": "MosaicML Streaming (mds) is not supported: mosaicml-streaming 0.13 needs numpy<2.2 and "
+    "transformers<5 and pulls a torchvision built for another torch, so it cannot sit beside "
+    "entroweight's pinned torch; use --format litdata (LitData streams from object storage too)",
+}
+EXTRAS = {"megatron": "megatron", "litdata": "litdata", "hf": None}  # pip extra each format needs
+
+
+class ExportError(ValueError):
+    """An export refused before anything is written; the message says what to do."""
+
+
+@dataclass
+class Rows:
+    """The real tokens of one shard's rows, flat: row r is `ids[offsets[r]:offsets[r + 1]]`."""
+
+    shard: str
+    doc_ids: np.ndarray  # one per row (object array of str)
+    offsets: np.ndarray
+    ids: np.ndarray
+    weight: np.ndarray
+    window_docs: list[list[str]] | None  # packed rows: the documents each row holds
+
+
+@dataclass
+class Source:
+    path: Path
+    files: list[Path]
+    meta: dict
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.meta.get("packed"))
+
+    def rows(self, counts: dict | None = None) -> Iterator[Rows]:
+        """Each shard's rows in shard order; `counts` (when given) adds up what was read."""
+        for f in self.files:
+            rows = read_rows(f, self.packed)
+            if counts is not None:
+                counts["shards"] = counts.get("shards", 0) + 1
+                counts["rows"] = counts.get("rows", 0) + len(rows.doc_ids)
+                counts["documents"] = counts.get("documents", 0) + len(self.documents(rows)) - 1
+                counts["real_tokens"] = counts.get("real_tokens", 0) + len(rows.ids)
+            yield rows
+
+    def documents(self, rows: Rows) -> np.ndarray:
+        return document_bounds(rows, self.meta.get("eos_id"))
+
+
+def open_scored(src: str | Path) -> Source:
+    """The scored shards of `src` in shard order; refuses anything else, and an incomplete run."""
+    path = Path(src)
+    hint = "run `entroweight score` on tokenized data first"
+    manifests = read_manifests(path) if path.is_dir() else []
+    if not manifests:
+        raise ExportError(f"{src} is not a scored directory (no shard manifests); {hint}")
+    files = [path / m.output for m in manifests]
+    registry = path / SHARDS_FILE
+    planned = set(json.loads(registry.read_text()).values()) if registry.exists() else set()
+    missing = sorted(planned - {m.shard for m in manifests}) + [f.name for f in files if not f.exists()]
+    if missing:
+        raise ExportError(
+            f"{src} is incomplete ({', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+            "not done): rerun its score command, so that no document is left out"
+        )
+    meta = read_file_metadata(files[0])
+    if meta.get("stage") != "score" or "weight" not in pq.read_schema(files[0]).names:
+        raise ExportError(f"{src} is not scored (its shards have no weight column); {hint}")
+    return Source(path, files, meta)
+
+
+def read_rows(path: Path, packed: bool) -> Rows:
+    cols = ["doc_id", "input_ids", "n_pad", "weight"] + (["doc_ids"] if packed else [])
+    t = pq.read_table(path, columns=cols)
+    lengths = pc.list_value_length(t.column("input_ids")).to_numpy()
+    n_pad = t.column("n_pad").to_numpy()
+    ids = pc.list_flatten(t.column("input_ids")).to_numpy()
+    weight = pc.list_flatten(t.column("weight")).to_numpy()
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    # left padding: a position is real from n_pad on within its row
+    real = np.arange(len(ids)) - np.repeat(starts, lengths) >= np.repeat(n_pad, lengths)
+    return Rows(
+        shard=path.stem,
+        doc_ids=np.asarray(t.column("doc_id").to_pylist(), dtype=object),
+        offsets=np.concatenate([[0], np.cumsum(lengths - n_pad)]).astype(np.int64),
+        ids=ids[real],
+        weight=weight[real],
+        window_docs=t.column("doc_ids").to_pylist() if packed else None,
+    )
+
+
+def document_bounds(rows: Rows, eos_id: int | None) -> np.ndarray:
+    """Offsets into `rows.ids` where each document starts, and the end.
+
+    One document per row, or over consecutive rows with one doc_id (a long document split over
+    rows). Packed rows hold the shard's documents joined by eos: a document ends after its eos.
+    """
+    if len(rows.doc_ids) == 0:  # a shard whose documents were all rejected
+        return np.zeros(1, dtype=np.int64)
+    if rows.window_docs is None:
+        starts = np.flatnonzero(np.r_[True, rows.doc_ids[1:] != rows.doc_ids[:-1]])
+        return np.r_[rows.offsets[starts], rows.offsets[-1]]
+    bounds = np.r_[0, np.flatnonzero(rows.ids == eos_id) + 1]
+    if bounds[-1] != len(rows.ids):
+        bounds = np.r_[bounds, len(rows.ids)]
+    flat = [d for docs in rows.window_docs for d in docs]
+    n_docs = sum(1 for i, d in enumerate(flat) if i == 0 or d != flat[i - 1])
+    if n_docs != len(bounds) - 1:
+        raise ExportError(
+            f"packed shard {rows.shard}: {len(bounds) - 1} eos-separated runs but {n_docs} documents; "
+            "the document boundaries cannot be recovered (a text holding the eos token?)"
+        )
+    return bounds
+
+
+# -- the formats
+
+
+def _megatron(source: Source, out: Path, record: dict) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    prefix = str(out / MEGATRON_PREFIX)
+    weight_prefix = megatron_weight_prefix(prefix)
+    # the token dtype GPTDatasetConfig expects (uint16 when the vocabulary fits)
+    id_dtype = np.uint16 if source.meta["vocab_size"] <= 2**16 else np.int32
+    # Megatron's indexed dataset has no float16: float32 holds every float16 exactly
+    weight_dtype = np.uint8 if source.meta.get("weight_dtype") == "uint8" else np.float32
+    tokens = IndexedDatasetBuilder(get_bin_path(prefix), dtype=id_dtype)
+    weights = IndexedDatasetBuilder(get_bin_path(weight_prefix), dtype=weight_dtype)
+    for rows in source.rows(record["counts"]):
+        bounds = source.documents(rows)
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+            tokens.add_document(rows.ids[s:e], [int(e - s)])
+            weights.add_document(rows.weight[s:e], [int(e - s)])
+    tokens.finalize(get_idx_path(prefix))
+    weights.finalize(get_idx_path(weight_prefix))
+
+
+def _litdata(source: Source, out: Path, record: dict) -> None:
+    from litdata.streaming.writer import BinaryWriter
+
+    writer = BinaryWriter(str(out), chunk_bytes="64MB")
+    index = 0
+    for rows in source.rows(record["counts"]):
+        o = rows.offsets
+        for r in range(len(rows.doc_ids)):
+            sample = {
+                "doc_id": rows.doc_ids[r],
+                "input_ids": rows.ids[o[r] : o[r + 1]],
+                "weight": rows.weight[o[r] : o[r + 1]],
+            }
+            writer.add_item(index, sample)
+            index += 1
+    writer.done()
+    writer.merge()
+
+
+def _hf(source: Source, out: Path, record: dict) -> None:
+    data = out / "data"
+    data.mkdir()
+    n = len(source.files)
+    schema = None
+    for i, rows in enumerate(source.rows(record["counts"])):
+        offsets = pa.array(rows.offsets, pa.int32())
+        table = pa.table(
+            {
+                "doc_id": pa.array(rows.doc_ids.tolist(), pa.string()),
+                "input_ids": pa.ListArray.from_arrays(offsets, pa.array(rows.ids)),
+                "weight": pa.ListArray.from_arrays(offsets, pa.array(rows.weight)),
+            }
+        )
+        schema = table.schema
+        pq.write_table(table, data / f"train-{i:05d}-of-{n:05d}.parquet", compression="zstd")
+    (out / "README.md").write_text(dataset_card(schema, record))
+
+
+def dataset_card(schema: pa.Schema, record: dict) -> str:
+    """A hub dataset card: the YAML header `datasets` and the hub read, then the provenance."""
+    import datasets
+
+    features = datasets.DatasetInfo(features=datasets.Features.from_arrow_schema(schema))._to_yaml_dict()
+    c, meta = record["counts"], record["metadata"]
+    header = {
+        "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": "data/train-*"}]}],
+        "dataset_info": {**features, "splits": [{"name": "train", "num_examples": c["rows"]}]},
+        "tags": ["entroweight", "token-weights"],
+    }
+    weight = "uint8: w = value / 255" if meta.get("weight_dtype") == "uint8" else "float16 in [0, 1]"
+    lines = [
+        "---",
+        yaml.safe_dump(header, sort_keys=False).rstrip(),
+        "---",
+        "",
+        "# Token-weighted pretraining data",
+        "",
+        f"Exported by entroweight {__version__} (`entroweight export-data --format hf`). Each row: "
+        f"`doc_id`, `input_ids` (real tokens, no padding) and `weight` ({weight}), value i "
+        "belonging to token i: weigh the loss of predicting token i by `weight[i]`.",
+        "",
+        "```python",
+        "from datasets import load_dataset",
+        'ds = load_dataset("<this directory or repo>", split="train")',
+        "```",
+        "",
+        "## Provenance",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| tokenizer | `{meta.get('tokenizer')}` |",
+        f"| tokenizer sha256 | `{meta.get('tokenizer_sha256')}` |",
+        f"| vocab size, n_ctx, packed | {meta.get('vocab_size')}, {meta.get('n_ctx')}, {bool(meta.get('packed'))} |",
+        f"| scorer | `{meta.get('scorer')}` ({_scorer_detail(meta)}) |",
+        f"| weighting | `{json.dumps(meta.get('weighting'), sort_keys=True)}` |",
+        f"| documents, rows, real tokens | {c['documents']}, {c['rows']}, {c['real_tokens']} |",
+    ]
+    if record.get("bpb"):
+        lines += [
+            "",
+            "## Bits per byte (the workflow that made this data)",
+            "",
+            "| run | seed | loss | BPB |",
+        ]
+        lines += ["| --- | --- | --- | --- |"]
+        lines += [
+            f"| {r['run']} | {r.get('seed', '')} | {r.get('loss', '')} | {r['bpb']:.4f} |"
+            for r in record["bpb"]
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _scorer_detail(meta: dict) -> str:
+    keys = ("model", "model_sha256", "checkpoint", "checkpoint_sha256", "aggregate")
+    return ", ".join(f"{k}: `{meta[k]}`" for k in keys if meta.get(k)) or "see export.json"
+
+
+WRITERS = {"megatron": _megatron, "litdata": _litdata, "hf": _hf}
+
+
+# -- the command
+
+
+def check_request(src: str | Path, out: str | Path, fmt: str, overwrite: bool) -> None:
+    """Every refusal that needs no reading of the data: format, library, where --out is."""
+    if fmt in UNSUPPORTED:
+        raise ExportError(UNSUPPORTED[fmt])
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
+    src_r, out_r = Path(src).resolve(), Path(out).resolve()
+    if out_r == src_r or src_r in out_r.parents:
+        raise ExportError(f"--out {out} is inside the input {src}; write the export elsewhere")
+    if out_r in src_r.parents:
+        raise ExportError(f"--out {out} holds the input {src}; write the export elsewhere")
+    if out_r.exists() and (not out_r.is_dir() or (any(out_r.iterdir()) and not overwrite)):
+        raise ExportError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+    if EXTRAS[fmt]:
+        try:
+            __import__("megatron.core.datasets.indexed_dataset" if fmt == "megatron" else "litdata")
+        except ImportError as e:
+            raise ExportError(
+                f"--format {fmt} needs {e.name}: pip install 'entroweight[{EXTRAS[fmt]}]'"
+            ) from None
+
+
+def export_data(
+    src: str | Path, out: str | Path, fmt: str, overwrite: bool = False, bpb: list[dict] | None = None
+) -> dict:
+    """Write `src`'s scored shards to `out` in `fmt`; returns the record also written to export.json.
+
+    Written into a temporary sibling of `out` and renamed into place: a refusal or a crash leaves
+    `out` as it was. `bpb`: rows {run, seed, loss, bpb} of the workflow that made the data, for the card.
+    """
+    check_request(src, out, fmt, overwrite)
+    source = open_scored(src)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        record = {
+            "format": fmt,
+            "source": str(source.path.resolve()),
+            "code_version": __version__,
+            "metadata": source.meta,
+            "counts": {},  # filled as the writer reads
+            "bpb": bpb or [],
+        }
+        WRITERS[fmt](source, tmp, record)
+        size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+        real = record["counts"]["real_tokens"]
+        record["bytes"] = size
+        record["bytes_per_real_token"] = round(size / real, 3) if real else None
+        write_json_atomic(record, tmp / EXPORT_RECORD)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return record

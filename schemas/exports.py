@@ -1,0 +1,12 @@
+"""Names inside `export-data` outputs that the writer and the readers (trainers/megatron.py) share."""
+
+from __future__ import annotations
+
+# Megatron-LM's preprocess_data.py names its output `<prefix>_text_document.{bin,idx}`.
+MEGATRON_PREFIX = "text_document"
+EXPORT_RECORD = "export.json"  # provenance and counts, in every export but the hub layout's card
+
+
+def megatron_weight_prefix(tokens_prefix: str) -> str:
+    """The sidecar indexed dataset of per-token weights beside a token indexed dataset."""
+    return f"{tokens_prefix}_weight"

@@ -1,0 +1,57 @@
+"""`entroweight export-data SCORED --format megatron|litdata|hf --out DIR`: feed another trainer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .cli_common import _fail
+
+
+@click.command("export-data")
+@click.argument("scored", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--format",
+    "fmt",
+    required=True,
+    metavar="megatron|litdata|hf",
+    help="megatron: Megatron-LM/NeMo .bin/.idx + a weight sidecar; litdata: LitData chunks; "
+    "hf: parquet + dataset card for datasets.load_dataset / push_to_hub. See docs/export.md.",
+)
+@click.option("--out", required=True, type=click.Path(file_okay=False))
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty --out.")
+def export_data_cmd(scored, fmt, out, overwrite):
+    """Write the scored shards of SCORED (tokens + per-token weights) in a trainer's own format."""
+    from entroweight.pipelines.export_data import ExportError, export_data
+
+    try:
+        record = export_data(scored, out, fmt, overwrite=overwrite, bpb=workflow_bpb(scored))
+    except ExportError as e:
+        _fail(str(e))
+    c = record["counts"]
+    click.echo(
+        f"wrote {out} ({fmt}): {c['documents']} documents, {c['rows']} rows, {c['real_tokens']} tokens, "
+        f"{record['bytes_per_real_token']} bytes per token"
+    )
+
+
+def workflow_bpb(scored: str) -> list[dict]:
+    """The BPB results of the workflow whose run directory holds SCORED (none when it is not in one)."""
+    from .runner import RUN_FILE
+
+    for root in Path(scored).resolve().parents:
+        run = root / RUN_FILE
+        if not run.exists():
+            continue
+        eval_spec = json.loads(run.read_text()).get("config", {}).get("eval") or {}
+        ev = root / eval_spec.get("out", "eval")
+        rows = [json.loads(p.read_text()) for p in sorted(ev.glob("*/seed-*.json"))]
+        if (ev / "unigram.json").exists():
+            rows.append({"run": "unigram baseline", **json.loads((ev / "unigram.json").read_text())})
+        return [{k: r.get(k) for k in ("run", "seed", "loss", "bpb")} for r in rows if "bpb" in r]
+    return []
+
+
+COMMANDS = [export_data_cmd]
