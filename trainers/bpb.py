@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,8 @@ from tokenizers import Tokenizer
 from .checkpoint import TOKENIZER
 from .losses import per_token_ce
 
-DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "wikitext" / "wiki.test.raw"
+# WikiText-2's test text: package data (data/README.md), installed with the package.
+DEFAULT_TEXT = Path(files(__package__) / "data" / "wikitext" / "wiki.test.raw")
 START_CANDIDATES = (
     "<|eos|>",
     "<|end_of_text|>",
