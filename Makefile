@@ -39,10 +39,10 @@ test-all: $(STAMP)
 	$(PYTEST) $(ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # Every stage's throughput beside its bare limit, one table; writes bench-out/results.{json,md}.
-# Exits 1 if a benchmark module failed. `make bench BENCH_ARGS="--quick"` or "--only tokenize scoring".
+# Run from the checkout (benchmarks/ is not in the wheel). Exits 1 if a benchmark module failed. `make bench BENCH_ARGS="--quick"` or "--only tokenize scoring".
 BENCH_ARGS ?=
 bench: $(STAMP)
-	$(BIN)/python -m entroweight.benchmarks.run_all $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.run_all $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
