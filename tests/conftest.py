@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from entroweight.trainers.bpb import DEFAULT_TEXT as WIKITEXT
 from entroweight.transforms.train_tokenizer import DEFAULT_BASE as LLAMA3
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from entroweight.models.checkpoint import CheckpointError, load_checkpoint
 from tokenizers import Tokenizer
+
+from entroweight.models.checkpoint import CheckpointError, load_checkpoint
 
 from .checkpoint import TOKENIZER
 from .losses import per_token_ce
