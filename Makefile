@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.5"
 	# Keep that torch: a dependency asking for torchvision would otherwise swap it for another build.
 	$(BIN)/python -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/torch-pin.txt
+	# dev: the test tools, the optional engines ([beam], [ray]) and export libraries the suite runs.
 	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e ".[dev]"
 	# LitData requires torchvision but imports it only for images and video; PyPI's torchvision is
 	# built for PyPI's torch, and beside a CPU build it fails to load and breaks transformers' imports.
@@ -44,10 +45,10 @@ test-all: $(STAMP)
 	$(PYTEST) $(ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # Every stage's throughput beside its bare limit, one table; writes bench-out/results.{json,md}.
-# Exits 1 if a benchmark module failed. `make bench BENCH_ARGS="--quick"` or "--only tokenize scoring".
+# Run from the checkout (benchmarks/ is not in the wheel). Exits 1 if a benchmark module failed. `make bench BENCH_ARGS="--quick"` or "--only tokenize scoring".
 BENCH_ARGS ?=
 bench: $(STAMP)
-	$(BIN)/python -m entroweight.benchmarks.run_all $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.run_all $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -14,10 +14,11 @@ import threading
 import time
 from pathlib import Path
 
+from entroweight.transforms.train_tokenizer import DEFAULT_BASE as LLAMA3
+from entroweight.transforms.train_tokenizer import save_tokenizer, train_bpe
+
 REPO = Path(__file__).resolve().parent.parent
 C4 = REPO / "tests" / "data" / "c4" / "c4-sample.00000-of-00001.json.gz"
-WIKITEXT = REPO / "tests" / "data" / "wikitext" / "wiki.test.raw"
-LLAMA3 = REPO / "tests" / "data" / "tokenizers" / "llama3"
 
 
 def c4_texts() -> list[str]:
@@ -32,8 +33,6 @@ def bench_tokenizer(vocab: int = 8000, quick: bool = False) -> Path:
     """A BPE of `vocab` tokens (Llama 3 pre-tokenizer) trained on the C4 sample (quick: its first 300
     docs), trained once per process and shared by the modules of one `make bench` run."""
     if (vocab, quick) not in _TOKENIZERS:
-        from entroweight.transforms.train_tokenizer import save_tokenizer, train_bpe
-
         d = Path(tempfile.mkdtemp(prefix=f"bench-tok{vocab}-"))
         atexit.register(shutil.rmtree, d, True)
         save_tokenizer(train_bpe(c4_texts()[: 300 if quick else None], vocab, LLAMA3), d)

@@ -1,6 +1,7 @@
 """`make bench`: every stage's throughput beside its bare limit, in one run.
 
-Usage: python -m entroweight.benchmarks.run_all [--quick] [--only NAME ...] [--out DIR]
+Usage, from the repository root: python -m benchmarks.run_all [--quick] [--only NAME ...] [--out DIR]
+(the benchmarks read tests/data, so they run from the checkout and do not ship in the wheel)
 
 Each module in MODULES exports `run(quick: bool) -> list[row]` (rows from `common.row`). A listed module
 that does not exist yet is skipped with a note; one that raises gets an error row and the others still
@@ -60,7 +61,7 @@ def machine_info() -> dict:
 
 def _import(name: str):
     """The module, or None when it does not exist (yet): a listed benchmark still being written."""
-    full = name if "." in name else f"entroweight.benchmarks.{name}"
+    full = name if "." in name else f"{__package__}.{name}"
     try:
         return importlib.import_module(full)
     except ModuleNotFoundError as e:

@@ -80,10 +80,9 @@ def _train_tps(data: Path, out: Path, loss: str, steps: int, batch: int, model=M
 def _bare_step_times(data: Path, vocab: int, steps: int, batch: int) -> list[float]:
     """The same model's forward + the loop's CE + backward + clip + AdamW step, on one batch of the same
     data held in memory: what the loop adds (loader, schedule, logging) is all that is missing."""
+    from entroweight.data import WeightedTokens
     from entroweight.models.llama import Llama
     from entroweight.trainers.losses import compute_loss
-
-    from entroweight.data import WeightedTokens
 
     torch.manual_seed(0)
     model = Llama(Llama.Config(vocab_size=vocab, n_ctx=N_CTX, **MODEL))
@@ -162,10 +161,9 @@ def _interleaved_tps(data: Path, steps: int, batch: int) -> dict[str, float]:
     """ce and weighted_ce training steps alternated one by one in one process (same model init, same
     data stream; the weighted one also reads the weight column): median tokens/s of each. Alternating
     per step cancels the drift of other load far better than back-to-back runs."""
+    from entroweight.data import WeightedTokens
     from entroweight.models.llama import Llama
     from entroweight.trainers.losses import compute_loss
-
-    from entroweight.data import WeightedTokens
 
     runs = {}
     for loss, cols in (("ce", ()), ("weighted_ce", ("weight",))):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from entroweight.models.llama import Llama
 
 from entroweight.data import WeightedTokens, weighted_ce
+from entroweight.models.llama import Llama
 
 
 def main(data: str, steps: int = 100, batch_size: int = 16, lr: float = 3e-3, state: dict | None = None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from pathlib import Path
 
@@ -10,6 +11,20 @@ from entroweight.transforms.writer import remove_stale_tmp
 from .stage import LockHeld, RunSummary, Stage, StageError, StageFailed, plan_run, run_lock
 
 ENGINES = ("local", "beam", "ray")
+# The optional engines: the module each imports, installed by the extra of the engine's name.
+OPTIONAL_ENGINES = {"beam": "apache_beam", "ray": "ray"}
+
+
+def require_engine(engine: str) -> None:
+    """Refuse an unknown engine, or an optional one whose library is not installed, before any work."""
+    if engine not in ENGINES:
+        raise StageError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    module = OPTIONAL_ENGINES.get(engine)
+    # find_spec, not import: importing Beam takes seconds and logs; the engine imports it when it runs
+    if module and importlib.util.find_spec(module) is None:
+        raise StageError(
+            f"--engine {engine} needs {module}, which is not installed: pip install 'entroweight[{engine}]'"
+        )
 
 
 def run_stage(
@@ -24,8 +39,7 @@ def run_stage(
     """Plan, run the pending shards on `engine`, and summarize. Raises StageFailed naming bad shards."""
     from .stage import finish_run
 
-    if engine not in ENGINES:
-        raise StageError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    require_engine(engine)
     lock = run_lock(out_dir, wait)
     try:
         plan = plan_run(stage, out_dir, overwrite=overwrite)
@@ -52,4 +66,13 @@ def run_stage(
         lock.release()
 
 
-__all__ = ["ENGINES", "LockHeld", "RunSummary", "Stage", "StageError", "StageFailed", "run_stage"]
+__all__ = [
+    "ENGINES",
+    "LockHeld",
+    "RunSummary",
+    "Stage",
+    "StageError",
+    "StageFailed",
+    "require_engine",
+    "run_stage",
+]

@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from entroweight import __version__
 from entroweight.schemas import (
     ShardManifest,
     read_file_metadata,
@@ -29,8 +31,6 @@ from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.transforms.weigh import WeighConfig, encode_weights, weigh
 from entroweight.transforms.writer import PARQUET_OPTIONS, AtomicParquetWriter
 from tqdm.auto import tqdm
-
-from entroweight import __version__
 
 from .stage import ShardTask, Stage, StageError
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from entroweight.schemas import ShardManifest, StageRecord, config_hash
-from entroweight.schemas.manifest import ShardInput
-from entroweight.transforms.writer import remove_stale_tmp, write_json_atomic
 from filelock import FileLock, Timeout
 
 from entroweight import __version__
+from entroweight.schemas import ShardManifest, StageRecord, config_hash
+from entroweight.schemas.manifest import ShardInput
+from entroweight.transforms.writer import remove_stale_tmp, write_json_atomic
 
 # Everything that is not data starts with a dot: `datasets.load_dataset("parquet", data_dir=OUT)` reads
 # every .json and .parquet it finds, and skips hidden files and directories.

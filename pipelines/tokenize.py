@@ -6,14 +6,14 @@ import collections
 from pathlib import Path
 
 import pyarrow as pa
+
+from entroweight import __version__
 from entroweight.schemas import FileMetadata, ShardManifest, with_file_metadata
 from entroweight.transforms.prefetch import prefetch
 from entroweight.transforms.sources import DocumentReader, plan_inputs
 from entroweight.transforms.tokenize import SequenceBuilder
 from entroweight.transforms.tokenizer import LoadedTokenizer, load_tokenizer
 from entroweight.transforms.writer import AtomicParquetWriter, write_table_atomic
-
-from entroweight import __version__
 
 from .stage import REJECTS_DIR, ShardTask, Stage
 

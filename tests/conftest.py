@@ -1,6 +1,8 @@
 """Shared fixtures: the bundled real data, a small BPE trained on it, and a tokenized dataset.
 
-Everything here is built from tests/data (copied from ../shared/data), so a fresh clone tests offline.
+Everything here is built from tests/data (copied from ../shared/data) and the package's own data
+(the Llama 3 tokenizer and WikiText-2, shipped as the defaults of train-tokenizer and eval-bpb), so a
+fresh clone tests offline.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from entroweight.trainers.bpb import DEFAULT_TEXT as WIKITEXT
+from entroweight.transforms.train_tokenizer import DEFAULT_BASE as LLAMA3
+
 DATA = Path(__file__).parent / "data"
 C4 = DATA / "c4" / "c4-sample.00000-of-00001.json.gz"
-WIKITEXT = DATA / "wikitext" / "wiki.test.raw"
-LLAMA3 = DATA / "tokenizers" / "llama3"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from entroweight.transforms.align import AlignmentError, encode_exact, regroup, spans, utf8_runs
 from entroweight.transforms.tokenizer import load_tokenizer
 

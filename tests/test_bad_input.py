@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 from click.testing import CliRunner
+
 from entroweight.pipelines import StageFailed, run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import read_manifests

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+
 from entroweight.trainers.losses import compute_loss
 from entroweight.trainers.prefix import prefix_table
 

@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from entroweight.benchmarks import run_all
-from entroweight.benchmarks.common import check_target, row
 
+from benchmarks import run_all
+from benchmarks.common import check_target, row
+
+ROOT = Path(__file__).resolve().parent.parent  # `python -m benchmarks.run_all` runs from here
 ROW_KEYS = {"stage", "metric", "value", "bare", "ratio", "target", "note", "ok"}
 MACHINE_KEYS = {
     "cpu_count",
@@ -31,13 +33,14 @@ def test_quick_tokenize_end_to_end(tmp_path):
         [
             sys.executable,
             "-m",
-            "entroweight.benchmarks.run_all",
+            "benchmarks.run_all",
             "--quick",
             "--only",
             "tokenize",
             "--out",
             str(tmp_path),
         ],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
@@ -75,7 +78,7 @@ def test_missing_and_failing_modules(tmp_path, monkeypatch, capsys):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "good.py").write_text(
-        "from entroweight.benchmarks.common import row\n"
+        "from benchmarks.common import row\n"
         "def run(quick):\n"
         "    return [row('x', 'tokens/s', 95.0, 100.0, '>= 0.9'), row('x', 'B/token', 1.8, None, '<= 1.7')]\n"
     )

@@ -11,6 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from scipy import stats
+
 from entroweight.models.checkpoint import save_checkpoint
 from entroweight.models.estimator import EntropyEstimator
 from entroweight.pipelines import run_stage
@@ -19,7 +21,6 @@ from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import METADATA_KEY, read_file_metadata
 from entroweight.transforms.agreement import AgreementError, compare_dirs, rankdata
 from entroweight.workflows.cli import main
-from scipy import stats
 
 
 def _tokenize(tmp, c4_path, tokenizer_dir, skip):

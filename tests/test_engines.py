@@ -20,6 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+
 from entroweight.pipelines import StageError, StageFailed, run_stage
 from entroweight.pipelines.stage import STAGE_FILE, read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
@@ -146,6 +147,7 @@ def test_engine_parity(engine, options, request, tmp_path, inputs, tokenizer_dir
 
 def test_beam_options_pick_the_runner():
     from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
     from entroweight.pipelines.beam import build_runner
 
     runner, opts, threads = build_runner({}, None)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from entroweight.pipelines import run_stage
 from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage

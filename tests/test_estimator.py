@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from entroweight.models import build_model
 from entroweight.models.estimator import INJECTIONS, EntropyEstimator
 from entroweight.models.quant import Q_EMBEDDING, sequence_nats

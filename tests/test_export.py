@@ -11,11 +11,12 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
+from test_trainer_fixtures import TINY, one_thread, tiny_ckpt, weighted_dir  # noqa: F401 - fixtures
+
 from entroweight.models.checkpoint import load_checkpoint, save_checkpoint
 from entroweight.models.llama import Llama
 from entroweight.trainers.bpb import eval_bpb, unigram_bpb, windows
 from entroweight.trainers.export import export_hf
-from test_trainer_fixtures import TINY, one_thread, tiny_ckpt, weighted_dir  # noqa: F401 - fixtures
 
 MAX_BYTES = 12_000
 

@@ -1,4 +1,4 @@
-"""Imports flow one way (DESIGN.md): a module never imports a layer above its own."""
+"""Imports flow one way (docs/design.md): a module never imports a layer above its own."""
 
 from __future__ import annotations
 

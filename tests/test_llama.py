@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_trainer_fixtures import one_thread  # noqa: F401 - fixture
+
 from entroweight.models import build_model
 from entroweight.models.llama import Llama
-from test_trainer_fixtures import one_thread  # noqa: F401 - fixture
 
 CFG = {"vocab_size": 97, "n_ctx": 32, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64}
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from entroweight.trainers.losses import compute_loss, per_token_ce
 from entroweight.trainers.prefix import prefix_table
 

@@ -7,6 +7,7 @@ import random
 
 import pytest
 from click.testing import CliRunner
+
 from entroweight.transforms import lz78
 from entroweight.transforms.lz78 import N_BASE, LZ78Dict, to_tokenizers
 from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer
@@ -100,6 +101,7 @@ def test_export_is_exact_and_round_trips_bytes(algorithm, c4_texts, wikitext_pat
 def test_cli_tokenize_stage_and_a_tiny_training_run(c4_path, tmp_path):
     import pyarrow.parquet as pq
     import torch
+
     from entroweight.pipelines import run_stage
     from entroweight.pipelines.tokenize import TokenizeStage
     from entroweight.trainers import TrainConfig, train

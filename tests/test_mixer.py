@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from entroweight.models import build_model
 from entroweight.models.llama import Llama
 from entroweight.models.mixer import MaskedMixer

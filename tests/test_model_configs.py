@@ -13,9 +13,10 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from test_trainer_fixtures import one_thread, weighted_dir  # noqa: F401 - fixtures
+
 from entroweight.models import build_model
 from entroweight.workflows.cli import main
-from test_trainer_fixtures import one_thread, weighted_dir  # noqa: F401 - fixtures
 
 CONFIGS = Path(__file__).resolve().parent.parent / "workflows" / "configs"
 KINDS = ("llama", "mixer", "estimator", "autoencoder")

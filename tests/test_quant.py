@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from entroweight.models import build_model
 from entroweight.models.quant import (
     FORMATS,

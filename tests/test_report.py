@@ -7,8 +7,9 @@ from html.parser import HTMLParser
 
 import numpy as np
 import pytest
-from entroweight.workflows.report import ReportError, compare, highlight, write_report
 from test_workflow import run_cli, tiny_run  # noqa: F401 - the session fixture: one tiny run for both files
+
+from entroweight.workflows.report import ReportError, compare, highlight, write_report
 
 
 class Page(HTMLParser):

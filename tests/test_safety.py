@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+
 from entroweight.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from entroweight.models.llama import Llama
 from entroweight.workflows.cli import main
@@ -129,8 +130,9 @@ def test_score_checkpoint_pickle_needs_the_flag(ckpt, tmp_path, tokenizer_dir):
 
 
 def test_hf_pickle_weights_refused_and_remote_code_off(tmp_path):
-    from entroweight.scorers.hf import ModelLoadError, load_causal_lm
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from entroweight.scorers.hf import ModelLoadError, load_causal_lm
 
     cfg = LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2

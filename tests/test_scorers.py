@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+
 from entroweight.scorers import ScorerError, available, make_scorer
 from entroweight.scorers.forward import chunked_ce
 from entroweight.transforms.tokenizer import load_tokenizer

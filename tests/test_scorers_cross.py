@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+
 from entroweight.scorers import ScorerError, make_scorer
 from entroweight.transforms.tokenizer import load_tokenizer
 
@@ -114,6 +115,7 @@ def test_smollm2_weighted_c4_loads_with_datasets_and_trains(tmp_path, c4_path, t
     through the CLI, load with `datasets`, and the trainer takes them with weighted_ce."""
     import datasets
     from click.testing import CliRunner
+
     from entroweight.workflows.cli import main
 
     def cli(*args):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+
 from entroweight.models.checkpoint import save_checkpoint
 from entroweight.models.estimator import EntropyEstimator
 from entroweight.pipelines import run_stage

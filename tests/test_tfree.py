@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from entroweight.models import build_model
 from entroweight.models.tfree import token_positions, trigram_keys
 from entroweight.trainers.losses import compute_loss
@@ -129,6 +130,7 @@ def test_tfree_trains_on_the_bundled_data_and_eval_bpb_runs(tokenized_dir, token
 
 def test_tfree_trains_from_the_cli(tokenized_dir, tokenizer_dir, tmp_path):
     from click.testing import CliRunner
+
     from entroweight.workflows.cli import main
 
     cfg = tmp_path / "tfree.yaml"

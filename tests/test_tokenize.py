@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+
 from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import METADATA_KEY, read_file_metadata

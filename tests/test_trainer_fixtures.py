@@ -53,6 +53,7 @@ def weighted_dir(tokenized_dir, tmp_path_factory) -> Path:
 def tiny_ckpt(weighted_dir, tokenizer_dir, tmp_path_factory) -> Path:
     """A tiny llama trained 30 steps with weighted_ce (tokenizer stored): for BPB and export tests."""
     import torch
+
     from entroweight.trainers import TrainConfig, train
 
     out = tmp_path_factory.mktemp("tiny_ckpt")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from entroweight.transforms.weigh import WeighConfig, encode_weights, normalize, weigh
 from pydantic import ValidationError
+
+from entroweight.transforms.weigh import WeighConfig, encode_weights, normalize, weigh
 
 VALUES = np.array([[0.0, 0.0, 1.0, 3.0, 5.0], [9.0, 2.0, 4.0, 6.0, 2.0], [0.0, 0.0, 0.0, 0.0, 7.0]])
 N_PAD = np.array([2, 0, 4])

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import math
+from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
 import torch
-from entroweight.models.checkpoint import CheckpointError, load_checkpoint
 from tokenizers import Tokenizer
+
+from entroweight.models.checkpoint import CheckpointError, load_checkpoint
 
 from .checkpoint import TOKENIZER
 from .losses import per_token_ce
 
-DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "wikitext" / "wiki.test.raw"
+# WikiText-2's test text: package data (data/README.md), installed with the package.
+DEFAULT_TEXT = Path(files(__package__) / "data" / "wikitext" / "wiki.test.raw")
 START_CANDIDATES = (
     "<|eos|>",
     "<|end_of_text|>",

@@ -19,8 +19,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from entroweight.models.checkpoint import CheckpointError, save_checkpoint, sha256_file
 from safetensors.torch import load_file, save_file
+
+from entroweight.models.checkpoint import CheckpointError, save_checkpoint, sha256_file
 
 STATE, OPTIM, TOKENIZER, METRICS = (
     "trainer_state.json",

@@ -24,8 +24,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from entroweight.schemas import read_file_metadata
 from torch.utils.data import IterableDataset, get_worker_info
+
+from entroweight.schemas import read_file_metadata
 
 
 class DataError(ValueError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from entroweight.models.checkpoint import CheckpointError, load_checkpoint
 
 from .bpb import checkpoint_tokenizer

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from entroweight.schemas import read_file_metadata
 from scipy.stats import rankdata  # 1-based average ranks (ties share their mean), float64
+
+from entroweight.schemas import read_file_metadata
 
 COLUMNS = ("entropy", "weight")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
 from entroweight.schemas import read_file_metadata
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
+
 from entroweight.schemas import DOCUMENT_SCHEMA, REJECT_SCHEMA
 from entroweight.schemas.manifest import ShardInput
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from entroweight.schemas import sequence_schema
 
 from .tokenizer import LoadedTokenizer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator
+from importlib.resources import files
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -12,8 +13,8 @@ from .sources import DocumentReader, plan_inputs
 from .tokenizer import BOS, EOS, PAD, resolve_tokenizer_path
 
 SPECIALS = [PAD, BOS, EOS]
-# The Llama 3 tokenizer a repo checkout ships (the write-up's base); an installed package has none.
-DEFAULT_BASE = Path(__file__).resolve().parent.parent / "tests" / "data" / "tokenizers" / "llama3"
+# The write-up's base, Llama 3's tokenizer: package data (data/README.md), installed with the package.
+DEFAULT_BASE = Path(files(__package__) / "data" / "llama3")
 
 
 def corpus_texts(sources: list[str], max_docs: int | None = None) -> Iterator[str]:
@@ -70,11 +71,6 @@ def train_tokenizer(
     """A `vocab_size` tokenizer of `algorithm`: BPE on `base`'s pre-tokenizer (default DEFAULT_BASE),
     or an LZ78 dictionary (a related-work baseline, docs/baselines.md; `base` unused)."""
     if algorithm == "bpe":
-        if base is None and not DEFAULT_BASE.exists():
-            raise ValueError(
-                "no default base tokenizer here (only a repo checkout ships one): pass --base PATH, "
-                "or tokenizer.train.base in a workflow (e.g. a Llama 3 tokenizer.json)"
-            )
         return train_bpe(texts, vocab_size, base or DEFAULT_BASE, progress=progress)
     from . import lz78
 

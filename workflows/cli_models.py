@@ -55,6 +55,7 @@ def eval_quant_cmd(ckpt_dir, data, formats, max_sequences, batch_size, device, a
     """Eval loss of CKPT_DIR's decoder with its embedding cast to each format vs float32, and the
     amortized bits per byte: (embedding bits + Σ token bits) / Σ bytes of the --data sequences."""
     import torch
+
     from entroweight.models.checkpoint import CheckpointError, load_checkpoint
     from entroweight.models.quant import FORMATS, evaluate_quantized
     from entroweight.trainers.data import DataError, inspect_data

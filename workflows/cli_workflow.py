@@ -31,7 +31,7 @@ from .cli_common import EXIT_FAILED_SHARDS, EXIT_LOCKED, _engine_kwargs, _fail
 @click.option("--wait", type=float, default=0, help="Seconds to wait for another run's lock on the run dir.")
 def run_cmd(workflow, engine, beam_options, ray_address, workers, dry_run, overwrite, wait):
     """Run WORKFLOW (a YAML file) end to end; every step skips what is already done."""
-    from entroweight.pipelines import LockHeld, StageError, StageFailed
+    from entroweight.pipelines import LockHeld, StageError, StageFailed, require_engine
 
     from .runner import Runner, StepFailed, WorkflowError
     from .spec import SpecError, load_workflow
@@ -51,6 +51,7 @@ def run_cmd(workflow, engine, beam_options, ray_address, workers, dry_run, overw
         workflow_file=str(Path(workflow).resolve()),
     )
     try:
+        require_engine(engine)  # before the first step: not after a tokenizer was trained
         runner.run()
     except LockHeld as e:
         _fail(str(e), EXIT_LOCKED)
