@@ -78,15 +78,19 @@ def weigh_cmd(
     from entroweight.pipelines.weigh import WeighStage
     from entroweight.schemas import read_file_metadata
 
-    fields: dict = dict(_option(o) for o in options)
-    fields |= {"method": weighting, "invert": invert or None, "floor": floor}
-    fields |= {"clip": tuple(clip) if clip else None}
+    named = {
+        "method": weighting,
+        "invert": invert or None,
+        "floor": floor,
+        "clip": tuple(clip) if clip else None,
+    }
+    fields = dict(_option(o) for o in options) | {k: v for k, v in named.items() if v is not None}
     try:
         if weight_dtype is None:
             first = min(Path(scored_dir).glob("part-*.parquet"), default=None)
             weight_dtype = (read_file_metadata(first) if first else {}).get("weight_dtype", "float16")
-        fields["dtype"] = weight_dtype
-        config = _weigh_config({k: v for k, v in fields.items() if v is not None}, scored_dir, quantiles_from)
+        fields.setdefault("dtype", weight_dtype)
+        config = _weigh_config(fields, scored_dir, quantiles_from)
         stage = WeighStage(scored_dir, config, with_entropy=not drop_entropy)
     except (StageError, ValueError) as e:
         _fail(str(e))
