@@ -44,6 +44,10 @@ class TokenizeStage(Stage):
                 f"the tokenizer {tokenizer} has no pad token; train one with `entroweight train-tokenizer` "
                 "(it reserves <|pad|>, <|bos|>, <|eos|>)"
             )
+        if pack and self._tok.eos_id is None:  # here, not per shard once --out exists
+            raise ValueError(
+                f"--pack needs an eos token between documents, and the tokenizer {tokenizer} has none"
+            )
 
     @property
     def tok(self) -> LoadedTokenizer:

@@ -125,6 +125,25 @@ def test_tokenizer_without_pad_refused_before_output(tmp_path, c4_small, llama3_
     assert not out.exists()
 
 
+def test_pack_without_eos_refused_before_output(tmp_path, c4_small, tokenizer_dir):
+    """--pack joins documents with eos: a tokenizer without one is refused up front, not per shard."""
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    for t in spec["added_tokens"]:
+        if t["content"] == "<|eos|>":
+            t["content"] = "<|sep|>"
+    vocab = spec["model"]["vocab"]
+    if "<|eos|>" in vocab:
+        vocab["<|sep|>"] = vocab.pop("<|eos|>")
+    no_eos = tmp_path / "no_eos" / "tokenizer.json"
+    no_eos.parent.mkdir()
+    no_eos.write_text(json.dumps(spec))
+    assert load_tokenizer(no_eos).eos_id is None and load_tokenizer(no_eos).pad_id is not None
+    out = tmp_path / "out"
+    code, output = cli("tokenize", c4_small, "--tokenizer", no_eos, "--pack", "--n-ctx", N_CTX, "--out", out)
+    refused(code, output, "--pack needs an eos token")
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------ self-describing data
 
 
