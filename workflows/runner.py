@@ -28,7 +28,6 @@ from entroweight.pipelines.stage import SHARDS_FILE, STAGE_FILE, read_manifests,
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas import StageRecord
-from entroweight.schemas.tokenizer import resolve_tokenizer_path
 from entroweight.transforms.writer import write_json_atomic
 
 from entroweight import __version__
@@ -226,6 +225,8 @@ class Runner:
         spec, out = self.wf.tokenizer, self.wf.tokenizer_dir()
         step = self._begin("tokenizer", "tokenizer", out)
         if spec.path is not None:
+            from entroweight.transforms.tokenizer import resolve_tokenizer_path
+
             try:
                 resolve_tokenizer_path(spec.path)
             except (ValueError, OSError) as e:
@@ -260,7 +261,8 @@ class Runner:
         self._say(step, "ran", f"{tok.get_vocab_size()} tokens -> {path} ({step.seconds:.1f} s)")
 
     def tokenizer_file(self) -> str:
-        return str(resolve_tokenizer_path(self.wf.tokenizer_dir()))
+        d = self.wf.tokenizer_dir()
+        return str(d / "tokenizer.json") if d.is_dir() else str(d)
 
     # -- data stages
     def _stage(self, step: Step, build: Callable[[], Any], upstream: list[str]) -> None:
