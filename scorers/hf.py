@@ -18,7 +18,7 @@ from pathlib import Path
 
 from entroweight.models.checkpoint import plain_mode
 from entroweight.transforms.tokenizer import LoadedTokenizer, load_tokenizer
-from entroweight.transforms.writer import TMP_MARK, sha256_file
+from entroweight.transforms.writer import TMP_MARK, sha256_file, write_text_atomic
 from filelock import FileLock
 
 # The write-up's large model; downloads need the hub (not available on air-gapped machines).
@@ -184,8 +184,9 @@ def load_model_tokenizer(resolved: Path | str) -> tuple[LoadedTokenizer, int | N
             raise ModelLoadError(f"{resolved} has no fast tokenizer (tokenizer.json): byte offsets need one")
         key = hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
         path = cache_dir() / "tokenizers" / key / "tokenizer.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        hf.backend_tokenizer.save(str(path))
+        write_text_atomic(
+            hf.backend_tokenizer.to_str(pretty=True), path
+        )  # parallel workers: never half a file
     tok = load_tokenizer(path)
     return tok, _start_token(resolved, tok)
 
