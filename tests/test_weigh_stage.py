@@ -138,6 +138,7 @@ def test_refusals_exit_2_before_output(scored, tokens, model, tmp_path):
         ((scored, "--weighting", "nope"), "method"),
         ((scored, "--option", "flor=0.2"), "flor"),  # a typo is refused, not ignored
         ((scored, "--option", "floor"), "KEY=VALUE"),
+        ((scored, "--option", "clip=[0.1,"), "not a YAML"),
         ((scored, "--quantiles-from", scored), "does not apply"),
         ((scored, "--floor", "1.5"), "floor"),
     ]
