@@ -124,11 +124,16 @@ def test_cli_quantile_from_its_own_entropies_and_incremental(scored, tmp_path):
     assert read_file_metadata(next(out.glob("part-*.parquet")))["weighting"]["invert"] is True
 
 
-def test_beam_engine_writes_the_same_rows(scored, tmp_path):
+@pytest.mark.parametrize(
+    "engine",
+    ["beam", pytest.param("ray", marks=pytest.mark.slow)],  # Ray's start costs ~20 s on 2 cores
+)
+def test_engines_write_the_same_rows(scored, tmp_path, engine):
     cfg = WeighConfig(invert=True)
     run_stage(WeighStage(scored, cfg), tmp_path / "local", progress=False)
-    run_stage(WeighStage(scored, cfg), tmp_path / "beam", engine="beam", progress=False)
-    assert table(tmp_path / "local").equals(table(tmp_path / "beam"))
+    run_stage(WeighStage(scored, cfg), tmp_path / engine, engine=engine, progress=False)
+    assert table(tmp_path / "local").equals(table(tmp_path / engine))
+    assert verify_dir(tmp_path / engine) == []
 
 
 def test_refusals_exit_2_before_output(scored, tokens, model, tmp_path):
