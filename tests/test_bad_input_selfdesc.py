@@ -272,7 +272,7 @@ def plain_mode() -> int:
     return 0o666 & ~mask
 
 
-def test_checkpoint_files_get_plain_permissions(tmp_path, tokens):
+def test_model_files_get_plain_permissions(tmp_path, tokens):
     """safetensors writes 0600: a model must be readable by whoever may read the data beside it."""
     (tmp_path / "tiny.yaml").write_text(TINY)
     ckpt = tmp_path / "ckpt"
@@ -281,6 +281,9 @@ def test_checkpoint_files_get_plain_permissions(tmp_path, tokens):
     assert code == 0, output
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in ckpt.iterdir() if p.is_file()}
     assert modes["model.safetensors"] == modes["optimizer.safetensors"] == plain_mode(), modes
+    code, output = cli("export-hf", ckpt, "--out", tmp_path / "hf")
+    assert code == 0, output
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()} == {plain_mode()}
 
 
 def _convert(args):
