@@ -17,10 +17,10 @@ import json
 from pathlib import Path
 
 import torch
-from entroweight.models.llama import Llama
 from litdata import StreamingDataLoader, StreamingDataset
 
 from entroweight.data import weighted_ce
+from entroweight.models.llama import Llama
 
 
 def collate(samples: list[dict], pad_id: int, weight_scale: float) -> dict:

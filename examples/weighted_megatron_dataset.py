@@ -21,14 +21,14 @@ import json
 from pathlib import Path
 
 import torch
-from entroweight.models.llama import Llama
-from entroweight.schemas.exports import MEGATRON_PREFIX
-from entroweight.trainers.megatron import WeightedGPTDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
 from entroweight.data import per_token_ce
+from entroweight.models.llama import Llama
+from entroweight.schemas.exports import MEGATRON_PREFIX
+from entroweight.trainers.megatron import WeightedGPTDataset
 
 
 class ExportTokenizer(MegatronLegacyTokenizer):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -41,11 +42,29 @@ def save_checkpoint(model: torch.nn.Module, kind: str, out_dir: str | Path, **me
         unique[k] = v
     tmp = out / (WEIGHTS + ".tmp")
     save_file(unique, str(tmp))
+    plain_mode(tmp)
     tmp.replace(out / WEIGHTS)
     config = {"kind": kind, "model": dataclasses.asdict(model.config), **meta}
     config["weights_sha256"] = sha256_file(out / WEIGHTS)
     (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def plain_mode(path: str | Path) -> None:
+    """Give a file the permissions every other file gets (0666 less the umask). safetensors writes
+    through a private temp file and keeps its 0600, so a model would be unreadable to the group that
+    reads the data beside it."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    try:  # Linux says it without changing it (os.umask can only be read by setting it)
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def sha256_file(path: str | Path) -> str:

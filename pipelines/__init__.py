@@ -43,6 +43,7 @@ def run_stage(
     lock = run_lock(out_dir, wait)
     try:
         plan = plan_run(stage, out_dir, overwrite=overwrite)
+        stage.carry(plan.out_dir)
         start = time.perf_counter()
         if not plan.todo:
             results = []

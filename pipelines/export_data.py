@@ -25,11 +25,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
+
+from entroweight import __version__
 from entroweight.schemas import read_file_metadata
 from entroweight.schemas.exports import EXPORT_RECORD, MEGATRON_PREFIX, megatron_weight_prefix
 from entroweight.transforms.writer import write_json_atomic
-
-from entroweight import __version__
 
 from .stage import SHARDS_FILE, read_manifests
 

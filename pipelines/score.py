@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from tqdm.auto import tqdm
 
 from entroweight import __version__
 from entroweight.schemas import (
@@ -27,10 +28,9 @@ from entroweight.schemas import (
 from entroweight.schemas.manifest import ShardInput
 from entroweight.scorers import Scorer, ScorerError, make_scorer
 from entroweight.transforms.tokenize import fixed_lists
-from entroweight.transforms.tokenizer import load_tokenizer
+from entroweight.transforms.tokenizer import TokenizerError, carry_tokenizer, data_tokenizer, load_tokenizer
 from entroweight.transforms.weigh import WeighConfig, encode_weights, weigh
 from entroweight.transforms.writer import PARQUET_OPTIONS, AtomicParquetWriter
-from tqdm.auto import tqdm
 
 from .stage import ShardTask, Stage, StageError
 
@@ -105,20 +105,17 @@ class ScoreStage(Stage):
         self.input_meta = read_file_metadata(files[0])
         self._check_inputs(files)
         sha = self.input_meta["tokenizer_sha256"]
-        self.tokenizer_path, self._tok = None, None
-        if tokenizer is not None:
-            self._tok = load_tokenizer(tokenizer)
-            if self._tok.sha256 != sha:
-                raise StageError(
-                    f"--tokenizer {tokenizer} (sha256 {self._tok.sha256[:12]}…) is not the tokenizer of "
-                    f"{data_dir} ({sha[:12]}…): pass the tokenizer the data was tokenized with"
-                )
-            self.tokenizer_path = str(Path(tokenizer).resolve())
+        try:  # --tokenizer, else the copy the data carries; either checked against the data's sha256
+            path = data_tokenizer(data_dir, sha, tokenizer)
+        except TokenizerError as e:
+            raise StageError(str(e)) from None
+        self.tokenizer_path = str(path.resolve()) if path else None  # carried forward into --out
         self.scorer = scorer if isinstance(scorer, Scorer) else make_scorer(scorer, **(scorer_options or {}))
+        self._tok = load_tokenizer(path) if path and (tokenizer or self.scorer.needs_data_tokenizer) else None
         if self.scorer.needs_data_tokenizer and self._tok is None:
             raise StageError(
-                f"the {self.scorer.name} scorer reads the data's text: pass --tokenizer (the tokenizer.json "
-                f"that tokenized {data_dir})"
+                f"the {self.scorer.name} scorer reads the data's text and {data_dir} carries no tokenizer "
+                "(it was made before data carried one): pass --tokenizer (the tokenizer.json that tokenized it)"
             )
         self.scorer.check_data_tokenizer(sha, self._tok)
         self._check_vocab(files)
@@ -157,6 +154,10 @@ class ScoreStage(Stage):
         if self._tok is None and self.tokenizer_path is not None:
             self._tok = load_tokenizer(self.tokenizer_path)
         self.scorer.setup(self._tok)
+
+    def carry(self, out_dir: Path) -> None:
+        if self.tokenizer_path is not None:  # the weighted data stays self-describing
+            carry_tokenizer(self.tokenizer_path, out_dir)
 
     def resources(self) -> dict[str, float]:
         return {"num_cpus": 1, "num_gpus": 1 if self.scorer.device.startswith("cuda") else 0}

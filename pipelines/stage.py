@@ -88,6 +88,9 @@ class Stage(ABC):
     def process(self, task: ShardTask) -> ShardManifest:
         """Read the shard's input, write its parquet atomically, return its manifest (not yet written)."""
 
+    def carry(self, out_dir: Path) -> None:  # noqa: B027 - optional hook
+        """Write what the output directory carries besides shards (its tokenizer); driver side, each run."""
+
     def resources(self) -> dict[str, float]:
         """What one worker needs (Ray: num_cpus / num_gpus)."""
         return {"num_cpus": 1}

@@ -12,7 +12,7 @@ from entroweight.schemas import FileMetadata, ShardManifest, with_file_metadata
 from entroweight.transforms.prefetch import prefetch
 from entroweight.transforms.sources import DocumentReader, plan_inputs
 from entroweight.transforms.tokenize import SequenceBuilder
-from entroweight.transforms.tokenizer import LoadedTokenizer, load_tokenizer
+from entroweight.transforms.tokenizer import LoadedTokenizer, carry_tokenizer, load_tokenizer
 from entroweight.transforms.writer import AtomicParquetWriter, write_table_atomic
 
 from .stage import REJECTS_DIR, ShardTask, Stage
@@ -43,6 +43,10 @@ class TokenizeStage(Stage):
             raise ValueError(
                 f"the tokenizer {tokenizer} has no pad token; train one with `entroweight train-tokenizer` "
                 "(it reserves <|pad|>, <|bos|>, <|eos|>)"
+            )
+        if pack and self._tok.eos_id is None:  # here, not per shard once --out exists
+            raise ValueError(
+                f"--pack needs an eos token between documents, and the tokenizer {tokenizer} has none"
             )
 
     @property
@@ -88,6 +92,9 @@ class TokenizeStage(Stage):
             config_hash=self.config_hash,
             code_version=__version__,
         ).model_dump()
+
+    def carry(self, out_dir: Path) -> None:
+        carry_tokenizer(self.tok.path, out_dir)  # score, train, eval-bpb then need no --tokenizer
 
     def process(self, task: ShardTask) -> ShardManifest:
         out = Path(task.out_dir)

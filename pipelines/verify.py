@@ -33,6 +33,7 @@ from entroweight.schemas import (
     sequence_schema,
     weighted_sequence_schema,
 )
+from entroweight.schemas.tokenizer import CARRIED_TOKENIZER
 from entroweight.transforms.writer import TMP_MARK, sha256_file
 
 from .stage import REJECTS_DIR, SHARDS_FILE, STAGE_FILE, manifest_path
@@ -95,6 +96,8 @@ def verify_dir(path: str | Path) -> list[str]:
             first_meta = (m.output, meta)
         else:
             _compare_meta(first_meta, (m.output, meta), problems)
+    if first_meta is not None:
+        _check_carried_tokenizer(out, first_meta[1], problems)
     if totals["docs_in"] != totals["docs_out"] + totals["rejected"]:
         problems.append(
             f"{out}: {totals['docs_in']} documents in, but {totals['docs_out']} out + {totals['rejected']} "
@@ -204,7 +207,7 @@ def _check_shard(out: Path, m: ShardManifest, record: StageRecord, problems: lis
             problems.append(f"{where}: schema {_fmt(got)} is not the contract {_fmt(want)}")
         else:
             _check_values(pf, m, meta, where, problems)
-    if record.stage == "score":
+    if record.stage in ("score", "weigh"):
         _check_score_input(m, where, problems)
     return meta
 
@@ -234,7 +237,7 @@ def _expected_schema(meta: dict, record: StageRecord, where: str, problems: list
         vocab, packed = int(meta["vocab_size"]), bool(meta.get("packed", False))
         if record.stage == "tokenize":
             return sequence_schema(vocab, packed)
-        if record.stage == "score":
+        if record.stage in ("score", "weigh"):
             with_entropy = bool(record.config.get("with_entropy", True))
             return weighted_sequence_schema(vocab, packed, meta.get("weight_dtype", "float16"), with_entropy)
     except (KeyError, ValueError, TypeError) as e:
@@ -269,6 +272,7 @@ def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, 
         pad = np.arange(n_ctx)[None, :] < n_pad[:, None]
         ids = _matrix(batch.column("input_ids"), rows, n_ctx)
         flag("pads that are not pad_id", (ids[pad] != pad_id).sum())
+        flag("token ids beyond the vocabulary", (ids >= int(meta["vocab_size"])).sum())
         real += int(rows * n_ctx - n_pad.sum())
         n_bytes += int(pc.sum(batch.column("n_bytes")).as_py() or 0)
         if "weight" in lists:
@@ -308,6 +312,16 @@ def _check_score_input(m: ShardManifest, where: str, problems: list[str]) -> Non
             continue
         if rows != m.docs_in:
             problems.append(f"{where}: scored {m.docs_in} rows, its input {src} has {rows}")
+
+
+def _check_carried_tokenizer(out: Path, meta: dict, problems: list[str]) -> None:
+    """The tokenizer a directory carries is the one its shards name (downstream commands trust it)."""
+    path = out / CARRIED_TOKENIZER
+    if path.is_file() and sha256_file(path) != meta.get("tokenizer_sha256"):
+        problems.append(
+            f"{CARRIED_TOKENIZER}: not the tokenizer of the shards (sha256 differs from their metadata); "
+            "restore it, or delete it and pass --tokenizer downstream"
+        )
 
 
 def _compare_meta(a: tuple[str, dict], b: tuple[str, dict], problems: list[str]) -> None:

@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from entroweight.transforms.align import AGGREGATES, AlignStats, encode_exact_batch, regroup, utf8_runs
 from pydantic import Field
+
+from entroweight.transforms.align import AGGREGATES, AlignStats, encode_exact_batch, regroup, utf8_runs
 
 from . import hf
 from .base import HFModelOptions, Scorer, ScorerError, length_buckets

@@ -12,10 +12,15 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import uuid
 from pathlib import Path
 
+from filelock import FileLock
+
+from entroweight.models.checkpoint import plain_mode
 from entroweight.transforms.tokenizer import LoadedTokenizer, load_tokenizer
-from entroweight.transforms.writer import sha256_file
+from entroweight.transforms.writer import TMP_MARK, sha256_file, write_text_atomic
 
 # The write-up's large model; downloads need the hub (not available on air-gapped machines).
 LLAMA_32_1B = "meta-llama/Llama-3.2-1B"
@@ -28,6 +33,8 @@ class ModelLoadError(ValueError):
 
 
 def cache_dir() -> Path:
+    """Converted GGUF models (~500 MB each) and model tokenizers: $ENTROWEIGHT_CACHE, else
+    ~/.cache/entroweight (docs/models.md)."""
     root = os.environ.get("ENTROWEIGHT_CACHE") or Path.home() / ".cache" / "entroweight"
     return Path(root)
 
@@ -55,12 +62,37 @@ def resolve_model(spec: str) -> Path | str:
     return spec  # a hub id such as meta-llama/Llama-3.2-1B
 
 
+def _converted(out: Path) -> bool:
+    return (out / "config.json").exists() and (out / "tokenizer.json").exists()
+
+
 def convert_gguf(path: Path, out: Path | None = None) -> Path:
-    """Dequantize a GGUF causal LM into an HF directory (once; cached by sha256)."""
+    """Dequantize a GGUF causal LM into an HF directory (once; cached by sha256 under ENTROWEIGHT_CACHE).
+
+    Concurrent conversions of one file (workers, parallel runs) are safe: one converts under a file
+    lock while the others wait and then find it done; the directory is built under a unique temp
+    name and renamed into place whole, so no reader ever sees half of it."""
     sha = sha256_file(path)
     out = out or cache_dir() / "gguf" / sha[:16]
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+    if _converted(out):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.with_name(out.name + ".lock"))):
+        if _converted(out):  # another process converted it while this one waited
+            return out
+        for stale in out.parent.glob(f"{out.name}{TMP_MARK}*"):  # left by a killed conversion
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = out.with_name(f"{out.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
+        try:
+            _convert(path, sha, tmp)
+            shutil.rmtree(out, ignore_errors=True)  # a partial directory of an older, unlocked version
+            tmp.replace(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _convert(path: Path, sha: str, tmp: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -79,12 +111,12 @@ def convert_gguf(path: Path, out: Path | None = None) -> Path:
             f"{path}: GGUF tensors do not fit the model (missing {missing}, unexpected {unexpected})"
         )
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "entroweight_source.json").write_text(json.dumps({"gguf": str(path), "sha256": sha}) + "\n")
-    tmp.replace(out) if not out.exists() else None
-    return out
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            plain_mode(f)  # safetensors leaves 0600
 
 
 def model_sha256(resolved: Path | str) -> str | None:
@@ -153,8 +185,9 @@ def load_model_tokenizer(resolved: Path | str) -> tuple[LoadedTokenizer, int | N
             raise ModelLoadError(f"{resolved} has no fast tokenizer (tokenizer.json): byte offsets need one")
         key = hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
         path = cache_dir() / "tokenizers" / key / "tokenizer.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        hf.backend_tokenizer.save(str(path))
+        write_text_atomic(
+            hf.backend_tokenizer.to_str(pretty=True), path
+        )  # parallel workers: never half a file
     tok = load_tokenizer(path)
     return tok, _start_token(resolved, tok)
 

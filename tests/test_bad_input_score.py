@@ -11,13 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from test_score_stage import tiny_llama_dir
+
 from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import read_file_metadata
 from entroweight.workflows.cli import main
-from test_score_stage import tiny_llama_dir
 
 N_DOCS = 600  # > READ_ROWS (256): a shard is read, scored and written in three batches
 

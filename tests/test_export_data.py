@@ -20,13 +20,14 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 from conftest import C4
+from test_score_stage import small_data, tiny_llama  # noqa: F401 - fixtures
+from test_trainer_fixtures import one_thread  # noqa: F401 - fixture
+
 from entroweight.pipelines import run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.transforms.weigh import WeighConfig
 from entroweight.workflows.cli import main
-from test_score_stage import small_data, tiny_llama  # noqa: F401 - fixtures
-from test_trainer_fixtures import one_thread  # noqa: F401 - fixture
 
 # megatron-core warns on import that Transformer Engine and Apex are absent (CPU: expected)
 pytestmark = pytest.mark.filterwarnings("ignore:Transformer Engine:UserWarning")

@@ -110,8 +110,11 @@ def test_refuses_data_of_another_tokenizer(tmp_path, small_data, llama3_tokenize
         stage(small_data, other, tokenizer=str(tokenizer_dir))
     with pytest.raises(StageError, match="is not the tokenizer"):
         stage(small_data, other, tokenizer=str(llama3_tokenizer))
+    # data made before directories carried their tokenizer: the scorer that reads text asks for it
+    bare = tmp_path / "bare"
+    shutil.copytree(small_data, bare, ignore=shutil.ignore_patterns(".tokenizer"))
     with pytest.raises(StageError, match="--tokenizer"):
-        ScoreStage(small_data, "cross_tokenizer", {"model": str(other)})
+        ScoreStage(bare, "cross_tokenizer", {"model": str(other)})
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +176,21 @@ def test_cli_refusals_exit_2(tmp_path, small_data, tiny_llama):
     base = ["score", str(small_data), "--out", str(tmp_path / "o")]
     r = CliRunner().invoke(main, [*base, "--scorer", "nope", "--model", str(tiny_llama)])
     assert r.exit_code == 2 and "unknown scorer" in r.output
-    r = CliRunner().invoke(main, [*base, "--scorer", "cross_tokenizer", "--model", str(tiny_llama)])
+    bare = tmp_path / "bare"  # data made before directories carried their tokenizer
+    shutil.copytree(small_data, bare, ignore=shutil.ignore_patterns(".tokenizer"))
+    r = CliRunner().invoke(
+        main,
+        [
+            "score",
+            str(bare),
+            "--out",
+            str(tmp_path / "o"),
+            "--scorer",
+            "cross_tokenizer",
+            "--model",
+            str(tiny_llama),
+        ],
+    )
     assert r.exit_code == 2 and "--tokenizer" in r.output
     r = CliRunner().invoke(
         main, [*base, "--scorer", "causal_loss", "--model", str(tiny_llama), "--weighting", "quantile"]

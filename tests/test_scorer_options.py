@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from entroweight.scorers import (
     OptionsError,
     Scorer,

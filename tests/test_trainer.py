@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from entroweight.models.checkpoint import load_checkpoint
-from entroweight.trainers import TrainConfig, TrainError, train
 from safetensors.torch import load_file
 from test_trainer_fixtures import TINY, one_thread, weighted_dir  # noqa: F401 - fixtures
+
+from entroweight.models.checkpoint import load_checkpoint
+from entroweight.trainers import TrainConfig, TrainError, train
 
 
 def cfg(data, out, **kw) -> TrainConfig:

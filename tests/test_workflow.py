@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+
 from entroweight.workflows.cli import main
 from entroweight.workflows.spec import SpecError, load_workflow, parse_workflow
 

@@ -19,8 +19,8 @@ import torch
 from tokenizers import Tokenizer
 
 from entroweight.models.checkpoint import CheckpointError, load_checkpoint
+from entroweight.schemas.tokenizer import TokenizerError, check_vocab, resolve_tokenizer_path
 
-from .checkpoint import TOKENIZER
 from .losses import per_token_ce
 
 # WikiText-2's test text: package data (data/README.md), installed with the package.
@@ -46,18 +46,18 @@ def read_text(path: str | Path | None, max_bytes: int | None = None) -> str:
     return raw.decode("utf-8", errors="ignore")  # a cut mid-character drops the partial character
 
 
-def checkpoint_tokenizer(ckpt_dir, tokenizer=None, expect_sha: str | None = None) -> Tokenizer:
-    """The tokenizer stored with a checkpoint (or `tokenizer`), checked against the checkpoint's sha256."""
-    path = Path(tokenizer) if tokenizer else Path(ckpt_dir) / TOKENIZER
-    path = path / "tokenizer.json" if path.is_dir() else path
-    if not path.is_file():
-        raise CheckpointError(
-            f"{ckpt_dir} has no {TOKENIZER} (it was trained without --tokenizer); pass --tokenizer PATH"
-        )
+def checkpoint_tokenizer(ckpt_dir, tokenizer=None, expect_sha: str | None = None, beside=()) -> Tokenizer:
+    """`tokenizer`, else the one stored with a checkpoint (or carried by the data `beside`), checked
+    against the checkpoint's sha256 and refused when its vocabulary is corrupt."""
+    try:
+        path = resolve_tokenizer_path(tokenizer, [*([ckpt_dir] if ckpt_dir else []), *beside])
+    except TokenizerError as e:
+        raise CheckpointError(str(e)) from None
     raw = path.read_bytes()
     if expect_sha and hashlib.sha256(raw).hexdigest() != expect_sha:
         raise CheckpointError(f"{path} is not the tokenizer the checkpoint was trained with (sha256 differs)")
     tok = Tokenizer.from_str(raw.decode("utf-8"))
+    check_vocab(tok.get_vocab(with_added_tokens=True), path)
     tok.no_truncation()
     tok.no_padding()
     return tok
@@ -203,7 +203,9 @@ def unigram_bpb(data_paths, tokenizer, text_path=None, max_bytes: int | None = N
     the prediction for every token of the text."""
     from .data import WeightedTokens
 
-    tok = checkpoint_tokenizer(None, tokenizer)
+    tok = checkpoint_tokenizer(
+        None, tokenizer, beside=[data_paths] if isinstance(data_paths, str) else data_paths
+    )
     V = tok.get_vocab_size(with_added_tokens=True)
     counts = np.ones(V, dtype=np.float64)
     for item in WeightedTokens(data_paths, batch_size=256, shuffle=False, columns=()):

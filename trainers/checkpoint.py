@@ -4,7 +4,8 @@ Layout of a checkpoint directory:
   model.safetensors, config.json   weights + kind/model config/provenance (loadable alone)
   optimizer.safetensors            AdamW moments, tensors only (no pickle)
   trainer_state.json               step, data position, param groups, sha256 of both weight files
-  tokenizer.json                   a copy of the run's tokenizer (for eval-bpb and export-hf)
+  tokenizer.json                   the run's tokenizer (--tokenizer, or the copy its data carries):
+                                   eval-bpb and export-hf read it, no --tokenizer needed
   metrics.jsonl                    one JSON line per logged step
 
 A save writes everything into `.staging/` first and moves trainer_state.json into place last, so a
@@ -21,14 +22,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from entroweight.models.checkpoint import CheckpointError, save_checkpoint, sha256_file
+from entroweight.models.checkpoint import CheckpointError, plain_mode, save_checkpoint, sha256_file
+from entroweight.schemas.tokenizer import TOKENIZER_FILE
 
-STATE, OPTIM, TOKENIZER, METRICS = (
-    "trainer_state.json",
-    "optimizer.safetensors",
-    "tokenizer.json",
-    "metrics.jsonl",
-)
+STATE, OPTIM, METRICS = "trainer_state.json", "optimizer.safetensors", "metrics.jsonl"
+TOKENIZER = TOKENIZER_FILE  # found by schemas.tokenizer.resolve_tokenizer_path, as every tokenizer is
 
 
 def save_training_checkpoint(out, model, kind: str, optimizer, state: dict, meta: dict) -> None:
@@ -38,6 +36,7 @@ def save_training_checkpoint(out, model, kind: str, optimizer, state: dict, meta
     save_checkpoint(model, kind, staging, **meta)
     tensors, groups = _flatten_optimizer(optimizer.state_dict())
     save_file(tensors, str(staging / OPTIM))
+    plain_mode(staging / OPTIM)
     state = {
         **state,
         "param_groups": groups,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from entroweight.models.checkpoint import CheckpointError, load_checkpoint
+from entroweight.models.checkpoint import CheckpointError, load_checkpoint, plain_mode
 
 from .bpb import checkpoint_tokenizer
 
@@ -80,4 +80,7 @@ def export_hf(ckpt_dir, out_dir, tokenizer=None, allow_pickle: bool = False) -> 
     hf.eval().save_pretrained(out, safe_serialization=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=model.config.n_ctx, **specials)
     fast.save_pretrained(out)
+    for f in out.iterdir():
+        if f.is_file():
+            plain_mode(f)  # safetensors leaves 0600: lm-eval may run as another user of the group
     return out

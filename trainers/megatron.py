@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from entroweight.schemas.exports import megatron_weight_prefix
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from entroweight.schemas.exports import megatron_weight_prefix
 
 
 class WeightedGPTDataset(GPTDataset):

@@ -19,8 +19,10 @@ import time
 from pathlib import Path
 
 import torch
+
 from entroweight.models import build_model, model_class
 from entroweight.models.checkpoint import read_checkpoint_config
+from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path
 
 from .checkpoint import METRICS, STATE, TOKENIZER, load_training_state, save_training_checkpoint
 from .data import DataError, WeightedTokens, inspect_data
@@ -115,16 +117,6 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _tokenizer_file(path: str | None) -> Path | None:
-    if path is None:
-        return None
-    p = Path(path)
-    p = p / "tokenizer.json" if p.is_dir() else p
-    if not p.is_file():
-        raise TrainError(f"no tokenizer at {path}: give a tokenizer.json or a directory holding one")
-    return p
-
-
 def _model_config(cfg: TrainConfig, info, base: dict) -> dict:
     """The model's config dict: the user's, with vocab_size / n_ctx taken from the data when unset."""
     mc = {**base, **cfg.model_config}
@@ -166,7 +158,10 @@ def train(cfg: TrainConfig) -> TrainResult:
 def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
     out = Path(cfg.out)
     log = (lambda *a: None) if (cfg.quiet or rank) else (lambda *a: print(*a, flush=True))
-    tok_path = _tokenizer_file(cfg.tokenizer)
+    try:  # --tokenizer, else the copy the data carries (checked against the data's sha256 below)
+        tok_path = resolve_tokenizer_path(cfg.tokenizer, cfg.data, required=False)
+    except TokenizerError as e:
+        raise TrainError(str(e)) from None
     tok_sha = _sha256(tok_path) if tok_path else None
 
     # -- resume or start

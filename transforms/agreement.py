@@ -33,6 +33,12 @@ def _read(dir_: str | Path, column: str) -> tuple[dict, dict[str, tuple[np.ndarr
     rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for f in files:
         names = pq.read_schema(f).names
+        if not {"seq_id", "input_ids", "n_pad"} <= set(names):
+            raise AgreementError(f"{f} is not entroweight data (no seq_id, input_ids, n_pad columns)")
+        if not set(COLUMNS) & set(names):
+            raise AgreementError(
+                f"{f} is not scored (no entropy or weight column): score {dir_} first (`entroweight score`)"
+            )
         if column not in names:
             hint = (
                 " (it was scored with --drop-entropy; compare --column weight)" if column == "entropy" else ""

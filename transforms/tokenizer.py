@@ -11,15 +11,20 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from entroweight.schemas.tokenizer import (
+    CARRIED_TOKENIZER,
+    TokenizerError,
+    check_vocab,
+    resolve_tokenizer_path,
+)
+
+from .writer import sha256_file, write_bytes_atomic
+
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 # Specials we look for, in order, when a tokenizer was not trained by us (Llama 3, GPT-2, ...).
 PAD_CANDIDATES = (PAD, "<|finetune_right_pad_id|>", "<pad>", "[PAD]", "<|padding|>")
 EOS_CANDIDATES = (EOS, "<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[SEP]")
 BOS_CANDIDATES = (BOS, "<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
-
-
-class TokenizerError(ValueError):
-    """A tokenizer file that cannot be used; the message says what to do."""
 
 
 def _bytes_to_unicode() -> dict[str, int]:
@@ -37,15 +42,6 @@ def _bytes_to_unicode() -> dict[str, int]:
             cs.append(256 + n)
             n += 1
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-def resolve_tokenizer_path(path: str | Path) -> Path:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise TokenizerError(f"no tokenizer at {path}: give a tokenizer.json or a directory holding one")
-    return p
 
 
 @dataclass
@@ -118,6 +114,7 @@ def load_tokenizer(path: str | Path) -> LoadedTokenizer:
     tok.no_truncation()
     tok.no_padding()
     vocab = tok.get_vocab(with_added_tokens=True)
+    check_vocab(vocab, p)  # a corrupt file is refused here, before any stage claims its --out
     specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
     return LoadedTokenizer(
         path=p.resolve(),
@@ -128,3 +125,27 @@ def load_tokenizer(path: str | Path) -> LoadedTokenizer:
         bos_id=_find(vocab, BOS_CANDIDATES),
         _special_ids={vocab[s] for s in specials if s in vocab},
     )
+
+
+def data_tokenizer(data_dir: str | Path, sha256: str, given: str | Path | None = None) -> Path | None:
+    """A data directory's tokenizer: `given` (--tokenizer) or else the copy the directory carries; refused
+    when its sha256 is not the one in the shards' metadata. None when there is neither (data made before
+    directories carried their tokenizer)."""
+    path = resolve_tokenizer_path(given, [data_dir], required=False)
+    if path is not None and (found := sha256_file(path)) != sha256:
+        what = f"--tokenizer {given}" if given is not None else f"{path}, the copy {data_dir} carries,"
+        raise TokenizerError(
+            f"{what} is not the tokenizer of {data_dir} (sha256 {found[:12]}… vs {sha256[:12]}… in its "
+            "shards' metadata): pass the tokenizer the data was tokenized with"
+        )
+    return path
+
+
+def carry_tokenizer(path: str | Path, out_dir: str | Path) -> Path:
+    """Copy a tokenizer into an output directory (`.tokenizer/tokenizer.json`), atomically, unless the
+    same bytes are there already: the directory then needs no --tokenizer downstream."""
+    dest = Path(out_dir) / CARRIED_TOKENIZER
+    raw = Path(path).read_bytes()
+    if not dest.is_file() or dest.read_bytes() != raw:
+        write_bytes_atomic(raw, dest)
+    return dest

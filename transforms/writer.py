@@ -100,12 +100,16 @@ def write_table_atomic(table: pa.Table, path: str | Path) -> str:
         return w.close()
 
 
-def write_text_atomic(text: str, path: str | Path) -> None:
+def write_bytes_atomic(data: bytes, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(path)
-    tmp.write_text(text, encoding="utf-8")
+    tmp.write_bytes(data)
     _commit(tmp, path)
+
+
+def write_text_atomic(text: str, path: str | Path) -> None:
+    write_bytes_atomic(text.encode("utf-8"), path)
 
 
 def write_json_atomic(obj: dict, path: str | Path) -> None:

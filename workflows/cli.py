@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "cli_verify",
     "cli_workflow",
     "cli_export",
+    "cli_weigh",
 )
 
 
@@ -105,6 +106,7 @@ def inspect(path, as_json):
     """Schema, provenance metadata, row/token counts and id/weight statistics of PATH."""
     from entroweight.transforms.inspect import summarize
 
+    _check_inspectable(path)
     try:
         info = summarize(path)
     except FileNotFoundError as e:
@@ -119,6 +121,29 @@ def inspect(path, as_json):
                 click.echo(f"  {k}: {v}")
         else:
             click.echo(f"{click.style(key, bold=True)}: {value}")
+
+
+def _check_inspectable(path: str) -> None:
+    """Refuse (exit 2) what is not our parquet before reading it: a traceback helps nobody here."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from entroweight.transforms.inspect import parquet_files
+
+    try:
+        files = parquet_files(path)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    for f in files:
+        try:
+            names = set(pq.read_schema(f).names)
+        except (pa.ArrowException, OSError) as e:
+            _fail(f"{f} is not a readable parquet file ({e})")
+        if missing := sorted({"input_ids", "n_pad", "n_bytes"} - names):
+            _fail(
+                f"{f} is not entroweight data (no {', '.join(missing)} column): inspect reads what "
+                "tokenize, score and weigh write"
+            )
 
 
 def _add_command_modules() -> None:

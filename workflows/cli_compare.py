@@ -17,12 +17,16 @@ from .cli_common import _fail
 def compare_cmd(scored_dir_a, scored_dir_b, column, as_json):
     """R², Pearson and Spearman between two scored directories of the same tokenized data, over the real
     tokens of the sequences (seq_id) both hold."""
+    import pyarrow as pa
+
     from entroweight.transforms.agreement import AgreementError, compare_dirs
 
     try:
         result = compare_dirs(scored_dir_a, scored_dir_b, column)
     except AgreementError as e:
         _fail(str(e))
+    except (pa.ArrowException, OSError) as e:  # a part-*.parquet that is not parquet at all
+        _fail(f"cannot read the scored data: {e}")
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return

@@ -52,7 +52,11 @@ def _read_model_config(path: str | None) -> dict:
 )
 @click.option("--lr", type=float, default=2e-4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--tokenizer", default=None, help="The data's tokenizer.json: stored for eval-bpb / export-hf.")
+@click.option(
+    "--tokenizer",
+    default=None,
+    help="The data's tokenizer.json (default: the copy the data carries); stored for eval-bpb / export-hf.",
+)
 @click.option("--grad-accum", type=int, default=1, show_default=True)
 @click.option("--warmup-steps", type=int, default=None, help="Default: 5% of --steps.")
 @click.option("--min-lr-ratio", type=float, default=0.1, show_default=True)
@@ -108,7 +112,7 @@ def train_cmd(data, model, model_config, loss, out, compile_, **kw):
 )
 @click.option("--n-ctx", type=int, default=None, help="Window length (default: the model's n_ctx).")
 @click.option("--stride", type=int, default=None, help="Window step (default: n_ctx/2).")
-@click.option("--tokenizer", default=None, help="When the checkpoint has no tokenizer.json.")
+@click.option("--tokenizer", default=None, help="Default: the tokenizer.json the checkpoint stores.")
 @click.option("--max-bytes", type=int, default=None, help="Evaluate the first N bytes of the text only.")
 @click.option("--batch-size", type=int, default=16, show_default=True)
 @click.option("--device", default="auto", show_default=True)
@@ -126,12 +130,13 @@ def train_cmd(data, model, model_config, loss, out, compile_, **kw):
 def eval_bpb_cmd(ckpt_dir, unigram_data, as_json, **kw):
     """Bits per byte of CKPT_DIR on held-out text (sliding window, exact UTF-8 bytes)."""
     from entroweight.models.checkpoint import CheckpointError
+    from entroweight.schemas.tokenizer import resolve_tokenizer_path
     from entroweight.trainers.bpb import eval_bpb, unigram_bpb
 
     try:
         res = eval_bpb(ckpt_dir, **kw)  # the options are eval_bpb's keyword arguments
         if unigram_data:
-            tok = kw["tokenizer"] or str(Path(ckpt_dir) / "tokenizer.json")
+            tok = resolve_tokenizer_path(kw["tokenizer"], [ckpt_dir, unigram_data])
             res["unigram_bpb"] = unigram_bpb(unigram_data, tok, kw["text_path"], kw["max_bytes"])["bpb"]
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
@@ -152,7 +157,7 @@ def eval_bpb_cmd(ckpt_dir, unigram_data, as_json, **kw):
 @click.command("export-hf")
 @click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False))
-@click.option("--tokenizer", default=None, help="When the checkpoint has no tokenizer.json.")
+@click.option("--tokenizer", default=None, help="Default: the tokenizer.json the checkpoint stores.")
 @click.option("--allow-pickle", is_flag=True, help=ALLOW_PICKLE_HELP)
 def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle):
     """Write CKPT_DIR as a Hugging Face LlamaForCausalLM directory (config, safetensors, tokenizer)."""

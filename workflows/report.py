@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import yaml
+
 from entroweight.transforms.writer import write_text_atomic
 
 from .spec import TOKENS, SpecError, Workflow, parse_workflow

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from entroweight import __version__
 from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import SHARDS_FILE, STAGE_FILE, read_manifests, run_lock
@@ -29,8 +31,6 @@ from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas import StageRecord
 from entroweight.transforms.writer import write_json_atomic
-
-from entroweight import __version__
 
 from .report import read_metrics, write_report
 from .spec import TOKENS, ModelSpec, TrainSettings, Workflow
