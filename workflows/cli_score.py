@@ -57,6 +57,13 @@ ESTIMATOR_SCORERS = ("occlusion", "decomposition", "two_model", "grad_input", "e
     help="occlusion: L1 of the logit difference (min-max per row; default) or 1 - cosine.",
 )
 @click.option(
+    "--baseline",
+    type=click.Choice(["empty", "remove"]),
+    default=None,
+    help="occlusion: compare with an empty row's embedding in its place (default) or with it removed "
+    "(the write-up's literal occlusion; see docs/scoring.md).",
+)
+@click.option(
     "--checkpoint-short",
     default=None,
     type=click.Path(exists=True),
@@ -100,6 +107,7 @@ def score(
     context,
     stride,
     metric,
+    baseline,
     checkpoint_short,
     reference,
     allow_pickle,
@@ -122,7 +130,8 @@ def score(
             _fail("--device cuda but no CUDA device is visible here; use --device cpu")
     options = {"model": model, "checkpoint": checkpoint, "dtype": dtype, "batch_size": batch_size}
     options |= {"device": device, "aggregate": aggregate, "context": context, "stride": stride}
-    options |= {"metric": metric, "checkpoint_short": checkpoint_short, "reference": reference}
+    options |= {"metric": metric, "baseline": baseline, "checkpoint_short": checkpoint_short}
+    options |= {"reference": reference}
     # the safety switches travel only when asked for: default scorer options stay as they were
     options |= {"allow_pickle": allow_pickle or None, "trust_remote_code": trust_remote_code or None}
     options = {k: v for k, v in options.items() if v is not None}
