@@ -168,21 +168,25 @@ def window_loss_sums(
     need = np.zeros(len(uniq), dtype=np.int64)  # targets any request reads from each unique window
     np.maximum.at(need, inverse, n_targets)
     N, W = uniq.shape
-    # ce[u, p]: CE of column p + 1 of window u; an extra zero column so "the last 0 targets" sums to 0
-    ce = torch.zeros(N, W, dtype=torch.float64, device=device)
-    x_all, need_t = torch.as_tensor(uniq, device=device), torch.as_tensor(need, device=device)
     step = max(1, LOGIT_BYTES // (4 * W * model_vocab(model)))
+    order = np.argsort(inverse, kind="stable")  # requests grouped by the sub-batch of their window
+    first = np.searchsorted(inverse[order], np.arange(0, N + step, step))
+    x_all, need_t = torch.as_tensor(uniq, device=device), torch.as_tensor(need, device=device)
     col = torch.arange(1, W, device=device)[None, :]
+    sums = np.zeros(len(wins))
     with torch.inference_mode(), autocast(device, dtype):
-        for s in range(0, N, step):
+        for c, s in enumerate(range(0, N, step)):
             x = x_all[s : s + step]
             pred = col >= (W - need_t[s : s + step])[:, None]  # target column p + 1 is read
+            # ce[u, p]: CE of column p + 1; an extra zero column, so that "the last 0 targets" sum to 0
+            ce = torch.zeros(len(x), W, dtype=torch.float64, device=device)
             if pred.any():
-                ce[s : s + step, :-1][pred] = chunked_ce(model(x)[:, :-1][pred], x[:, 1:][pred]).double()
-    suffix = ce.flip(1).cumsum(1).flip(1)  # suffix[u, p] = Σ_{q ≥ p} ce[u, q]
-    rows = torch.as_tensor(inverse, device=device)
-    last = torch.as_tensor(W - 1 - n_targets, device=device)
-    return suffix[rows, last].cpu().numpy()
+                ce[:, :-1][pred] = chunked_ce(model(x)[:, :-1][pred], x[:, 1:][pred]).double()
+            suffix = ce.flip(1).cumsum(1).flip(1)  # suffix[u, p] = Σ_{q ≥ p} ce[u, q]
+            req = order[first[c] : first[c + 1]]
+            at = torch.as_tensor(np.stack([inverse[req] - s, W - 1 - n_targets[req]]), device=device)
+            sums[req] = suffix[at[0], at[1]].cpu().numpy()
+    return sums
 
 
 def window_differences(

@@ -164,9 +164,13 @@ def bigram_ce(model, ids, n_pad):
 
 
 @pytest.mark.parametrize("n_ctx", [N_CTX, 12])  # the data's width, and narrower: the windows slide
-def test_decomposition_full_and_partial_windows_agree(n_ctx, tmp_path, rows, sha):
+def test_decomposition_full_and_partial_windows_agree(n_ctx, tmp_path, rows, sha, monkeypatch):
     """On a bigram model every window's value is CE(t_i | t_{i-1}), full window or not; the old pad
     shift subtracted the first token's loss given a pad from every full window."""
+    from entroweight.scorers import estimator_common
+
+    # sub-batches of 7 windows: requests must find their window's losses across sub-batches
+    monkeypatch.setattr(estimator_common, "LOGIT_BYTES", 4 * n_ctx * VOCAB * 7)
     ids, n_pad = rows
     model = bigram_llama(n_ctx)
     assert (n_pad == 0).sum() >= 10 and (n_pad > 0).any()  # full rows and padded ones
