@@ -1,12 +1,13 @@
 """Estimator scorers: occlusion vs its bare limit (two decoder forwards + the encoder), grad_input's
 cost per token, decomposition's cost per token.
 
-The bare limit is what occlusion cannot avoid: `decode(ids, encode(ids))` and `decode(ids, None)`,
-batched, same dtype, nothing else. The scorer computes its metrics from hidden states (one head
-matmul for l1, a D×D Gram matrix for cosine) instead of two vocabulary-wide logit tensors, so it
-can beat the bound. Model: an untrained estimator of the write-up's shape (mixer encoder, llama
-decoder, token injection), scaled down for 2 CPU cores; weights do not change the speed, so ids are
-random over an 8k vocabulary, left-padded to random lengths.
+The bare limit is what occlusion cannot avoid: `decode(ids, encode(ids))` and `decode(ids, e_empty)`
+(the default baseline: the embedding of an all-pad row, encoded per batch), batched, same dtype,
+nothing else. The scorer computes its metrics from hidden states (one head matmul for l1, a D×D
+Gram matrix for cosine) instead of two vocabulary-wide logit tensors, so it can beat the bound.
+Model: an untrained estimator of the write-up's shape (mixer encoder, llama decoder, token
+injection), scaled down for 2 CPU cores; weights do not change the speed, so ids are random over an
+8k vocabulary, left-padded to random lengths.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def run(quick: bool = False) -> list[dict]:
                 for s in range(0, rows, batch):
                     x = torch.as_tensor(ids[s : s + batch])
                     model.decode(x, model.encode(x))
-                    model.decode(x, None)
+                    model.decode(x, model.encode(torch.zeros_like(x[:1])).expand(len(x), -1))
 
         rates = {}  # occlusion tokens/s per metric
         for metric in ("l1", "cosine"):

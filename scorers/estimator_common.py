@@ -158,48 +158,48 @@ def minmax_rows(values: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
 # -- windows (decomposition, two_model)
 
 
-def windows(
-    rows: list[np.ndarray], ends: list[int], keep: int, width: int, pad_id: int
-) -> tuple[np.ndarray, np.ndarray]:
+def windows(rows: list[np.ndarray], ends: list[int], keep: int, width: int, pad_id: int) -> np.ndarray:
     """For row r and end j: the last `keep` real tokens of rows[r][: j + 1], left-padded to `width`.
-    Returns (N, width) int64 windows and (N,) counts of real tokens in each."""
+    Returns (N, width) int64 windows."""
     out = np.full((len(ends), width), pad_id, dtype=np.int64)
-    n_real = np.zeros(len(ends), dtype=np.int64)
     for i, (row, j) in enumerate(zip(rows, ends, strict=True)):
         w = row[max(0, j + 1 - keep) : j + 1]
         if len(w):
             out[i, width - len(w) :] = w
-        n_real[i] = len(w)
-    return out, n_real
+    return out
 
 
 def window_loss_sums(
-    model: nn.Module, wins: np.ndarray, n_real: np.ndarray, device: str, dtype: str
+    model: nn.Module, wins: np.ndarray, n_targets: np.ndarray, device: str, dtype: str
 ) -> np.ndarray:
-    """Σ per-token CE (nats) over each window's real targets: position p predicts p + 1, counted when
-    token p + 1 is real (the first real token is predicted from the pad before it). (N,) float64.
-    Identical windows are run once."""
+    """Σ per-token CE (nats) over the last `n_targets[i]` tokens of window i, each predicted by the
+    position before it under the window's full forward. (N,) float64. Identical windows run once."""
     if len(wins) == 0:
         return np.zeros(0)
-    uniq, inverse = np.unique(np.concatenate([wins, n_real[:, None]], axis=1), axis=0, return_inverse=True)
+    uniq, inverse = np.unique(wins, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
-    x_all = torch.as_tensor(uniq[:, :-1], device=device)
-    counts = torch.as_tensor(uniq[:, -1], device=device)
-    N, W = x_all.shape
-    vocab = model_vocab(model)
-    step = max(1, LOGIT_BYTES // (4 * W * vocab))
-    sums = torch.zeros(N, dtype=torch.float64, device=device)
+    need = np.zeros(len(uniq), dtype=np.int64)  # targets any request reads from each unique window
+    np.maximum.at(need, inverse, n_targets)
+    N, W = uniq.shape
+    step = max(1, LOGIT_BYTES // (4 * W * model_vocab(model)))
+    order = np.argsort(inverse, kind="stable")  # requests grouped by the sub-batch of their window
+    first = np.searchsorted(inverse[order], np.arange(0, N + step, step))
+    x_all, need_t = torch.as_tensor(uniq, device=device), torch.as_tensor(need, device=device)
     col = torch.arange(1, W, device=device)[None, :]
+    sums = np.zeros(len(wins))
     with torch.inference_mode(), autocast(device, dtype):
-        for s in range(0, N, step):
+        for c, s in enumerate(range(0, N, step)):
             x = x_all[s : s + step]
-            pred = col >= (W - counts[s : s + step])[:, None]  # target column p+1 is real
-            if not pred.any():
-                continue
-            ce = chunked_ce(model(x)[:, :-1][pred], x[:, 1:][pred])
-            rows = torch.arange(len(x), device=device)[:, None].expand_as(pred)[pred]
-            sums[s : s + step].index_add_(0, rows, ce.double())
-    return sums.cpu().numpy()[inverse]
+            pred = col >= (W - need_t[s : s + step])[:, None]  # target column p + 1 is read
+            # ce[u, p]: CE of column p + 1; an extra zero column, so that "the last 0 targets" sum to 0
+            ce = torch.zeros(len(x), W, dtype=torch.float64, device=device)
+            if pred.any():
+                ce[:, :-1][pred] = chunked_ce(model(x)[:, :-1][pred], x[:, 1:][pred]).double()
+            suffix = ce.flip(1).cumsum(1).flip(1)  # suffix[u, p] = Σ_{q ≥ p} ce[u, q]
+            req = order[first[c] : first[c + 1]]
+            at = torch.as_tensor(np.stack([inverse[req] - s, W - 1 - n_targets[req]]), device=device)
+            sums[req] = suffix[at[0], at[1]].cpu().numpy()
+    return sums
 
 
 def window_differences(
@@ -213,9 +213,12 @@ def window_differences(
     device: str = "cpu",
     dtype: str = "fp32",
 ) -> np.ndarray:
-    """(B, T) left-padded ids -> (B, T) float32: value i = L_long(window of the last n_long tokens ending
-    at i, width n_long) − L_short(window of the last n_long − 1 tokens ending at i − 1, width n_short).
-    All windows of the batch run together (sub-batched by memory); pads 0."""
+    """(B, T) left-padded ids -> (B, T) float32, by the chain rule H(t_i | c) = H(c, t_i) − H(c) with
+    c = the n_long − 1 tokens before i: value i = L_long(window of the last n_long tokens ending at i,
+    width n_long) − L_short(the same window without t_i, width n_short), each L summing CE over the
+    same targets but t_i: every token of the window that has a position before it in the long window
+    (in a full window the first token has none: it is context in both, never a target). All windows
+    of the batch run together (sub-batched by memory); pads 0."""
     B, T = input_ids.shape
     rows, ends, where = [], [], []
     for r in range(B):
@@ -227,17 +230,19 @@ def window_differences(
     out = np.zeros((B, T), dtype=np.float32)
     if not rows:
         return out
-    w_long, c_long = windows(rows, ends, n_long, n_long, pad_id)
-    w_short, c_short = windows(rows, [j - 1 for j in ends], n_long - 1, n_short, pad_id)
+    w_long = windows(rows, ends, n_long, n_long, pad_id)
+    w_short = windows(rows, [j - 1 for j in ends], n_long - 1, n_short, pad_id)
+    t_long = np.minimum(np.array(ends) + 1, n_long - 1)  # a full window's first token is not a target
+    t_short = t_long - 1  # the same targets but t_i
     if short is long and n_short == n_long:
         # one model: run the union of windows once (the shifted window of i is usually the window of i − 1)
         sums = window_loss_sums(
-            long, np.concatenate([w_long, w_short]), np.concatenate([c_long, c_short]), device, dtype
+            long, np.concatenate([w_long, w_short]), np.concatenate([t_long, t_short]), device, dtype
         )
         diff = sums[: len(rows)] - sums[len(rows) :]
     else:
-        diff = window_loss_sums(long, w_long, c_long, device, dtype) - window_loss_sums(
-            short, w_short, c_short, device, dtype
+        diff = window_loss_sums(long, w_long, t_long, device, dtype) - window_loss_sums(
+            short, w_short, t_short, device, dtype
         )
     r_idx, c_idx = np.array(where).T
     out[r_idx, c_idx] = diff

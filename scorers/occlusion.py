@@ -1,10 +1,23 @@
 """occlusion: how much each prediction of an entropy estimator depends on the encoder's embedding.
 
 Two forward passes per row, no gradients (the write-up's `Attr(x) = m(O(x, θd), O(x_o, θd))`):
-the decoder with the encoder's embedding (`x = O(x, θe) ⊕ W_wte x`) and with it occluded
-(`x_o = 0 ⊕ W_wte x`, for a llama decoder also masked from attention: `EntropyEstimator.decode(ids,
-None)`). Outputs compared are the decoder's **logits**, as in the write-up ("we actually use the
-logit activations rather than the embeddings"). Metrics:
+the decoder with the encoder's embedding (`x = O(x, θe) ⊕ W_wte x`) and with a baseline in its place.
+Baselines (`baseline`):
+
+- `empty` (default): the embedding the encoder gives an empty row (all pads), entering where the real
+  one does (same position, attention unchanged). Only the information in the embedding differs, so
+  an encoder that tells the decoder nothing about the row (a constant embedding) scores exactly 0 in
+  every injection × decoder pairing;
+- `remove`: the write-up's literal occlusion, `x_o = 0 ⊕ W_wte x`, for a llama decoder with token
+  injection also masked from attention (`EntropyEstimator.decode(ids, None)`). That changes the
+  sequence's structure (the memory position disappears), and the decoder reacts to the removal
+  itself: on the default workflow's estimator, one whose embedding carries no information scores
+  about as high as the real one. A zero embedding kept in place is no better (docs/scoring.md): with
+  token injection the decoder's RMSNorm scales any nonzero memory position to full size but leaves
+  a zero one inert, so a constant embedding still scores high against zero.
+
+Outputs compared are the decoder's **logits**, as in the write-up ("we actually use the logit
+activations rather than the embeddings"). Metrics:
 
 - `l1`: Σ_v |logit_v − logit_o,v| per position, then min-max normalised per row over real positions;
 - `cosine`: 1 − cos(logits, logits_o) in [0, 2], not normalised.
@@ -29,6 +42,7 @@ from .estimator_common import CheckpointScorer, hidden_outputs, minmax_rows
 from .forward import autocast
 
 METRICS = ("l1", "cosine")
+BASELINES = ("empty", "remove")
 L1_CHUNK_BYTES = 32 << 20  # fp32 logit differences per chunk
 
 
@@ -38,33 +52,46 @@ class OcclusionScorer(CheckpointScorer):
 
     class Options(CheckpointScorer.Options):
         metric: Literal[METRICS] = Field("l1", description="l1 (min-max per row) or cosine (1 − cos).")
+        baseline: Literal[BASELINES] = Field(
+            "empty", description="empty (an all-pad row's embedding in its place) or remove (the write-up's)."
+        )
 
-    def __init__(self, checkpoint: str | None = None, metric: str = "l1", **kw: Any):
+    def __init__(self, checkpoint: str | None = None, metric: str = "l1", baseline: str = "empty", **kw: Any):
         super().__init__(checkpoint=checkpoint, **kw)
         if metric not in METRICS:
             raise ScorerError(f"--metric must be one of {', '.join(METRICS)}, not {metric!r}")
-        self.metric = metric
+        if baseline not in BASELINES:
+            raise ScorerError(f"--baseline must be one of {', '.join(BASELINES)}, not {baseline!r}")
+        self.metric, self.baseline = metric, baseline
 
     def config(self) -> dict[str, Any]:
-        return {**super().config(), "metric": self.metric}
+        return {**super().config(), "metric": self.metric, "baseline": self.baseline}
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         ids, added = self.to_model_width(input_ids, n_pad)
-        raw = occlusion_values(self._model, ids, self.metric, self.dtype)[:, added:]
+        raw = occlusion_values(self._model, ids, self.pad_id, self.metric, self.dtype, self.baseline)
+        raw = raw[:, added:]
         fill_first_token(raw, n_pad, n_pad > 0)
         # pads: Scorer.score zeroes them after every batch
         return minmax_rows(raw, n_pad) if self.metric == "l1" else raw
 
 
-def occlusion_values(model, ids: torch.Tensor, metric: str = "l1", dtype: str = "fp32") -> np.ndarray:
+def occlusion_values(
+    model, ids: torch.Tensor, pad_id: int, metric: str = "l1", dtype: str = "fp32", baseline: str = "empty"
+) -> np.ndarray:
     """(B, T) ids -> (B, T) raw float32 occlusion values, already shifted (value t about token t; value 0
-    is 0): the unnormalised L1 distance or 1 − cos between the logits with and without the embedding."""
+    is 0): the unnormalised L1 distance or 1 − cos between the logits with the embedding and with the
+    baseline (`empty`: the embedding of a row of `pad_id`; `remove`: none, see the module doc)."""
     if metric not in METRICS:  # before the forward passes, not after
         raise ScorerError(f"metric must be one of {', '.join(METRICS)}, not {metric!r}")
+    if baseline not in BASELINES:
+        raise ScorerError(f"baseline must be one of {', '.join(BASELINES)}, not {baseline!r}")
     device = ids.device.type
     with torch.inference_mode(), autocast(device, dtype), hidden_outputs(model) as head:
         h = model.decode(ids, model.encode(ids))[:, :-1]
-        h_o = model.decode(ids, None)[:, :-1]
+        empty = torch.full_like(ids[:1], pad_id)
+        base = model.encode(empty).expand(len(ids), -1) if baseline == "empty" else None
+        h_o = model.decode(ids, base)[:, :-1]
     B, T1, D = h.shape
     W = head.weight.float()
     out = np.zeros((B, T1 + 1), dtype=np.float32)

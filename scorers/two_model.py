@@ -5,7 +5,9 @@
 
 (chain rule: H(C | A, B) = H(A, B, C) − H(A, B); with equal embedding sizes the embeddings' bits
 cancel). Both windows slide over the row; each is left-padded with the pad id to its model's own
-n_ctx, so with `checkpoint_short` = `checkpoint` this is exactly the one-model `decomposition`.
+n_ctx, and both sums run over the same targets but t_N (the first token of a full long window is
+context in both), so with `checkpoint_short` = `checkpoint` this is exactly the one-model
+`decomposition`.
 `checkpoint` (context N) is the long model, `checkpoint_short` the one of context N − 1 (or more).
 """
 

@@ -116,26 +116,30 @@ def test_occlusion_of_an_ignored_embedding_is_zero(injection, decoder, rows):
 
     model = tiny_estimator(injection=injection, decoder=decoder)
     ids = torch.as_tensor(rows[0])
-    assert occlusion_values(model, ids, "l1")[:, 1:].min() > 0  # the embedding matters...
+    assert occlusion_values(model, ids, PAD, "l1")[:, 1:].min() > 0  # the embedding matters...
     with torch.no_grad():
         model.up.weight.zero_()  # ... until the decoder receives nothing of it
     for metric in ("l1", "cosine"):
-        np.testing.assert_allclose(occlusion_values(model, ids, metric), 0.0, atol=1e-6)
+        np.testing.assert_allclose(occlusion_values(model, ids, PAD, metric), 0.0, atol=1e-6)
 
 
-def test_occlusion_equals_explicit_logits(est_ckpt, rows):
-    """The chunked/Gram computation equals L1 and 1 − cos of the two decoders' full logits."""
+@pytest.mark.parametrize("baseline", ["empty", "remove"])
+def test_occlusion_equals_explicit_logits(est_ckpt, rows, baseline):
+    """The chunked/Gram computation equals L1 and 1 − cos of the two decoders' full logits: against
+    the embedding of an all-pad row in its place (`empty`), or with it removed (`remove`)."""
     from entroweight.models.checkpoint import load_checkpoint
     from entroweight.scorers.occlusion import occlusion_values
 
     model, _ = load_checkpoint(est_ckpt)
     ids = torch.as_tensor(rows[0])
     with torch.no_grad():
-        a, b = model.decode(ids, model.encode(ids)), model.decode(ids, None)
+        empty = model.encode(torch.full((1, N_CTX), PAD)).expand(len(ids), -1)
+        a, b = model.decode(ids, model.encode(ids)), model.decode(ids, empty if baseline == "empty" else None)
     l1 = (a - b).abs().sum(-1)[:, :-1].numpy()
     cos = 1 - F.cosine_similarity(a, b, dim=-1)[:, :-1].numpy()
-    np.testing.assert_allclose(occlusion_values(model, ids, "l1")[:, 1:], l1, rtol=1e-4)
-    np.testing.assert_allclose(occlusion_values(model, ids, "cosine")[:, 1:], cos, atol=1e-5)
+    got = {m: occlusion_values(model, ids, PAD, m, baseline=baseline)[:, 1:] for m in ("l1", "cosine")}
+    np.testing.assert_allclose(got["l1"], l1, rtol=1e-4)
+    np.testing.assert_allclose(got["cosine"], cos, atol=1e-5)
 
 
 def test_occlusion_scorer_values(est_ckpt, rows):
@@ -157,7 +161,7 @@ def test_occlusion_scorer_values(est_ckpt, rows):
     from entroweight.models.checkpoint import load_checkpoint
     from entroweight.scorers.occlusion import occlusion_values
 
-    raw = occlusion_values(load_checkpoint(est_ckpt)[0], torch.as_tensor(ids), "cosine")
+    raw = occlusion_values(load_checkpoint(est_ckpt)[0], torch.as_tensor(ids), PAD, "cosine")
     r = int(np.flatnonzero(n_pad > 0)[0])
     assert cos[r, n_pad[r]] == pytest.approx(raw[r, n_pad[r]], rel=1e-5)
     r = int(np.flatnonzero(n_pad == 0)[0])
@@ -182,6 +186,8 @@ def test_occlusion_refusals(tmp_path, est_ckpt, sha):
 
     with pytest.raises(ScorerError, match="--metric"):
         make_scorer("occlusion", checkpoint=str(est_ckpt), metric="l2")
+    with pytest.raises(ScorerError, match="--baseline"):
+        make_scorer("occlusion", checkpoint=str(est_ckpt), baseline="zero")
     with pytest.raises(ScorerError, match="--checkpoint"):
         make_scorer("occlusion")
     plain = Llama(Llama.Config(vocab_size=VOCAB, n_ctx=N_CTX, d_model=32, n_layers=1, n_heads=2, d_ff=64))
@@ -251,8 +257,9 @@ def test_cli_occlusion_cosine(tmp_path, small_data, est_ckpt):
 # -- decomposition and two_model
 
 
-def window_loss(model, tokens, width):
-    """Σ CE over the real targets of `tokens` left-padded to `width`, one forward: the brute force."""
+def window_loss(model, tokens, width, n_targets=None):
+    """Σ CE over the last `n_targets` tokens of `tokens` left-padded to `width` (default: every token
+    with a position before it), one forward: the brute force."""
     if len(tokens) == 0:
         return 0.0
     x = torch.full((1, width), PAD, dtype=torch.long)
@@ -260,17 +267,21 @@ def window_loss(model, tokens, width):
     with torch.no_grad():
         logits = model(x)[0, :-1]
     ce = F.cross_entropy(logits.double(), x[0, 1:], reduction="none")
-    return float(ce[max(0, width - len(tokens) - 1) :].sum())
+    n = min(len(tokens), width - 1) if n_targets is None else n_targets
+    return float(ce[width - 1 - n :].sum()) if n else 0.0
 
 
 def brute_force(long, short, ids, n_pad, n_long, n_short):
+    """The chain rule per token: both windows start at the same token and sum CE over the same
+    targets but the last token (a full long window's first token is context in both)."""
     out = np.zeros(ids.shape)
     for r in range(len(ids)):
         tokens = list(ids[r, n_pad[r] :])
         for j in range(len(tokens)):
             a = tokens[max(0, j + 1 - n_long) : j + 1]
             b = tokens[max(0, j - (n_long - 1)) : j]
-            out[r, n_pad[r] + j] = window_loss(long, a, n_long) - window_loss(short, b, n_short)
+            n = min(len(a), n_long - 1)
+            out[r, n_pad[r] + j] = window_loss(long, a, n_long, n) - window_loss(short, b, n_short, n - 1)
     return out
 
 
@@ -290,9 +301,16 @@ def test_decomposition_equals_brute_force(est_ckpt, few_rows):
     want = brute_force(model, model, ids, n_pad, N_CTX, N_CTX)
     np.testing.assert_allclose(got, want, atol=2e-4)
     assert (got[~real(n_pad, N_CTX)] == 0).all()
-    # value i = L(window ending at i) - L(window ending at i - 1): the row's values sum to its loss
-    r = 1  # the unpadded row: its full window's loss
-    assert got[r].sum() == pytest.approx(window_loss(model, list(ids[r]), N_CTX), rel=1e-4)
+    # the chain rule telescopes: an unpadded row's values sum to its full window's loss plus its first
+    # token's loss given the pad (the first value; the full window has no position before that token)
+    r = 1
+    tokens = list(ids[r])
+    total = (
+        window_loss(model, tokens, N_CTX)
+        + window_loss(model, tokens[:-1], N_CTX, N_CTX - 1)
+        - window_loss(model, tokens[:-1], N_CTX, N_CTX - 2)
+    )
+    assert got[r].sum() == pytest.approx(total, rel=1e-4)
 
 
 def test_decomposition_slides_over_wider_data(tmp_path, sha, few_rows):

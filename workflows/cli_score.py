@@ -17,6 +17,7 @@ SCORER_FLAGS = (
     "context",
     "stride",
     "metric",
+    "baseline",
     "checkpoint_short",
     "reference",
     "allow_pickle",
@@ -91,6 +92,13 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
     type=click.Choice(["l1", "cosine"]),
     default=None,
     help="occlusion: L1 of the logit difference (min-max per row; default) or 1 - cosine.",
+)
+@click.option(
+    "--baseline",
+    type=click.Choice(["empty", "remove"]),
+    default=None,
+    help="occlusion: compare with an empty row's embedding in its place (default) or with it removed "
+    "(the write-up's literal occlusion; see docs/scoring.md).",
 )
 @click.option(
     "--option",
