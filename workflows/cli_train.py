@@ -7,6 +7,7 @@ Multi-GPU / multi-node: run `train` under torchrun, e.g.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -107,7 +108,12 @@ def train_cmd(data, model, model_config, loss, out, compile_, **kw):
     "--text", "text_path", default=None, help="UTF-8 text file (default: the bundled WikiText-2 test set)."
 )
 @click.option("--n-ctx", type=int, default=None, help="Window length (default: the model's n_ctx).")
-@click.option("--stride", type=int, default=None, help="Window step (default: n_ctx/2).")
+@click.option(
+    "--stride",
+    type=int,
+    default=None,
+    help="Targets each window adds, 1..n_ctx (default: n_ctx/2); a window's first token is context only.",
+)
 @click.option("--tokenizer", default=None, help="When the checkpoint has no tokenizer.json.")
 @click.option("--max-bytes", type=int, default=None, help="Evaluate the first N bytes of the text only.")
 @click.option("--batch-size", type=int, default=16, show_default=True)
@@ -129,7 +135,8 @@ def eval_bpb_cmd(ckpt_dir, unigram_data, as_json, **kw):
     from entroweight.trainers.bpb import eval_bpb, unigram_bpb
 
     try:
-        res = eval_bpb(ckpt_dir, **kw)  # the options are eval_bpb's keyword arguments
+        # the options are eval_bpb's keyword arguments; a progress bar of windows when stderr is a terminal
+        res = eval_bpb(ckpt_dir, **kw, progress=sys.stderr.isatty())
         if unigram_data:
             tok = kw["tokenizer"] or str(Path(ckpt_dir) / "tokenizer.json")
             res["unigram_bpb"] = unigram_bpb(unigram_data, tok, kw["text_path"], kw["max_bytes"])["bpb"]
