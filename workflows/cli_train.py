@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import _fail
+from .cli_common import EXIT_FAILED_SHARDS, _fail
 
 ALLOW_PICKLE_HELP = (
     "Load a checkpoint's .pt/.bin/.pth weights where it has no model.safetensors (torch.load with "
@@ -75,13 +75,19 @@ def _read_model_config(path: str | None) -> dict:
 @click.option(
     "--stop-at", type=int, default=None, help="Stop after this step, leaving a resumable checkpoint."
 )
+@click.option(
+    "--allow-config-change",
+    is_flag=True,
+    help="With --resume: continue under settings (lr, steps, loss, ...) that differ from the checkpoint's; "
+    "config.json's train_history records each config and the step it took effect.",
+)
 @click.option("--overwrite", is_flag=True, help="Start over in an --out that already holds a checkpoint.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the model.")
-def train_cmd(data, model, model_config, loss, out, compile_, **kw):
+def train_cmd(data, model, model_config, loss, out, compile_, allow_config_change, **kw):
     """Train a MODEL on token parquet DATA (directories or files) with LOSS; checkpoints to --out."""
     from entroweight.models.checkpoint import CheckpointError
-    from entroweight.trainers import DataError, TrainConfig, TrainError, train
+    from entroweight.trainers import DataError, TrainConfig, TrainError, TrainFailed, train
 
     try:
         cfg = TrainConfig(
@@ -93,7 +99,11 @@ def train_cmd(data, model, model_config, loss, out, compile_, **kw):
             compile=compile_,
             **kw,
         )
-        result = train(cfg)
+        result = train(cfg, allow_config_change=allow_config_change)
+    except (
+        TrainFailed
+    ) as e:  # the run started: exit 1 as a failed stage does (its last checkpoint stays valid)
+        _fail(str(e), EXIT_FAILED_SHARDS)
     except (TrainError, DataError, CheckpointError, ValueError) as e:
         _fail(str(e))
     click.echo(
