@@ -149,5 +149,5 @@ def test_eval_bpb_reports_amortized_bits_for_estimators(tiny_estimator):
     assert r["token_bpb"] == pytest.approx(r["nats"] / math.log(2) / r["bytes"])
     res = cli("eval-bpb", tiny_estimator, "--max-bytes", 4000)
     assert res.exit_code == 0 and "amortized: embedding" in res.output
-    res = cli("eval-bpb", tiny_estimator, "--max-bytes", 4000, "--stride", 128)
-    assert res.exit_code == 2 and "--stride must be below n_ctx" in res.output
+    res = cli("eval-bpb", tiny_estimator, "--max-bytes", 4000, "--stride", 129)
+    assert res.exit_code == 2 and "--stride must be in 1..n_ctx (128)" in res.output

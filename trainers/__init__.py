@@ -6,13 +6,14 @@ tokenizer.json with the `tokenizers` library itself.
 
 from .data import DataError, WeightedTokens, inspect_data
 from .losses import LOSSES, compute_loss, per_token_ce
-from .train import TrainConfig, TrainError, TrainResult, train
+from .train import TrainConfig, TrainError, TrainFailed, TrainResult, train
 
 __all__ = [
     "LOSSES",
     "DataError",
     "TrainConfig",
     "TrainError",
+    "TrainFailed",
     "TrainResult",
     "WeightedTokens",
     "compute_loss",

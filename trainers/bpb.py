@@ -1,22 +1,25 @@
 """Bits per byte on held-out text: BPB = Σ CE (nats) / (ln 2 · Σ bytes), exact UTF-8 bytes.
 
 The text is tokenized as one stream, prefixed with the end-of-text token (a document start, as in
-packed training data), and scored with a sliding window: each window of n_ctx tokens scores only the
-tokens the previous window did not, so every token is scored exactly once, with at least
-n_ctx − stride tokens of context after the first window. Since every token of the text is scored,
-Σ bytes is simply the UTF-8 size of the text.
+packed training data), and scored with a sliding window: the first window scores its n_ctx − 1
+targets, each later one the next `stride` targets (at most n_ctx − 1: a window's first token is
+context only), placed to end at its last target so every target has as much left context as a
+window allows. Every token after the first is scored exactly once, so Σ bytes is simply the UTF-8
+size of the text.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import sys
 from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
+from tqdm.auto import tqdm
 
 from entroweight.models.checkpoint import CheckpointError, load_checkpoint
 from entroweight.schemas.tokenizer import TokenizerError, check_vocab, resolve_tokenizer_path
@@ -37,13 +40,33 @@ START_CANDIDATES = (
 
 
 def read_text(path: str | Path | None, max_bytes: int | None = None) -> str:
+    """The text to score; refuses empty text and invalid UTF-8 (BPB counts exact UTF-8 bytes).
+
+    A `max_bytes` cut inside a character drops that partial character (the result's `bytes` says
+    how many were scored).
+    """
     path = Path(path) if path else DEFAULT_TEXT
     if not path.is_file():
         raise FileNotFoundError(f"no text file {path}; pass --text FILE (e.g. WikiText-2's wiki.test.raw)")
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"--max-bytes must be at least 1, not {max_bytes}")
     raw = path.read_bytes()
-    if max_bytes is not None:
-        raw = raw[:max_bytes]
-    return raw.decode("utf-8", errors="ignore")  # a cut mid-character drops the partial character
+    cut = max_bytes is not None and len(raw) > max_bytes
+    raw = raw[:max_bytes] if cut else raw
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if not (cut and e.start >= len(raw) - 3 and e.reason == "unexpected end of data"):
+            raise ValueError(
+                f"{path} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}): bits per byte "
+                "are counted on exact UTF-8 bytes; re-encode the file (e.g. iconv -t utf-8) or fix it"
+            ) from None
+        text = raw[: e.start].decode("utf-8")
+    if not text:
+        raise ValueError(
+            f"{path} has no text to evaluate" + (f" in its first {max_bytes} bytes" if cut else "")
+        )
+    return text
 
 
 def checkpoint_tokenizer(ckpt_dir, tokenizer=None, expect_sha: str | None = None, beside=()) -> Tokenizer:
@@ -72,48 +95,45 @@ def encode(tok: Tokenizer, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
 
 
+def check_window(n_ctx: int, stride: int) -> None:
+    if n_ctx < 2:
+        raise ValueError(f"--n-ctx must be at least 2 (one context token and one target), not {n_ctx}")
+    if not 0 < stride <= n_ctx:
+        raise ValueError(f"--stride must be in 1..n_ctx ({n_ctx}), not {stride}")
+
+
 def windows(n_tokens: int, n_ctx: int, stride: int):
     """(begin, end, first scored target index) per window over a stream of n_tokens tokens.
 
-    Targets are indices 1..n_tokens-1 (index 0 is the start token); each is scored exactly once.
+    Targets are indices 1..n_tokens-1 (index 0 is context only); each is scored exactly once. A
+    window's first token is context only, so a window scores at most n_ctx − 1 new targets: with
+    stride n_ctx consecutive windows share one token. Every window spans min(n_ctx, n_tokens) tokens
+    ending at its last target (the last window too), so every target gets the most context it can.
     """
-    if not 0 < stride <= n_ctx:
-        raise ValueError(f"stride must be in 1..n_ctx ({n_ctx}), not {stride}")
-    prev_end = 1
-    for begin in range(0, n_tokens, stride):
-        end = min(begin + n_ctx, n_tokens)
-        if end <= prev_end:
-            break
-        yield begin, end, prev_end
-        prev_end = end
-        if end == n_tokens:
-            break
+    check_window(n_ctx, stride)
+    step = min(stride, n_ctx - 1)
+    first, end = 1, min(n_ctx, n_tokens)
+    while first < n_tokens:
+        yield max(0, end - n_ctx), end, first
+        first, end = end, min(end + step, n_tokens)
 
 
 @torch.no_grad()
-def score_stream(model, ids: list[int], n_ctx: int, stride: int, batch_size: int = 16, device="cpu") -> float:
-    """Σ CE in nats of ids[1:] given their left context, by sliding windows."""
+def score_stream(
+    model, ids: list[int], n_ctx: int, stride: int, batch_size: int = 16, device="cpu", progress=None
+) -> float:
+    """Σ CE in nats of ids[1:] given their left context, by sliding windows (all of one length)."""
     seq = torch.tensor(ids, dtype=torch.long)
+    wins = list(windows(len(ids), n_ctx, stride))
     total = 0.0
-    pending: list[tuple[int, int, int]] = []
-
-    def flush(group):
-        nonlocal total
-        x = torch.stack([seq[b:e] for b, e, _ in group]).to(device)
-        ce = per_token_ce(model(x)[:, :-1], x[:, 1:]).double().cpu()
-        for row, (b, _, first) in enumerate(group):
-            total += ce[row, first - b - 1 :].sum().item()  # target index t sits at column t-b-1
-
-    for w in windows(len(ids), n_ctx, stride):
-        if pending and (w[1] - w[0]) != (pending[0][1] - pending[0][0]):
-            flush(pending)
-            pending = []
-        pending.append(w)
-        if len(pending) == batch_size:
-            flush(pending)
-            pending = []
-    if pending:
-        flush(pending)
+    with tqdm(total=len(wins), unit="window", desc="eval-bpb", disable=not progress, file=sys.stderr) as bar:
+        for i in range(0, len(wins), batch_size):
+            group = wins[i : i + batch_size]
+            x = torch.stack([seq[b:e] for b, e, _ in group]).to(device)
+            ce = per_token_ce(model(x)[:, :-1], x[:, 1:]).double().cpu()
+            for row, (b, _, first) in enumerate(group):
+                total += ce[row, first - b - 1 :].sum().item()  # target index t sits at column t-b-1
+            bar.update(len(group))
     return total
 
 
@@ -128,40 +148,46 @@ def eval_bpb(
     device: str = "auto",
     allow_pickle: bool = False,
     embed_format: str = "float8_e4m3fn",
+    progress: bool = False,
 ) -> dict:
     """{bpb, nats, bytes, tokens, n_ctx, stride, text} of a checkpoint on `text_path` (default WikiText-2 test).
 
     Estimator / autoencoder checkpoints report amortized bits: `bpb` = (embedding bits + Σ token bits)
     / bytes, each window's embedding stored in `embed_format`, split into `embed_bpb` + `token_bpb`.
+    `progress`: a bar of windows on stderr.
     """
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, not {batch_size}")
+    text = read_text(text_path, max_bytes)  # refusals about the text come before loading the model
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
     )
     model, config = load_checkpoint(ckpt_dir, map_location=str(dev), allow_pickle=allow_pickle)
     tok = checkpoint_tokenizer(ckpt_dir, tokenizer, config.get("tokenizer_sha256"))
     model_ctx = config["model"].get("n_ctx") or config.get("n_ctx")
-    n_ctx = n_ctx or model_ctx
+    n_ctx = n_ctx if n_ctx is not None else model_ctx
     if model_ctx and n_ctx > model_ctx:
         raise ValueError(f"--n-ctx {n_ctx} is longer than the model's n_ctx {model_ctx}")
     amortized = all(hasattr(model, a) for a in ("encode", "decode", "embed_dim"))
-    if amortized:
-        # estimator / autoencoder: each window's embedding saw the whole window, so its tokens' CE is
-        # only a code length once the embedding is paid for; windows overlap by one context token
-        stride = stride or max(1, n_ctx - 1)
-        if stride >= n_ctx:
-            raise ValueError(
-                f"--stride must be below n_ctx ({n_ctx}): a window's first token is context only"
-            )
-    stride = stride or max(1, n_ctx // 2)
-    text = read_text(text_path, max_bytes)
+    # estimator / autoencoder: each window's embedding is paid for, so windows overlap by only the
+    # one context token by default; an LM defaults to half-overlapping windows
+    if stride is None:
+        stride = max(1, n_ctx - 1 if amortized else n_ctx // 2)
+    check_window(n_ctx, stride)
     start = start_token(tok)
     ids = ([start] if start is not None else []) + encode(tok, text)
     n_bytes = len(text.encode("utf-8"))
     if start is None:  # no start token: the first token is context only, and its bytes leave the count
         n_bytes -= len(tok.decode(ids[:1]).encode("utf-8"))
+    if len(ids) < 2 or n_bytes < 1:
+        raise ValueError(
+            f"the text ({n_bytes} bytes) has no token to predict after the first; give more text"
+        )
     if amortized:
-        return _amortized(model, ids, n_ctx, stride, batch_size, dev, n_bytes, embed_format, text_path)
-    nats = score_stream(model, ids, n_ctx, stride, batch_size, dev)
+        return _amortized(
+            model, ids, n_ctx, stride, batch_size, dev, n_bytes, embed_format, text_path, progress
+        )
+    nats = score_stream(model, ids, n_ctx, stride, batch_size, dev, progress)
     return {
         "bpb": nats / (math.log(2) * n_bytes),
         "nats": nats,
@@ -173,12 +199,18 @@ def eval_bpb(
     }
 
 
-def _amortized(model, ids, n_ctx, stride, batch_size, dev, n_bytes, fmt, text_path) -> dict:
+def _amortized(model, ids, n_ctx, stride, batch_size, dev, n_bytes, fmt, text_path, progress) -> dict:
     from entroweight.models.quant import embedding_bits, quantize
 
     n_windows = sum(1 for _ in windows(len(ids), n_ctx, stride))
     nats = score_stream(
-        lambda x: model.decode(x, quantize(model.encode(x), fmt)), ids, n_ctx, stride, batch_size, dev
+        lambda x: model.decode(x, quantize(model.encode(x), fmt)),
+        ids,
+        n_ctx,
+        stride,
+        batch_size,
+        dev,
+        progress,
     )
     embed_bits = n_windows * embedding_bits(model.embed_dim, fmt)
     token_bpb = nats / (math.log(2) * n_bytes)
@@ -203,9 +235,8 @@ def unigram_bpb(data_paths, tokenizer, text_path=None, max_bytes: int | None = N
     the prediction for every token of the text."""
     from .data import WeightedTokens
 
-    tok = checkpoint_tokenizer(
-        None, tokenizer, beside=[data_paths] if isinstance(data_paths, str) else data_paths
-    )
+    paths = [data_paths] if isinstance(data_paths, (str, Path)) else list(data_paths)
+    tok = checkpoint_tokenizer(None, tokenizer, beside=paths)
     V = tok.get_vocab_size(with_added_tokens=True)
     counts = np.ones(V, dtype=np.float64)
     for item in WeightedTokens(data_paths, batch_size=256, shuffle=False, columns=()):

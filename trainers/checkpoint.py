@@ -33,20 +33,22 @@ def save_training_checkpoint(out, model, kind: str, optimizer, state: dict, meta
     out = Path(out)
     staging = out / ".staging"
     shutil.rmtree(staging, ignore_errors=True)
-    save_checkpoint(model, kind, staging, **meta)
-    tensors, groups = _flatten_optimizer(optimizer.state_dict())
-    save_file(tensors, str(staging / OPTIM))
-    plain_mode(staging / OPTIM)
-    state = {
-        **state,
-        "param_groups": groups,
-        "weights_sha256": sha256_file(staging / "model.safetensors"),
-        "optimizer_sha256": sha256_file(staging / OPTIM),
-    }
-    (staging / STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-    for name in ("model.safetensors", "config.json", OPTIM, STATE):  # state last: it commits the save
-        os.replace(staging / name, out / name)
-    staging.rmdir()
+    try:
+        save_checkpoint(model, kind, staging, **meta)
+        tensors, groups = _flatten_optimizer(optimizer.state_dict())
+        save_file(tensors, str(staging / OPTIM))
+        plain_mode(staging / OPTIM)
+        state = {
+            **state,
+            "param_groups": groups,
+            "weights_sha256": sha256_file(staging / "model.safetensors"),
+            "optimizer_sha256": sha256_file(staging / OPTIM),
+        }
+        (staging / STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        for name in ("model.safetensors", "config.json", OPTIM, STATE):  # state last: it commits the save
+            os.replace(staging / name, out / name)
+    finally:  # a failed save (disk full) leaves no partial files behind
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_training_state(ckpt) -> tuple[dict, dict]:

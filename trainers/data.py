@@ -127,6 +127,37 @@ def inspect_data(
     )
 
 
+def value_problems(files, columns) -> list[tuple[Path, str]]:
+    """(file, message) for each file whose `weight` / `entropy` values (those of `columns` it has)
+    hold NaN or ±inf, or weights outside [0, 1]: one vectorised pass over those columns only."""
+    found = []
+    for f in files:
+        pf = pq.ParquetFile(f)
+        cols = [c for c in columns if c in pf.schema_arrow.names]
+        counts: dict[str, int] = {}
+        for rg in range(pf.num_row_groups) if cols else ():
+            table = pf.read_row_group(rg, columns=cols)
+            for c in cols:
+                values = pc.list_flatten(table.column(c))
+                if pa.types.is_integer(values.type):
+                    continue  # uint8 weights are w·255: always in range
+                v = values.to_numpy().astype(np.float32, copy=False)  # float16 math in numpy is slow
+                kinds = {f"{c} NaN or infinite": int(np.count_nonzero(~np.isfinite(v)))}
+                if c == "weight":
+                    with np.errstate(invalid="ignore"):
+                        kinds["weights outside [0, 1]"] = int(np.count_nonzero((v < 0) | (v > 1)))
+                for kind, n in kinds.items():
+                    counts[kind] = counts.get(kind, 0) + n
+        bad = {k: n for k, n in counts.items() if n}
+        if bad:
+            what = ", ".join(f"{n:,} {k}" for k, n in bad.items())
+            stage = "scoring" if any(k.startswith("entropy") for k in bad) else "scoring (or weigh)"
+            found.append(
+                (Path(f), f"{f}: {what}; re-run the {stage} stage for this file, or train without it")
+            )
+    return found
+
+
 def make_units(files: list[Path], n_streams: int) -> list[Unit]:
     units = []
     for f in files:
@@ -248,8 +279,10 @@ class WeightedTokens(IterableDataset):
                         f"{'NaN' if np.isnan(m).any() else f'{np.nanmin(m):g}..{np.nanmax(m):g}'}); "
                         "re-run the weigh stage (it clips and min-max normalises)"
                     )
-            elif np.isnan(m).any():
-                raise DataError(f"{where}: {c} has NaN values; re-run the scoring stage for this file")
+            elif not np.isfinite(m).all():
+                raise DataError(
+                    f"{where}: {c} has NaN or infinite values; re-run the scoring stage for this file"
+                )
             out[c] = m
         return out
 

@@ -19,18 +19,30 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from entroweight.models import build_model, model_class
 from entroweight.models.checkpoint import read_checkpoint_config
 from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path
 
 from .checkpoint import METRICS, STATE, TOKENIZER, load_training_state, save_training_checkpoint
-from .data import DataError, WeightedTokens, inspect_data
+from .data import DataError, WeightedTokens, inspect_data, value_problems
 from .losses import LOSSES, NEEDS, compute_loss, per_token_ce
 
 
 class TrainError(ValueError):
     """A run that cannot start; the message says what to do."""
+
+
+class TrainFailed(TrainError):
+    """A run that started but cannot go on (a non-finite loss, a failed save); the last saved
+    checkpoint stays valid."""
+
+
+# settings that do not change what a run computes: a resume may change them freely
+RUN_ONLY = ("out", "resume", "overwrite", "quiet", "device", "compile", "log_every", "save_every", "stop_at")
+# checked on their own on resume: the model (kind and effective config) and the tokenizer (sha256)
+CHECKED_APART = ("model", "model_config", "tokenizer")
 
 
 @dataclasses.dataclass
@@ -146,16 +158,55 @@ def _optimizer(model, cfg: TrainConfig, device) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, **kw)
 
 
-def train(cfg: TrainConfig) -> TrainResult:
+def train(cfg: TrainConfig, allow_config_change: bool = False) -> TrainResult:
+    """Run (or with cfg.resume continue) a training run. A resume whose settings differ from the
+    checkpoint's is refused unless `allow_config_change`; then config.json's `train_history` records
+    each config with the step it took effect."""
+    if allow_config_change and not cfg.resume:
+        raise TrainError("--allow-config-change applies only with --resume")
     rank, world, device, own_group = _setup_dist(cfg.device)
     try:
-        return _train(cfg, rank, world, device)
+        return _train(cfg, rank, world, device, allow_config_change)
     finally:
         if own_group:
             torch.distributed.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
+def _settings(cfg: TrainConfig) -> dict:
+    """The train config as stored in config.json: JSON types, data paths absolute."""
+    data = [cfg.data] if isinstance(cfg.data, (str, os.PathLike)) else cfg.data
+    d = {**dataclasses.asdict(cfg), "data": [str(Path(p).resolve()) for p in data]}
+    return json.loads(json.dumps(d))
+
+
+def _config_history(prev: dict, new: dict, step: int, allow: bool) -> list[dict]:
+    """config.json's train_history after resuming at `step` with settings `new`; refuses a change
+    unless `allow`."""
+    old = prev.get("train")
+    history = prev.get("train_history") or ([{"step": 0, "train": old}] if old else [])
+    if old is None:
+        return history
+    old = {**old, "data": [str(Path(p).resolve()) for p in _as_list(old.get("data", []))]}
+    skip = set(RUN_ONLY) | set(CHECKED_APART)
+    # keys of one side only come from another version of TrainConfig: their default kept the behaviour
+    changed = sorted(k for k in new.keys() & old.keys() if k not in skip and old[k] != new[k])
+    if not changed:
+        return history
+    if not allow:
+        diff = "; ".join(f"{k} {old[k]!r} -> {new[k]!r}" for k in changed)
+        raise TrainError(
+            f"--resume with settings that differ from the checkpoint's ({diff}); resume with the same "
+            "settings, or pass --allow-config-change to continue under the new ones (config.json then "
+            "records each config and the step it took effect)"
+        )
+    return [*history, {"step": step, "changed": changed, "train": new}]
+
+
+def _as_list(x) -> list:
+    return [x] if isinstance(x, str) else list(x)
+
+
+def _train(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool) -> TrainResult:
     out = Path(cfg.out)
     log = (lambda *a: None) if (cfg.quiet or rank) else (lambda *a: print(*a, flush=True))
     try:  # --tokenizer, else the copy the data carries (checked against the data's sha256 below)
@@ -165,7 +216,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
     tok_sha = _sha256(tok_path) if tok_path else None
 
     # -- resume or start
-    state, optim_sd, base_model_cfg = None, None, {}
+    state, optim_sd, base_model_cfg, history = None, None, {}, None
+    settings = _settings(cfg)
     if cfg.resume:
         if not (out / STATE).is_file():
             raise TrainError(f"nothing to resume in {out} (no {STATE}); drop --resume to start a new run")
@@ -191,6 +243,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
 
     try:
         info = inspect_data(cfg.data, NEEDS.get(cfg.loss, ()), tok_sha)
+        _check_values(info.files, NEEDS.get(cfg.loss, ()), rank, world, device)
     except DataError as e:
         raise TrainError(str(e)) from e
     if tok_sha is None:
@@ -206,10 +259,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
         from .prefix import token_bytes  # a T-FREE head hashes each token's bytes
 
         mc["token_bytes"] = [b.hex() for b in token_bytes(tok_path)]
-    if cfg.resume and mc != base_model_cfg:
-        raise TrainError(
-            f"--model-config differs from the checkpoint's ({base_model_cfg}); drop it to resume"
-        )
+    if cfg.resume:
+        if mc != base_model_cfg:
+            raise TrainError(
+                f"--model-config differs from the checkpoint's ({base_model_cfg}); drop it to resume"
+            )
+        history = _config_history(prev, settings, state["step"], allow_config_change)
 
     torch.manual_seed(cfg.seed)  # same init on every rank
     model = build_model(cfg.model, mc)
@@ -264,22 +319,29 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
     batches = iter(ds)
 
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        if tok_path is not None and tok_path.resolve() != (out / TOKENIZER).resolve():
-            shutil.copyfile(tok_path, out / TOKENIZER)
-        _trim_metrics(out / METRICS, step)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if tok_path is not None and tok_path.resolve() != (out / TOKENIZER).resolve():
+                shutil.copyfile(tok_path, out / TOKENIZER)
+            _trim_metrics(out / METRICS, step)
+        except OSError as e:
+            raise TrainError(f"cannot write to --out {out}: {e}") from None
     meta = {
         "tokenizer_sha256": tok_sha,
         "vocab_size": mc.get("vocab_size", info.vocab_size),
         "n_ctx": mc.get("n_ctx", info.n_ctx),
         "pad_id": info.pad_id,
         "loss": cfg.loss,
-        "train": dataclasses.asdict(cfg),
+        "train": settings,
+        **({"train_history": history} if history and len(history) > 1 else {}),
     }
     n_params = sum(p.numel() for p in raw_model.parameters())
     log(f"{cfg.model}: {n_params / 1e6:.2f}M params on {device} × {world}; loss {cfg.loss}; from step {step}")
 
+    saved = step  # the step of the last checkpoint on disk
+
     def save():
+        nonlocal saved
         if rank == 0:
             st = {
                 "step": step,
@@ -288,9 +350,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
                 "tokens": tokens,
                 "seed": cfg.seed,
             }
-            save_training_checkpoint(out, raw_model, cfg.model, optimizer, st, {**meta, "step": step})
+            with _failing(f"cannot save the checkpoint at step {step}", out, saved):
+                save_training_checkpoint(out, raw_model, cfg.model, optimizer, st, {**meta, "step": step})
         if world > 1:
             torch.distributed.barrier()
+        saved = step
 
     last_stop = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
     t_run = time.perf_counter()
@@ -300,6 +364,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
         lr = lr_at(step, cfg)
         for g in optimizer.param_groups:
             g["lr"] = lr
+        bad = None  # a non-finite loss of this step (on this rank)
         for micro in range(cfg.grad_accum):
             batch = next(batches)
             ids = batch["input_ids"].to(device, non_blocking=True)
@@ -313,7 +378,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
                 logits = model(ids, **fwd_kw)[:, :-1]
                 loss = compute_loss(cfg.loss, logits, ids[:, 1:], mask, **extra, **loss_kw)
             (loss / cfg.grad_accum).backward()
-            loss_acc += loss.item()
+            value = loss.item()
+            bad = value if not math.isfinite(value) else bad
+            loss_acc += value
             n_acc += 1
             tokens += ids.numel() * world
             if (step + 1) % cfg.log_every == 0 and micro == 0:
@@ -321,6 +388,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
                     lg = raw_model.scores(logits.detach()) if fwd_kw else logits.detach()
                     ce = per_token_ce(lg, ids[:, 1:])
                     ce_acc = float((ce * mask).sum() / mask.sum().clamp(min=1))
+        _stop_if_not_finite(bad, step + 1, cfg.loss, out, saved, world, device)  # before the weights change
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
@@ -334,8 +402,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
             dt = time.perf_counter() - t0
             row = {
                 "step": step,
-                "loss": round(avg[0].item(), 6),
-                "ce": round(avg[1].item(), 6),
+                "loss": _finite(avg[0].item()),
+                "ce": _finite(avg[1].item()),
                 "lr": lr,
                 "tokens": tokens,
                 "tokens_per_s": round((tokens - tok0) / max(dt, 1e-9), 1),
@@ -343,10 +411,13 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
             }
             last_loss = row["loss"]
             if rank == 0:
-                with open(out / METRICS, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                with (
+                    _failing(f"cannot write {METRICS} at step {step}", out, saved),
+                    open(out / METRICS, "a") as f,
+                ):
+                    f.write(json.dumps(row, allow_nan=False) + "\n")  # standard JSON: no NaN/Infinity
             log(
-                f"step {step}/{cfg.steps} loss {row['loss']:.4f} ce {row['ce']:.4f} lr {lr:.2e} "
+                f"step {step}/{cfg.steps} loss {_show(row['loss'])} ce {_show(row['ce'])} lr {lr:.2e} "
                 f"{row['tokens_per_s']:.0f} tok/s"
             )
             t0, tok0, loss_acc, n_acc = time.perf_counter(), tokens, 0.0, 0
@@ -362,6 +433,58 @@ def _train(cfg: TrainConfig, rank: int, world: int, device) -> TrainResult:
         tokens_per_s=(tokens - (state["tokens"] if state else 0)) / max(seconds, 1e-9),
         metrics=str(out / METRICS),
     )
+
+
+def _finite(x: float) -> float | None:
+    """A metric as standard JSON: rounded, or None where it is not finite."""
+    return round(x, 6) if math.isfinite(x) else None
+
+
+def _show(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+@contextlib.contextmanager
+def _failing(what: str, out: Path, saved: int):
+    """An I/O error (disk full, read-only) while the run writes: stop with a message, not a traceback."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:  # safetensors reports its write errors as its own
+        raise TrainFailed(f"{what} in {out}: {e}; {_kept(out, saved)}") from None
+
+
+def _kept(out: Path, saved: int) -> str:
+    if saved and (out / STATE).is_file():
+        return f"the checkpoint of step {saved} is intact: fix the cause and rerun with --resume"
+    return "no checkpoint was saved"
+
+
+def _stop_if_not_finite(bad: float | None, step: int, loss: str, out: Path, saved: int, world: int, device):
+    """Stop the run (on every rank) when a rank's loss is NaN or infinite, before it reaches the weights."""
+    if world > 1:  # every rank must stop together, or the others wait in the next all-reduce
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() and bad is None:
+            bad = "not finite on another rank"
+    if bad is not None:
+        raise TrainFailed(
+            f"training stopped: the {loss} loss is {bad} at step {step}; nothing of this step was applied, "
+            f"{_kept(out, saved)} (lower --lr, keep --grad-clip, or check the data)"
+        )
+
+
+def _check_values(files: list, columns, rank: int, world: int, device) -> None:
+    """Refuse NaN/inf (and weights outside [0, 1]) in the loss's columns before the first step. Each
+    rank reads its share of the files once; then every rank raises, naming the first bad file."""
+    problems = value_problems(files[rank::world], columns)
+    if world > 1:
+        first = torch.tensor([files.index(problems[0][0]) if problems else len(files)], device=device)
+        torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
+        if int(first.item()) < len(files) and not (problems and problems[0][0] == files[int(first.item())]):
+            problems = value_problems([files[int(first.item())]], columns)
+    if problems:
+        more = f" ({len(problems) - 1} more file(s) too)" if len(problems) > 1 else ""
+        raise DataError(problems[0][1] + more)
 
 
 def _trim_metrics(path: Path, step: int) -> None:

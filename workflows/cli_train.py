@@ -7,11 +7,12 @@ Multi-GPU / multi-node: run `train` under torchrun, e.g.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
 
-from .cli_common import _fail
+from .cli_common import EXIT_FAILED_SHARDS, _fail
 
 ALLOW_PICKLE_HELP = (
     "Load a checkpoint's .pt/.bin/.pth weights where it has no model.safetensors (torch.load with "
@@ -78,13 +79,19 @@ def _read_model_config(path: str | None) -> dict:
 @click.option(
     "--stop-at", type=int, default=None, help="Stop after this step, leaving a resumable checkpoint."
 )
+@click.option(
+    "--allow-config-change",
+    is_flag=True,
+    help="With --resume: continue under settings (lr, steps, loss, ...) that differ from the checkpoint's; "
+    "config.json's train_history records each config and the step it took effect.",
+)
 @click.option("--overwrite", is_flag=True, help="Start over in an --out that already holds a checkpoint.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the model.")
-def train_cmd(data, model, model_config, loss, out, compile_, **kw):
+def train_cmd(data, model, model_config, loss, out, compile_, allow_config_change, **kw):
     """Train a MODEL on token parquet DATA (directories or files) with LOSS; checkpoints to --out."""
     from entroweight.models.checkpoint import CheckpointError
-    from entroweight.trainers import DataError, TrainConfig, TrainError, train
+    from entroweight.trainers import DataError, TrainConfig, TrainError, TrainFailed, train
 
     try:
         cfg = TrainConfig(
@@ -96,7 +103,11 @@ def train_cmd(data, model, model_config, loss, out, compile_, **kw):
             compile=compile_,
             **kw,
         )
-        result = train(cfg)
+        result = train(cfg, allow_config_change=allow_config_change)
+    except (
+        TrainFailed
+    ) as e:  # the run started: exit 1 as a failed stage does (its last checkpoint stays valid)
+        _fail(str(e), EXIT_FAILED_SHARDS)
     except (TrainError, DataError, CheckpointError, ValueError) as e:
         _fail(str(e))
     click.echo(
@@ -111,7 +122,12 @@ def train_cmd(data, model, model_config, loss, out, compile_, **kw):
     "--text", "text_path", default=None, help="UTF-8 text file (default: the bundled WikiText-2 test set)."
 )
 @click.option("--n-ctx", type=int, default=None, help="Window length (default: the model's n_ctx).")
-@click.option("--stride", type=int, default=None, help="Window step (default: n_ctx/2).")
+@click.option(
+    "--stride",
+    type=int,
+    default=None,
+    help="Targets each window adds, 1..n_ctx (default: n_ctx/2); a window's first token is context only.",
+)
 @click.option("--tokenizer", default=None, help="Default: the tokenizer.json the checkpoint stores.")
 @click.option("--max-bytes", type=int, default=None, help="Evaluate the first N bytes of the text only.")
 @click.option("--batch-size", type=int, default=16, show_default=True)
@@ -134,7 +150,8 @@ def eval_bpb_cmd(ckpt_dir, unigram_data, as_json, **kw):
     from entroweight.trainers.bpb import eval_bpb, unigram_bpb
 
     try:
-        res = eval_bpb(ckpt_dir, **kw)  # the options are eval_bpb's keyword arguments
+        # the options are eval_bpb's keyword arguments; a progress bar of windows when stderr is a terminal
+        res = eval_bpb(ckpt_dir, **kw, progress=sys.stderr.isatty())
         if unigram_data:
             tok = resolve_tokenizer_path(kw["tokenizer"], [ckpt_dir, unigram_data])
             res["unigram_bpb"] = unigram_bpb(unigram_data, tok, kw["text_path"], kw["max_bytes"])["bpb"]

@@ -1,0 +1,229 @@
+# ruff: noqa: F811 - pytest fixtures imported from test_trainer_fixtures
+"""Bad input to `train` and `eval-bpb`, on real text and real token parquet: each case is refused
+(exit 2, one clear line, no traceback, nothing written to --out) or, once a run has started, stops
+with exit 1 and a message, never a green exit over wrong numbers.
+
+eval-bpb: empty text, --max-bytes 0, invalid UTF-8, --stride 0 / > n_ctx; progress bar on stderr.
+train: a resume whose settings differ (and --allow-config-change recording both), NaN/inf entropy
+and weights found before the first step, a loss that turns NaN mid-run, a disk that fills while
+the checkpoint is saved.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from test_trainer_fixtures import TINY, make_weighted, one_thread, tiny_ckpt, weighted_dir  # noqa: F401
+
+from entroweight.trainers.bpb import eval_bpb
+from entroweight.workflows.cli import main
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def refused(r, *words):
+    """Exit 2 with one `error:` line naming `words`, no traceback."""
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert "Traceback" not in r.output and all(w in lines[0] for w in words), lines[0]
+    return lines[0]
+
+
+def strict_json_lines(path: Path) -> list[dict]:
+    """JSON lines parsed as standard JSON: NaN / Infinity tokens are an error."""
+
+    def reject(token):
+        raise ValueError(f"non-standard JSON token {token} in {path}")
+
+    return [json.loads(ln, parse_constant=reject) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+# ---------------------------------------------------------------- eval-bpb
+
+
+def test_eval_bpb_refuses_empty_text_and_max_bytes_0(tiny_ckpt, tmp_path, wikitext_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    refused(cli("eval-bpb", tiny_ckpt, "--text", empty), "has no text")
+    refused(cli("eval-bpb", tiny_ckpt, "--text", wikitext_path, "--max-bytes", 0), "--max-bytes")
+    refused(cli("eval-bpb", tiny_ckpt, "--text", wikitext_path, "--max-bytes", -5), "--max-bytes")
+
+
+def test_eval_bpb_refuses_invalid_utf8_naming_the_offset(tiny_ckpt, tmp_path, wikitext_path):
+    raw = bytearray(wikitext_path.read_bytes()[:3000])
+    raw[1234] = 0xFF  # one stray byte in real text: it used to vanish from the byte count
+    bad = tmp_path / "latin.txt"
+    bad.write_bytes(bytes(raw))
+    refused(cli("eval-bpb", tiny_ckpt, "--text", bad), "not valid UTF-8", "offset 1234")
+    # a --max-bytes cut inside a character is not invalid text: the partial character is left out
+    cut = wikitext_path.read_bytes().index("–".encode()) + 1  # inside the 3-byte en dash
+    res = eval_bpb(tiny_ckpt, wikitext_path, max_bytes=cut, n_ctx=32, device="cpu")
+    assert res["bytes"] == cut - 1
+
+
+def test_eval_bpb_refuses_a_stride_outside_1_to_n_ctx(tiny_ckpt, wikitext_path):
+    for stride, n_ctx in [(0, 64), (-1, 64), (65, 64)]:
+        refused(
+            cli("eval-bpb", tiny_ckpt, "--max-bytes", 2000, "--n-ctx", n_ctx, "--stride", stride),
+            "--stride must be in 1..n_ctx (64)",
+        )
+    refused(cli("eval-bpb", tiny_ckpt, "--max-bytes", 2000, "--n-ctx", 1), "--n-ctx must be at least 2")
+    refused(cli("eval-bpb", tiny_ckpt, "--max-bytes", 2000, "--batch-size", 0), "--batch-size")
+
+
+def test_eval_bpb_shows_progress_on_stderr(tiny_ckpt, capsys):
+    eval_bpb(tiny_ckpt, max_bytes=3000, n_ctx=32, stride=16, device="cpu", progress=True)
+    err = capsys.readouterr().err
+    assert "eval-bpb" in err and "window" in err
+    r = cli("eval-bpb", tiny_ckpt, "--max-bytes", 3000, "--json")  # not a terminal: no bar
+    assert r.exit_code == 0 and json.loads(r.output)["bytes"] == 3000
+
+
+# ---------------------------------------------------------------- train: resume settings
+
+
+def train_args(data, out, *extra):
+    mc = Path(out).parent / "tiny.yaml"
+    mc.write_text("".join(f"{k}: {v}\n" for k, v in TINY.items()))
+    return ["train", data, "--model-config", mc, "--out", out, "--batch-size", 4, "--device", "cpu", *extra]
+
+
+def test_resume_with_other_settings_is_refused_naming_them(weighted_dir, tmp_path):
+    out = tmp_path / "run"
+    r = cli(*train_args(weighted_dir, out, "--steps", 6, "--stop-at", 3, "--lr", "1e-3"))
+    assert r.exit_code == 0, r.output
+    before = (out / "config.json").read_bytes()
+    r = cli(*train_args(weighted_dir, out, "--steps", 8, "--lr", "2e-3", "--loss", "weighted_ce", "--resume"))
+    line = refused(
+        r, "lr 0.001 -> 0.002", "steps 6 -> 8", "loss 'ce' -> 'weighted_ce'", "--allow-config-change"
+    )
+    assert "batch_size" not in line  # only what differs is named
+    assert (out / "config.json").read_bytes() == before  # nothing rewritten
+    refused(
+        cli(*train_args(weighted_dir, out, "--steps", 6, "--batch-size", 2, "--resume")), "batch_size 4 -> 2"
+    )
+    # settings that do not change what is computed may differ (here the stop and logging)
+    r = cli(
+        *train_args(
+            weighted_dir, out, "--steps", 6, "--lr", "1e-3", "--stop-at", 4, "--log-every", 2, "--resume"
+        )
+    )
+    assert r.exit_code == 0, r.output
+    assert "train_history" not in json.loads((out / "config.json").read_text())
+
+
+def test_allowed_config_change_records_both_configs(weighted_dir, tmp_path):
+    out = tmp_path / "run"
+    assert cli(*train_args(weighted_dir, out, "--steps", 6, "--stop-at", 3)).exit_code == 0
+    refused(cli(*train_args(weighted_dir, tmp_path / "new", "--allow-config-change")), "only with --resume")
+    assert not (tmp_path / "new").exists()
+    r = cli(*train_args(weighted_dir, out, "--steps", 8, "--lr", "1e-4", "--resume", "--allow-config-change"))
+    assert r.exit_code == 0, r.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["step"] == 8 and config["train"]["steps"] == 8 and config["train"]["lr"] == 1e-4
+    first, second = config["train_history"]
+    assert first["step"] == 0 and first["train"]["steps"] == 6 and first["train"]["lr"] == 2e-4
+    assert second["step"] == 3 and second["changed"] == ["lr", "steps"] and second["train"] == config["train"]
+    # a later resume under the new settings needs no flag and keeps the history
+    r = cli(*train_args(weighted_dir, out, "--steps", 8, "--lr", "1e-4", "--stop-at", 8, "--resume"))
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "config.json").read_text())["train_history"] == config["train_history"]
+
+
+# ---------------------------------------------------------------- train: non-finite values
+
+
+def poisoned(tokenized_dir, dst, column: str, value: float) -> Path:
+    """Real token data with random entropy/weight and one value of its LAST file set to `value`:
+    the shuffled stream reaches it only after several steps."""
+    files = sorted(Path(tokenized_dir).glob("*.parquet"))
+    seen = []
+
+    def edit(ids, w, e):
+        seen.append(1)
+        if len(seen) == len(files):
+            (w if column == "weight" else e)[-1, -1] = value  # the last token of a left-padded row: real
+        return ids, w, e
+
+    make_weighted(tokenized_dir, dst, edit=edit)
+    return dst / files[-1].name
+
+
+@pytest.mark.parametrize(
+    "column,value,loss,words",
+    [
+        ("entropy", math.inf, "rescaled", "entropy NaN or infinite"),
+        ("entropy", math.nan, "rescaled", "entropy NaN or infinite"),
+        ("weight", math.nan, "weighted_ce", "weight NaN or infinite"),
+        ("weight", 1.5, "weighted_ce", "weights outside [0, 1]"),
+    ],
+)
+def test_non_finite_data_is_refused_before_the_first_step(
+    tokenized_dir, tmp_path, column, value, loss, words
+):
+    data = tmp_path / "data"
+    bad = poisoned(tokenized_dir, data, column, value)
+    out = tmp_path / "run"
+    r = cli(*train_args(data, out, "--loss", loss, "--steps", 20, "--shuffle-buffer", 8))
+    line = refused(r, str(bad), f"1 {words}")
+    assert "re-run the scoring" in line
+    assert not out.exists()  # refused before anything was written
+    if column == "entropy":  # a loss that does not read the column does not care
+        r = cli(*train_args(data, out, "--loss", "ce", "--steps", 1))
+        assert r.exit_code == 0, r.output
+
+
+def test_a_loss_that_turns_nan_stops_the_run_with_exit_1(weighted_dir, tmp_path):
+    out = tmp_path / "run"
+    # an absurd learning rate without clipping: the weights overflow within a few steps
+    args = ["--steps", 20, "--lr", "1e30", "--warmup-steps", 1, "--grad-clip", 0, "--log-every", 1]
+    r = cli(*train_args(weighted_dir, out, *args, "--save-every", 1))
+    assert r.exit_code == 1, r.output
+    assert "training stopped: the ce loss is nan at step" in r.output and "Traceback" not in r.output
+    rows = strict_json_lines(out / "metrics.jsonl")  # standard JSON only
+    assert rows and all(math.isfinite(row["loss"]) for row in rows)
+    last = rows[-1]["step"]
+    assert f"the checkpoint of step {last} is intact" in r.output
+    assert json.loads((out / "trainer_state.json").read_text())["step"] == last < 20
+
+
+# ---------------------------------------------------------------- train: disk full while saving
+
+
+def _limit_file_size(limit: int):
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() fails with EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_disk_full_while_saving_leaves_no_staging(weighted_dir, tokenizer_dir, tmp_path):
+    out = tmp_path / "run"
+    args = train_args(weighted_dir, out, "--steps", 2, "--tokenizer", tokenizer_dir)
+    # tokenizer.json (54 kB) and metrics fit; model.safetensors (~1 MB) does not: a real EFBIG
+    proc = subprocess.run(
+        [sys.executable, "-m", "entroweight.workflows.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_limit_file_size(300_000),
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "cannot save the checkpoint at step 2" in proc.stderr and "File too large" in proc.stderr
+    assert "no checkpoint was saved" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (out / ".staging").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "tokenizer.json"]
+    assert np.all([math.isfinite(row["loss"]) for row in strict_json_lines(out / "metrics.jsonl")])
