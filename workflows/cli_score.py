@@ -30,13 +30,21 @@ ESTIMATOR_SCORERS = ("occlusion", "decomposition", "two_model", "grad_input", "e
     help="The data's tokenizer.json (needed by cross_tokenizer; checked against the data's sha256).",
 )
 @click.option("--aggregate", type=click.Choice(["mean", "sum"]), default="mean", show_default=True)
-@click.option("--weighting", type=click.Choice(["minmax", "quantile"]), default="minmax", show_default=True)
+@click.option(
+    "--weighting",
+    type=click.Choice(["minmax", "quantile", "raw", "topk"]),
+    default="minmax",
+    show_default=True,
+    help="raw: w = 1 - value clipped to [0, 1] (the write-up's cosine weight); topk: w = 1 on the top "
+    "--keep fraction of the dataset's tokens by value, 0 elsewhere (Rho-1).",
+)
 @click.option(
     "--quantiles-from",
     default=None,
     type=click.Path(exists=True),
-    help="--weighting quantile: a scored directory whose entropy quantiles set the global scale.",
+    help="--weighting quantile/topk: a scored directory whose entropy quantiles set the global scale.",
 )
+@click.option("--keep", type=float, default=None, help="--weighting topk: the fraction of tokens kept (0.6).")
 @click.option("--clip", nargs=2, type=float, default=None, help="Clip normalised entropy to [LO, HI].")
 @click.option("--floor", type=float, default=0.0, show_default=True, help="Minimum weight of a real token.")
 @click.option("--invert", is_flag=True, help="w = e instead of 1 - e (Rho-1: keep the high-excess tokens).")
@@ -68,6 +76,12 @@ ESTIMATOR_SCORERS = ("occlusion", "decomposition", "two_model", "grad_input", "e
     help="excess_loss: the reference model (our checkpoint directory, or an HF id/directory/.gguf).",
 )
 @click.option(
+    "--cross-tokenizer",
+    "cross_tokenizer",
+    is_flag=True,
+    help="excess_loss: the --reference is an HF model on another tokenizer (byte-level transfer, sum).",
+)
+@click.option(
     "--allow-pickle",
     is_flag=True,
     help="Load .pt/.bin/.pth weights (torch.load weights_only=True) where no safetensors exist. "
@@ -88,6 +102,7 @@ def score(
     aggregate,
     weighting,
     quantiles_from,
+    keep,
     clip,
     floor,
     invert,
@@ -102,6 +117,7 @@ def score(
     metric,
     checkpoint_short,
     reference,
+    cross_tokenizer,
     allow_pickle,
     trust_remote_code,
     **eng,
@@ -123,6 +139,7 @@ def score(
     options = {"model": model, "checkpoint": checkpoint, "dtype": dtype, "batch_size": batch_size}
     options |= {"device": device, "aggregate": aggregate, "context": context, "stride": stride}
     options |= {"metric": metric, "checkpoint_short": checkpoint_short, "reference": reference}
+    options |= {"cross_tokenizer": cross_tokenizer or None}
     # the safety switches travel only when asked for: default scorer options stay as they were
     options |= {"allow_pickle": allow_pickle or None, "trust_remote_code": trust_remote_code or None}
     options = {k: v for k, v in options.items() if v is not None}
@@ -130,13 +147,14 @@ def score(
         options.pop("aggregate")
     try:
         quantiles = None
-        if weighting == "quantile":
+        if weighting in ("quantile", "topk"):
             if not quantiles_from:
-                _fail("--weighting quantile needs --quantiles-from SCORED_DIR (a run scored with minmax)")
+                _fail(f"--weighting {weighting} needs --quantiles-from SCORED_DIR (a run scored with minmax)")
             quantiles = entropy_quantiles(quantiles_from)
         weigh = WeighConfig(
             method=weighting,
             quantiles=quantiles,
+            keep=keep,
             clip=tuple(clip) if clip else None,
             floor=floor,
             invert=invert,
