@@ -194,41 +194,48 @@ def outcome(c: dict) -> str:
 
 
 def verdict_sentence(wf: Workflow, tables: dict[str, dict]) -> str:
-    """One sentence from the numbers: per run, its outcome against the reference on each text."""
+    """One sentence from the numbers: the runs grouped by their outcome against the reference on
+    every evaluation text (beats / loses / within noise)."""
     ref = wf.reference_run()
-    names = {t: text_name(wf, t) if t == "main" else "held-out text" for t in tables}
-    n_seeds = len(wf.train.seeds)
-    clauses = []
+    names = {t: "held-out text" if t == "heldout" else text_name(wf, t) for t in tables}
+    groups: dict[tuple, list[str]] = {}
     for r in wf.train.runs:
         if r.name == ref:
             continue
-        per_text = {
-            t: outcome(next((c for c in tab["comparisons"] if c["run"] == r.name), {}))
-            for t, tab in tables.items()
-        }
-        kinds = set(per_text.values())
-        if len(kinds) == 1:
-            (k,) = kinds
-            where = "on " + " and ".join(names.values())
-            clauses.append(f"{r.name} {_say(k)} {where}")
-        else:
-            clauses.append(f"{r.name} " + ", ".join(f"{_say(k)} on {names[t]}" for t, k in per_text.items()))
-    if not clauses:
+        comps = [next((c for c in tab["comparisons"] if c["run"] == r.name), {}) for tab in tables.values()]
+        groups.setdefault(tuple(outcome(c) for c in comps), []).append(r.name)
+    if not groups:
         return "Only the reference was trained: nothing to compare."
-    seeds = f"over {n_seeds} seed{'s' if n_seeds != 1 else ''}"
+    clauses = []
+    for kinds, runs in groups.items():
+        who = _join(runs)
+        if len(set(kinds)) == 1:
+            clauses.append(f"{who} {_say(kinds[0], len(runs))} on {_join(list(names.values()))}")
+        else:
+            clauses.append(
+                f"{who}: "
+                + ", ".join(f"{_say(k, len(runs))} on {names[t]}" for t, k in zip(tables, kinds, strict=True))
+            )
+    n = len(wf.train.seeds)
+    seeds = f"{n} seed{'s' if n != 1 else ''} each"
     return (
-        f"Against {ref} ({seeds}; beyond noise = |Δ| > 2 pooled std and Welch p < 0.05): "
+        f"Against {ref} ({seeds}; beyond noise: |Δ| > 2 pooled std and Welch p < 0.05), "
         + "; ".join(clauses)
         + "."
     )
 
 
-def _say(kind: str) -> str:
+def _join(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _say(kind: str, n: int = 1) -> str:
+    one = n == 1
     return {
-        "beats": "beats the reference beyond noise",
-        "loses": "loses to the reference beyond noise",
-        "within noise": "is within noise of the reference",
-        "undecided": "cannot be told apart yet (fewer than 2 seeds)",
+        "beats": f"beat{'s' if one else ''} the reference beyond noise",
+        "loses": f"lose{'s' if one else ''} to the reference beyond noise",
+        "within noise": f"{'is' if one else 'are'} within noise of the reference",
+        "undecided": "cannot be told from the reference (fewer than 2 seeds)",
     }[kind]
 
 

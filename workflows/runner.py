@@ -193,11 +193,16 @@ class Runner:
         for s in wf.scores:
             self._score(s)
         if wf.train:
-            for r in wf.train.runs:
-                for seed in wf.train.seeds:
+            if wf.eval:
+                self._unigram()
+            # seed by seed, each run evaluated once trained: a run stopped part way has every run at
+            # the same number of seeds, and those are complete
+            for seed in wf.train.seeds:
+                for r in wf.train.runs:
                     self._experiment(r, seed)
-        if wf.eval:
-            self._eval()
+                    if wf.eval:
+                        for text in wf.eval_texts():
+                            self._eval_one(r, seed, text)
         if wf.report is not None:
             self._report()
 
@@ -538,14 +543,6 @@ class Runner:
         self._train_step(step, cfg, t.nproc, [r.data])
 
     # -- evaluation and report
-    def _eval(self) -> None:
-        wf = self.wf
-        self._unigram()
-        for r in wf.train.runs:
-            for seed in wf.train.seeds:
-                for text in wf.eval_texts():
-                    self._eval_one(r, seed, text)
-
     def _eval_one(self, r, seed: int, text: str) -> None:
         from entroweight.trainers.bpb import eval_bpb
 
