@@ -149,7 +149,7 @@ class StartToken(NamedTuple):
         return {"id": self.id, "token": self.token, "source": self.source}
 
 
-def loadmodel_tokenizer(resolved: Path | str) -> tuple[LoadedTokenizer, int | None]:
+def load_model_tokenizer(resolved: Path | str) -> tuple[LoadedTokenizer, int | None]:
     """The model's tokenizer as a LoadedTokenizer (exact token bytes) and its start token id
     (`start_token`)."""
     tok = model_tokenizer(resolved)

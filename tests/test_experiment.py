@@ -211,7 +211,9 @@ def test_holdout_larger_than_the_sources_is_refused(tmp_path, tokenizer_dir):
     assert not (tmp_path / "run" / "tokens").exists()
 
 
-@pytest.mark.parametrize("name", ["default.yaml", "experiment.yaml", "experiment-large.yaml"])
+@pytest.mark.parametrize(
+    "name", ["default.yaml", "experiment.yaml", "experiment-small.yaml", "experiment-large.yaml"]
+)
 def test_shipped_experiment_workflows_parse(name):
     wf = parse_workflow(yaml.safe_load((ROOT / "workflows" / name).read_text()))
     runs = {r.name: r for r in wf.train.runs}
