@@ -29,7 +29,7 @@ from entroweight.schemas.manifest import ShardInput
 from entroweight.scorers import Scorer, ScorerError, make_scorer
 from entroweight.transforms.tokenize import fixed_lists
 from entroweight.transforms.tokenizer import TokenizerError, carry_tokenizer, data_tokenizer, load_tokenizer
-from entroweight.transforms.weigh import WeighConfig, encode_weights, weigh
+from entroweight.transforms.weigh import NonFiniteScores, WeighConfig, encode_weights, weigh
 from entroweight.transforms.writer import PARQUET_OPTIONS, AtomicParquetWriter
 
 from .stage import ShardTask, Stage, StageError
@@ -188,6 +188,7 @@ class ScoreStage(Stage):
             "config_hash": self.config_hash,
             "code_version": __version__,
             **cfg,
+            **self.scorer.metadata(),
             "weighting": self.weighting.model_dump(mode="json"),
             "weight_dtype": self.weighting.dtype,
             "value_convention": "value i is about predicting token i; pads 0 (docs/scoring.md)",
@@ -224,7 +225,12 @@ class ScoreStage(Stage):
                 ids = flat.reshape(n, -1)
                 n_pad = batch.column("n_pad").to_numpy().astype(np.int64)
                 values = self.scorer.score(ids, n_pad)
-                weights = encode_weights(weigh(values, n_pad, self.weighting), self.weighting.dtype)
+                try:
+                    exclude = self.scorer.excluded(ids, n_pad)
+                    w = weigh(values, n_pad, self.weighting, first_row=rows, exclude=exclude)
+                except NonFiniteScores as e:
+                    raise NonFiniteScores(f"{inp.uri}: {e}") from None
+                weights = encode_weights(w, self.weighting.dtype)
                 arrays = [
                     batch.column(name).cast(schema.field(name).type) for name in _sequence_columns(schema)
                 ]

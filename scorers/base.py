@@ -115,6 +115,9 @@ class Scorer(ABC):
     Options: ClassVar[type[ScorerOptions]] = ScorerOptions
     #: a scorer that reads text (cross_tokenizer) needs the data tokenizer file; one that reads ids may not
     needs_data_tokenizer: ClassVar[bool] = False
+    #: what a value measures, written into the file metadata (docs/scoring.md, "Units"); only `nats`
+    #: is a per-token entropy estimate that `--loss rescaled` can fit a loss to
+    unit: ClassVar[str] = "nats"
 
     def __init__(self, batch_size: int = 16, device: str = "cpu", **options: Any):
         self.batch_size, self.device, self.options = batch_size, device, options
@@ -164,6 +167,16 @@ class Scorer(ABC):
             if name in state:
                 state[name] = None
         return state
+
+    def excluded(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray | None:
+        """(B, T) bool: real positions this scorer gives no value (e.g. separators of packed documents);
+        weighting treats them as pads (weight 0, outside the normalisation). None: every real token."""
+        return None
+
+    def metadata(self) -> dict[str, Any]:
+        """What the file metadata records beyond config() (called after setup): the unit, and e.g. the
+        start token a model read."""
+        return {"unit": self.unit}
 
     def report(self) -> dict[str, Any]:
         """What the last `reset_report()`..now scored is worth recording in the manifest (e.g. alignment error)."""

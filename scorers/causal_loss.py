@@ -125,7 +125,12 @@ class CausalLossScorer(Scorer):
             self._start = None
         else:
             self._model = hf.load_causal_lm(self._resolved, self.device, **hf.load_options(self.options))
-            _, self._start = hf.load_model_tokenizer(self._resolved)
+            self._start_info = hf.start_token(self._resolved, hf.model_tokenizer(self._resolved))
+            self._start = self._start_info.id
+
+    def metadata(self) -> dict[str, Any]:
+        extra = {"start_token": self._start_info.as_dict()} if getattr(self, "_start_info", None) else {}
+        return {**super().metadata(), **extra}
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         ids = torch.as_tensor(input_ids.astype(np.int64), device=self.device)

@@ -3,8 +3,13 @@
 Per row: data ids -> exact bytes (token_bytes) -> valid UTF-8 runs -> the model's tokens with exact
 byte spans -> per-token CE (sliding windows when longer than the model's context) -> regrouped onto
 the data tokens by byte spans (transforms/align.py: `mean` as the write-up, or `sum`, which conserves
-the total nats). The first model token is predicted from the start token (BOS, else EOS), so every
-byte of valid text is covered; the alignment error goes into the shard manifest.
+the total nats). The first model token is predicted from the model's start token (scorers/hf.py
+`start_token`: what the model declares, recorded in the file metadata), so every byte of valid text
+is covered; the alignment error goes into the shard manifest.
+
+Packed rows hold several documents joined by a special token (the data's EOS). Each document is
+scored as its own text, from the model's start token, never glued to its neighbour; the separator
+itself carries no text: its value is 0 and it is excluded from weighting (weight 0, see `excluded`).
 """
 
 from __future__ import annotations
@@ -84,10 +89,20 @@ class CrossTokenizerScorer(Scorer):
         self._data_tok = data_tokenizer
         if self._model is None:
             self._model = hf.load_causal_lm(self._resolved, self.device, **hf.load_options(self.options))
-            self._model_tok, self._start = hf.load_model_tokenizer(self._resolved)
+            self._model_tok = hf.model_tokenizer(self._resolved)
+            self._start_info = hf.start_token(self._resolved, self._model_tok)
+            self._start = self._start_info.id
             limit = getattr(self._model.config, "max_position_embeddings", None)
             if limit and self.context > limit:
                 self.context, self.stride = limit, min(self.stride, limit // 2)
+
+    def metadata(self) -> dict[str, Any]:
+        return {**super().metadata(), "start_token": self._start_info.as_dict()}
+
+    def excluded(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
+        """Separators (special tokens: no bytes, no text) on real positions: weight 0, value 0."""
+        sep = self._data_tok.token_nbytes[np.asarray(input_ids)] == 0
+        return sep & (np.arange(sep.shape[1])[None, :] >= np.asarray(n_pad)[:, None])
 
     def score(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         input_ids, n_pad = np.asarray(input_ids), np.asarray(n_pad)
@@ -98,8 +113,15 @@ class CrossTokenizerScorer(Scorer):
         for r in range(B):
             real = input_ids[r, n_pad[r] :]
             data_nbytes.append(nb[real].astype(np.int64))
-            raw = self._data_tok.decode_bytes(real.tolist())
-            runs += [(r, a, raw[a:b].decode("utf-8")) for a, b in utf8_runs(raw)]
+            # each document of a packed row is its own text: split at the separators (no bytes)
+            ends = np.cumsum(data_nbytes[-1])
+            cuts = np.flatnonzero(data_nbytes[-1] == 0)
+            for a, b in zip(np.r_[0, cuts + 1], np.r_[cuts, len(real)], strict=True):
+                if b <= a:
+                    continue
+                base = int(ends[a - 1]) if a else 0
+                raw = self._data_tok.decode_bytes(real[a:b].tolist())
+                runs += [(r, base + s, raw[s:e].decode("utf-8")) for s, e in utf8_runs(raw)]
         encoded = encode_exact_batch(self._model_tok, [t for _, _, t in runs])
         losses = self._model_losses([ids for ids, _ in encoded])
         per_row: list[list] = [[] for _ in range(B)]

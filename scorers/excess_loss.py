@@ -3,13 +3,17 @@
     excess_i = CE_model(t_i | t_<i) − CE_reference(t_i | t_<i)
 
 Rho-1 scores with the model being trained and a reference trained on clean, target-like data:
-tokens with a high excess are learnable and not yet learnt. Weigh with `--invert` (w = e) to keep
-them; keeping only the top k% (Rho-1 kept ~60-70%) is quantile weighting with a clip, e.g. top 60%:
-`--weighting quantile --quantiles-from RUN --invert --clip 0.39 0.41` (the 40th percentile and up
-weigh ~1, the rest ~0; a wider clip softens the edge).
+tokens with a high excess are learnable and not yet learnt. Rho-1's selection keeps the top k% of
+tokens by excess (it kept ~60-70%): `--weighting topk --keep 0.6 --quantiles-from SCORED` gives
+weight 1 to the tokens above the dataset's 40th percentile and 0 to the rest; train with
+`--loss weighted_ce --normalize weight` (the mean CE over the selected tokens: Rho-1's loss).
 
-Each side is a `causal_loss` scorer (our checkpoint or an HF model), so the conventions are its own;
-the two must read the same ids (the data's tokenizer): refused otherwise, before any work.
+The model side is a `causal_loss` scorer (our checkpoint or an HF model) that reads the data's ids.
+The reference either reads the same ids (a `causal_loss` scorer; refused before any work when its
+tokenizer differs), or, with `cross_tokenizer=True`, is any HF model on its own tokenizer (e.g.
+SmolLM2-135M for an 8k model) through the exact byte-level transfer: a `cross_tokenizer` scorer with
+the `sum` aggregate, which conserves the reference's nats, so the difference is nats against nats.
+Values are differences of nats (unit `nats_difference`): not an entropy estimate.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pydantic import Field
 
 from .base import Scorer, ScorerError
 from .causal_loss import CausalLossScorer
+from .cross_tokenizer import CrossTokenizerScorer
 
 
 def is_our_checkpoint(spec: str) -> bool:
@@ -44,10 +49,20 @@ def _side(spec: str, **kw: Any) -> CausalLossScorer:
 
 class ExcessLossScorer(Scorer):
     name = "excess_loss"
+    unit = "nats_difference"
 
     class Options(CausalLossScorer.Options):
         reference: str = Field(
             description="The reference model: our checkpoint, or an HF id/directory/.gguf."
+        )
+        cross_tokenizer: bool = Field(
+            False, description="The reference reads another tokenizer: byte-level transfer, sum."
+        )
+        context: int | None = Field(
+            None, ge=2, description="cross_tokenizer reference: model tokens per window."
+        )
+        stride: int | None = Field(
+            None, ge=1, description="cross_tokenizer reference: new tokens per window."
         )
 
     def __init__(
@@ -58,6 +73,9 @@ class ExcessLossScorer(Scorer):
         dtype: str | None = None,
         batch_size: int = 16,
         device: str = "cpu",
+        cross_tokenizer: bool = False,
+        context: int | None = None,
+        stride: int | None = None,
         **options: Any,
     ):
         super().__init__(batch_size=batch_size, device=device, **options)
@@ -69,6 +87,19 @@ class ExcessLossScorer(Scorer):
         kw |= {k: v for k, v in options.items() if k in ("allow_pickle", "trust_remote_code")}
         # CausalLossScorer refuses anything but exactly one of model / checkpoint
         self.model = CausalLossScorer(model=model, checkpoint=checkpoint, **kw)
+        self.cross_tokenizer = bool(cross_tokenizer)
+        if self.cross_tokenizer:
+            if is_our_checkpoint(str(reference)):
+                raise ScorerError(
+                    "excess_loss --cross-tokenizer reads the reference on its own tokenizer: give an HF "
+                    "model (id, directory or .gguf), not one of our checkpoints"
+                )
+            window = {k: v for k, v in (("context", context), ("stride", stride)) if v is not None}
+            self.reference = CrossTokenizerScorer(model=str(reference), aggregate="sum", **kw, **window)
+            self.needs_data_tokenizer = True  # the reference reads the data's text
+            return
+        if context is not None or stride is not None:
+            raise ScorerError("--context / --stride are options of the cross-tokenizer reference only")
         self.reference = _side(str(reference), **kw)
         a = (self.model._ckpt_config or {}).get("tokenizer_sha256")
         b = (self.reference._ckpt_config or {}).get("tokenizer_sha256")
@@ -88,6 +119,18 @@ class ExcessLossScorer(Scorer):
     def vocab_size(self) -> int | None:
         sizes = [v for v in (self.model.vocab_size(), self.reference.vocab_size()) if v]
         return min(sizes) if sizes else None
+
+    def metadata(self) -> dict[str, Any]:
+        return {**super().metadata(), **{k: v for k, v in self.reference.metadata().items() if k != "unit"}}
+
+    def excluded(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray | None:
+        return self.reference.excluded(input_ids, n_pad)
+
+    def report(self) -> dict[str, Any]:
+        return self.reference.report()
+
+    def reset_report(self) -> None:
+        self.reference.reset_report()
 
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
         for side, what in ((self.model, "model"), (self.reference, "reference")):

@@ -24,6 +24,7 @@ from .forward import autocast
 class GradInputScorer(CheckpointScorer):
     name = "grad_input"
     kinds = ("estimator",)
+    unit = "grad_input_minmax"  # [0, 1] per row
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         ids, added = self.to_model_width(input_ids, n_pad)

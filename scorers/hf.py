@@ -15,6 +15,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 from filelock import FileLock
 
@@ -169,12 +170,25 @@ def load_options(options: dict) -> dict:
     return {k: bool(options.get(k, False)) for k in ("allow_pickle", "trust_remote_code")}
 
 
-def load_model_tokenizer(resolved: Path | str) -> tuple[LoadedTokenizer, int | None]:
-    """The model's tokenizer as a LoadedTokenizer (exact token bytes) and its start token id.
+class StartToken(NamedTuple):
+    """The token a model reads before the first text token, and where that choice came from."""
 
-    The start token is what the model sees before the first text token: BOS when the tokenizer
-    adds one (Llama 3), else EOS (SmolLM2, GPT-2: their documents are separated by it), as lm-eval does.
-    """
+    id: int | None
+    token: str | None
+    source: str  # post_processor | add_bos_token | fallback: ...
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "token": self.token, "source": self.source}
+
+
+def load_model_tokenizer(resolved: Path | str) -> tuple[LoadedTokenizer, int | None]:
+    """The model's tokenizer as a LoadedTokenizer (exact token bytes) and its start token id
+    (`start_token`)."""
+    tok = model_tokenizer(resolved)
+    return tok, start_token(resolved, tok).id
+
+
+def model_tokenizer(resolved: Path | str) -> LoadedTokenizer:
     if isinstance(resolved, Path) and (resolved / "tokenizer.json").exists():
         path = resolved / "tokenizer.json"
     else:
@@ -188,25 +202,41 @@ def load_model_tokenizer(resolved: Path | str) -> tuple[LoadedTokenizer, int | N
         write_text_atomic(
             hf.backend_tokenizer.to_str(pretty=True), path
         )  # parallel workers: never half a file
-    tok = load_tokenizer(path)
-    return tok, _start_token(resolved, tok)
+    return load_tokenizer(path)
 
 
-def _start_token(resolved, tok: LoadedTokenizer) -> int | None:
-    cfg = {}
-    if isinstance(resolved, Path) and (resolved / "tokenizer_config.json").exists():
-        cfg = json.loads((resolved / "tokenizer_config.json").read_text())
-    bos = cfg.get("bos_token")
-    bos = bos.get("content") if isinstance(bos, dict) else bos
+def start_token(resolved: Path | str | None, tok: LoadedTokenizer) -> StartToken:
+    """What the model reads before a text, from what the model declares, in this order:
+
+    1. its tokenizer's post-processor inserts a special token before the text (Llama 3's
+       `<|begin_of_text|>` in the hub's tokenizer.json): that token;
+    2. its tokenizer_config.json says `add_bos_token: true`: its `bos_token` (or config.json's
+       `bos_token_id`);
+    3. it declares none (no such post-processor, no `add_bos_token`, e.g. a bare tokenizer.json or
+       SmolLM2, whose `bos_token_id` is the chat turn's `<|im_start|>` and is never added to text):
+       the documented fallback, the vocabulary's begin-of-text token by name (`<|begin_of_text|>`,
+       `<s>`, ...: transforms/tokenizer.py BOS_CANDIDATES) if it has one, else its end-of-text token
+       (`<|endoftext|>`, `</s>`, ...), which separates documents in such models' pretraining data.
+    None when the vocabulary has neither.
+    """
     vocab = tok.tokenizer.get_vocab(with_added_tokens=True)
-    adds_bos = cfg.get("add_bos_token")
-    if adds_bos is None:  # no config: a post-processor that inserts a special means BOS
-        enc = tok.tokenizer.encode("a", add_special_tokens=True)
-        adds_bos = len(enc.ids) > 1 and enc.special_tokens_mask[0] == 1
-        if adds_bos:
-            return enc.ids[0]
-    if adds_bos and bos in vocab:
-        return vocab[bos]
-    if tok.bos_id is not None and adds_bos:
-        return tok.bos_id
-    return tok.eos_id if tok.eos_id is not None else tok.bos_id
+    name = tok.tokenizer.id_to_token
+    enc = tok.tokenizer.encode("a", add_special_tokens=True)
+    if len(enc.ids) > 1 and enc.special_tokens_mask[0] == 1:
+        return StartToken(enc.ids[0], name(enc.ids[0]), "post_processor")
+    cfg, model_cfg = {}, {}
+    if isinstance(resolved, Path):
+        for file, into in (("tokenizer_config.json", cfg), ("config.json", model_cfg)):
+            if (resolved / file).exists():
+                into.update(json.loads((resolved / file).read_text()))
+    if cfg.get("add_bos_token"):
+        bos = cfg.get("bos_token")
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        bos_id = vocab.get(bos) if bos is not None else model_cfg.get("bos_token_id")
+        if isinstance(bos_id, int):
+            return StartToken(bos_id, name(bos_id), "add_bos_token")
+    if tok.bos_id is not None:
+        return StartToken(tok.bos_id, name(tok.bos_id), "fallback: begin-of-text token by name")
+    if tok.eos_id is not None:
+        return StartToken(tok.eos_id, name(tok.eos_id), "fallback: end-of-text token by name")
+    return StartToken(None, None, "fallback: none in the vocabulary")

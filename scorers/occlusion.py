@@ -43,6 +43,7 @@ from .forward import autocast
 
 METRICS = ("l1", "cosine")
 BASELINES = ("empty", "remove")
+UNITS = {"l1": "l1_minmax", "cosine": "cosine_distance"}  # [0, 1] per row; [0, 2] unnormalised
 L1_CHUNK_BYTES = 32 << 20  # fp32 logit differences per chunk
 
 
@@ -66,6 +67,10 @@ class OcclusionScorer(CheckpointScorer):
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "metric": self.metric, "baseline": self.baseline}
+
+    @property
+    def unit(self) -> str:
+        return UNITS[self.metric]
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         ids, added = self.to_model_width(input_ids, n_pad)

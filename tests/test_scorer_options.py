@@ -212,7 +212,7 @@ def test_a_typo_in_a_workflows_scorer_options_is_refused_with_its_path(tmp_path)
         ),
         (
             "scorer: causal_loss\n    checkpoint_from: causal\n    weighting: {quantiles_from: s}",
-            r"quantiles_from applies to method quantile only",
+            r"quantiles_from applies to methods quantile and topk only",
         ),
         ("scorer: causal_loss\n    options: {device: banana, model: m}", r"'banana' is not a torch device"),
     ],

@@ -5,12 +5,15 @@ Imported by test_trainer*.py, test_reader.py, test_export.py (pytest puts tests/
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from entroweight.schemas import METADATA_KEY
 
 TINY = {"d_model": 64, "n_layers": 2, "n_heads": 2, "d_ff": 192}
 
@@ -26,7 +29,9 @@ def make_weighted(
     rng = np.random.default_rng(seed)
     for f in sorted(Path(src).glob("*.parquet"))[: files or None]:
         t = pq.read_table(f)
-        meta = pq.read_schema(f).metadata
+        meta = dict(pq.read_schema(f).metadata)
+        # the random entropy is in nats (what `--loss rescaled` requires of the file metadata)
+        meta[METADATA_KEY] = json.dumps({**json.loads(meta[METADATA_KEY]), "unit": "nats"}).encode()
         ids = np.array(t.column("input_ids").to_pylist())
         w = rng.random(ids.shape).astype(np.float32)
         w[ids == 0] = 0.0

@@ -130,8 +130,12 @@ def test_yaml_is_loaded_safely(tmp_path):
 def test_bundled_workflows_validate():
     for name in ("default.yaml", "paper.yaml"):
         wf = load_workflow(ROOT / "workflows" / name)
-        assert wf.train is not None and len(wf.train.seeds) >= 3
-        assert {s.scorer for s in wf.scores} >= {"causal_loss", "cross_tokenizer", "occlusion"}
+        # `make run` runs 2 seeds to stay under 10 minutes (experiment.yaml: 5; tests/test_experiment.py)
+        assert wf.train is not None and len(wf.train.seeds) >= 2
+        cross = {"cross_tokenizer", "excess_loss"}  # excess_loss reads SmolLM2 across tokenizers
+        assert {s.scorer for s in wf.scores} >= {"causal_loss", "occlusion"} and {
+            s.scorer for s in wf.scores
+        } & cross
 
 
 def test_cli_refuses_a_bad_workflow_with_exit_2(tmp_path):

@@ -129,6 +129,23 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _check_nats(files) -> None:
+    """`rescaled` fits each token's CE (nats) down to its `entropy` value: only an entropy in nats can
+    be such a floor (an L1 or cosine distance, a loss difference cannot)."""
+    from entroweight.schemas import read_file_metadata
+
+    for f in files:
+        meta = read_file_metadata(f)
+        unit = meta.get("unit")
+        if unit != "nats":
+            what = f"unit {unit!r}" if unit else "no recorded unit (scored before units were recorded)"
+            raise TrainError(
+                f"--loss rescaled needs entropies in nats, but {f} holds {meta.get('scorer', 'scores')} values "
+                f"with {what}; score with a loss scorer (causal_loss, cross_tokenizer, decomposition) or "
+                "train with --loss weighted_ce"
+            )
+
+
 def _model_config(cfg: TrainConfig, info, base: dict) -> dict:
     """The model's config dict: the user's, with vocab_size / n_ctx taken from the data when unset."""
     mc = {**base, **cfg.model_config}
@@ -246,6 +263,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device, allow_config_change:
         _check_values(info.files, NEEDS.get(cfg.loss, ()), rank, world, device)
     except DataError as e:
         raise TrainError(str(e)) from e
+    if cfg.loss == "rescaled":
+        _check_nats(info.files)
     if tok_sha is None:
         tok_sha = info.tokenizer_sha256
     if cfg.loss == "prefix_smooth" and tok_path is None:

@@ -3,9 +3,16 @@
 `minmax` (the write-up): per sequence, e = (x - min) / (max - min) over non-pad positions, w = 1 - e.
 `quantile`: e = the rank of x among reference quantiles of a whole scored dataset (one scale for
 all sequences: a calm sequence keeps high weights instead of being stretched to [0, 1]).
+`raw`: e = x clipped to [0, 1], not normalised: the write-up's cosine weight w = 1 − m_cos (for
+scores whose unit is already a [0, 1]-ish distance, e.g. occlusion's cosine).
+`topk` (Rho-1's selection): w = 1 on the tokens whose value is in the top `keep` fraction of the
+whole dataset (x >= the (1 − keep) quantile of the reference quantiles), 0 on the rest.
 Then, in order: `clip` e to [lo, hi] and rescale, `invert` (w = e: Rho-1-style "keep the
 learnable" when the values are excess losses), `floor` (w >= floor on real tokens).
 A sequence whose values are all equal gets e = 0 (w = 1: unweighted).
+
+A NaN or infinite value on a real token is refused (NonFiniteScores names the rows): a weight
+derived from it would be arbitrary.
 """
 
 from __future__ import annotations
@@ -19,13 +26,18 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 WEIGHT_DTYPES = ("float16", "uint8")
 
 
+class NonFiniteScores(ValueError):
+    """A scorer returned NaN or inf on real tokens; the message names the rows."""
+
+
 class WeighConfig(BaseModel):
     """Recorded in the file metadata (`weighting`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["minmax", "quantile"] = "minmax"
-    quantiles: tuple[float, ...] | None = None  # reference values at evenly spaced ranks (quantile)
+    method: Literal["minmax", "quantile", "raw", "topk"] = "minmax"
+    quantiles: tuple[float, ...] | None = None  # reference values at evenly spaced ranks (quantile, topk)
+    keep: float | None = None  # topk: the fraction of the dataset's tokens that weigh 1
     clip: tuple[float, float] | None = None  # on e, before 1 - e; then rescaled to [0, 1]
     floor: float = 0.0
     invert: bool = False
@@ -40,27 +52,63 @@ class WeighConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.method == "quantile":
+        if self.method in ("quantile", "topk"):
             q = self.quantiles
             if not q or len(q) < 2 or np.any(np.diff(q) < 0):
                 raise ValueError(
-                    "quantile weighting needs reference quantiles (at least 2, ascending): "
+                    f"{self.method} weighting needs reference quantiles (at least 2, ascending): "
                     "compute them with entropy_quantiles(SCORED_DIR)"
                 )
+        if self.method == "topk":
+            if self.keep is None or not 0.0 < self.keep <= 1.0:
+                raise ValueError(f"topk weighting needs keep in (0, 1] (the fraction kept), not {self.keep}")
+            if self.clip is not None or self.invert:
+                raise ValueError("topk weights are 0 or 1: clip and invert do not apply")
+        elif self.keep is not None:
+            raise ValueError(f"keep is a topk option, not one of {self.method} weighting")
         if self.clip is not None and not 0.0 <= self.clip[0] < self.clip[1] <= 1.0:
             raise ValueError(f"clip must be 0 <= lo < hi <= 1, not {self.clip}")
         return self
 
 
-def real_mask(n_pad: np.ndarray, width: int) -> np.ndarray:
-    return np.arange(width)[None, :] >= np.asarray(n_pad)[:, None]
+def real_mask(n_pad: np.ndarray, width: int, exclude: np.ndarray | None = None) -> np.ndarray:
+    """True on the positions that get a weight: not pads, not `exclude`d (e.g. packed separators)."""
+    mask = np.arange(width)[None, :] >= np.asarray(n_pad)[:, None]
+    return mask if exclude is None else mask & ~np.asarray(exclude, dtype=bool)
 
 
-def normalize(values: np.ndarray, n_pad: np.ndarray, cfg: WeighConfig) -> np.ndarray:
-    """(B, T) raw values -> e in [0, 1] (float32); pads 0."""
+def check_finite(values: np.ndarray, n_pad: np.ndarray, first_row: int = 0) -> None:
+    """Raise NonFiniteScores naming the rows (counted from `first_row`) with NaN/inf on real tokens."""
+    x = np.asarray(values)
+    bad = ~np.isfinite(x) & real_mask(n_pad, x.shape[1])
+    if bad.any():
+        rows = np.flatnonzero(bad.any(axis=1)) + first_row
+        shown = ", ".join(map(str, rows[:10])) + (f" and {len(rows) - 10} more" if len(rows) > 10 else "")
+        raise NonFiniteScores(
+            f"the scorer returned NaN or inf on {int(bad.sum())} real token(s) of {len(rows)} row(s) "
+            f"(rows {shown}): no weight can be derived from them; check the model and its dtype "
+            "(e.g. --dtype fp32)"
+        )
+
+
+def topk_threshold(cfg: WeighConfig) -> float:
+    """The value at rank 1 − keep of the reference quantiles (linear between them)."""
+    q = np.asarray(cfg.quantiles, dtype=np.float64)
+    return float(np.interp(1.0 - cfg.keep, np.linspace(0.0, 1.0, len(q)), q))
+
+
+def normalize(
+    values: np.ndarray, n_pad: np.ndarray, cfg: WeighConfig, exclude: np.ndarray | None = None
+) -> np.ndarray:
+    """(B, T) raw values -> e in [0, 1] (float32); pads (and `exclude`) 0. For `topk`, e = 0 on kept
+    tokens, 1 on the rest."""
     x = np.asarray(values, dtype=np.float64)
-    mask = real_mask(n_pad, x.shape[1])
-    if cfg.method == "minmax":
+    mask = real_mask(n_pad, x.shape[1], exclude)
+    if cfg.method == "topk":
+        e = np.where(x >= topk_threshold(cfg), 0.0, 1.0)
+    elif cfg.method == "raw":
+        e = x
+    elif cfg.method == "minmax":
         lo = np.where(mask, x, np.inf).min(axis=1, keepdims=True)
         hi = np.where(mask, x, -np.inf).max(axis=1, keepdims=True)
         span = hi - lo
@@ -75,13 +123,21 @@ def normalize(values: np.ndarray, n_pad: np.ndarray, cfg: WeighConfig) -> np.nda
     return np.where(mask, np.clip(e, 0.0, 1.0), 0.0).astype(np.float32)
 
 
-def weigh(values: np.ndarray, n_pad: np.ndarray, cfg: WeighConfig) -> np.ndarray:
-    """(B, T) raw values -> weights in [0, 1] (float32); pads 0."""
-    e = normalize(values, n_pad, cfg)
+def weigh(
+    values: np.ndarray,
+    n_pad: np.ndarray,
+    cfg: WeighConfig,
+    first_row: int = 0,
+    exclude: np.ndarray | None = None,
+) -> np.ndarray:
+    """(B, T) raw values -> weights in [0, 1] (float32); pads and `exclude`d positions 0. NaN/inf on a
+    real token is refused (NonFiniteScores names the rows, counted from `first_row`)."""
+    check_finite(values, n_pad, first_row)
+    e = normalize(values, n_pad, cfg, exclude)
     w = e if cfg.invert else 1.0 - e
     if cfg.floor:
         w = np.maximum(w, cfg.floor)
-    return np.where(real_mask(n_pad, w.shape[1]), w, 0.0).astype(np.float32)
+    return np.where(real_mask(n_pad, w.shape[1], exclude), w, 0.0).astype(np.float32)
 
 
 def encode_weights(w: np.ndarray, dtype: str) -> np.ndarray:

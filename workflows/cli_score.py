@@ -20,6 +20,7 @@ SCORER_FLAGS = (
     "baseline",
     "checkpoint_short",
     "reference",
+    "cross_tokenizer",
     "allow_pickle",
     "trust_remote_code",
 )
@@ -67,13 +68,21 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
     default=None,
     help="cross_tokenizer: model-token CE onto data tokens (default mean).",
 )
-@click.option("--weighting", type=click.Choice(["minmax", "quantile"]), default="minmax", show_default=True)
+@click.option(
+    "--weighting",
+    type=click.Choice(["minmax", "quantile", "raw", "topk"]),
+    default="minmax",
+    show_default=True,
+    help="raw: w = 1 - value clipped to [0, 1] (the write-up's cosine weight); topk: w = 1 on the top "
+    "--keep fraction of the dataset's tokens by value, 0 elsewhere (Rho-1).",
+)
 @click.option(
     "--quantiles-from",
     default=None,
     type=click.Path(exists=True),
-    help="--weighting quantile: a scored directory whose entropy quantiles set the global scale.",
+    help="--weighting quantile/topk: a scored directory whose entropy quantiles set the global scale.",
 )
+@click.option("--keep", type=float, default=None, help="--weighting topk: the fraction of tokens kept (0.6).")
 @click.option("--clip", nargs=2, type=float, default=None, help="Clip normalised entropy to [LO, HI].")
 @click.option("--floor", type=float, default=0.0, show_default=True, help="Minimum weight of a real token.")
 @click.option("--invert", is_flag=True, help="w = e instead of 1 - e (Rho-1: keep the high-excess tokens).")
@@ -120,6 +129,12 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
     help="excess_loss: the reference model (our checkpoint directory, or an HF id/directory/.gguf).",
 )
 @click.option(
+    "--cross-tokenizer",
+    "cross_tokenizer",
+    is_flag=True,
+    help="excess_loss: the --reference is an HF model on another tokenizer (byte-level transfer, sum).",
+)
+@click.option(
     "--allow-pickle",
     is_flag=True,
     help="Load .pt/.bin/.pth weights (torch.load weights_only=True) where no safetensors exist. "
@@ -137,6 +152,7 @@ def score(
     tokenizer,
     weighting,
     quantiles_from,
+    keep,
     clip,
     floor,
     invert,
@@ -165,10 +181,13 @@ def score(
         _fail(e.render(lambda k: flag(k) if k in dedicated else f"--option {k}", flag))
     except ScorerError as e:
         _fail(str(e))
-    if quantiles_from and weighting != "quantile":
-        _fail("--quantiles-from applies to --weighting quantile only: drop it or add --weighting quantile")
-    if weighting == "quantile" and not quantiles_from:
-        _fail("--weighting quantile needs --quantiles-from SCORED_DIR (a run scored with minmax)")
+    global_scale = weighting in ("quantile", "topk")  # the dataset's quantiles, not each row's range
+    if quantiles_from and not global_scale:
+        _fail("--quantiles-from applies to --weighting quantile or topk only: drop it or change --weighting")
+    if global_scale and not quantiles_from:
+        _fail(f"--weighting {weighting} needs --quantiles-from SCORED_DIR (a run scored with minmax)")
+    if (keep is not None) != (weighting == "topk"):
+        _fail("--keep (the fraction of tokens kept) goes with --weighting topk, and only with it")
     try:
         if eng["engine"] == "local":  # the workers are this process: a missing GPU is known now
             check_device(validated.device)
@@ -176,6 +195,7 @@ def score(
         weigh = WeighConfig(
             method=weighting,
             quantiles=quantiles,
+            keep=keep,
             clip=tuple(clip) if clip else None,
             floor=floor,
             invert=invert,

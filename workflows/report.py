@@ -1,6 +1,8 @@
 """`entroweight report RUN_DIR`: one self-contained HTML page of a workflow run (opens offline).
 
-Sections: provenance and config; per scorer the entropy and weight histograms, mean entropy by
+Sections: the experiment's headline (a table of every run's BPB on each evaluation text, mean ± std
+over seeds, Δ and Welch's t-test against the reference, and one sentence computed from them: which
+runs beat the reference beyond the seed noise, which lose, which are within it); provenance and config; per scorer the entropy and weight histograms, mean entropy by
 position, sample texts with every token shaded by its entropy (the write-up's red highlighting,
 decoded from exact token bytes); scorer agreement; training curves; the BPB table of the reference
 and weighted runs over seeds with a sentence on whether the difference exceeds the seed noise.
@@ -113,14 +115,23 @@ def read_metrics(ckpt: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
-def bpb_table(wf: Workflow) -> dict:
-    """Per run: each seed's BPB (from eval/RUN/seed-S.json), mean, std; per compared run: the
+TEXT_NAMES = {"main": "WikiText-2", "heldout": "held-out source text"}
+
+
+def text_name(wf: Workflow, text: str) -> str:
+    if text == "main":
+        return Path(wf.eval.text).name if wf.eval.text else TEXT_NAMES["main"]
+    return f"held-out ({wf.holdout.docs} documents never trained on)"
+
+
+def bpb_table(wf: Workflow, text: str = "main") -> dict:
+    """Per run: each seed's BPB (from eval/RUN/seed-S[.TEXT].json), mean, std; per compared run: the
     difference to the reference and whether it exceeds the seed noise."""
     runs = []
     for r in wf.train.runs:
         seeds = {}
         for s in wf.train.seeds:
-            f = wf.eval_file(r.name, s)
+            f = wf.eval_file(r.name, s, text)
             if f.is_file():
                 seeds[s] = json.loads(f.read_text())["bpb"]
         v = np.array(list(seeds.values()), dtype=np.float64)
@@ -172,6 +183,103 @@ def compare(run: dict, ref: dict) -> dict:
             f"(pooled std {pooled:.4f}, Welch t-test p = {p:.3g}); no difference can be claimed."
         )
     return out
+
+
+def outcome(c: dict) -> str:
+    """beats | loses | within noise | undecided (fewer than 2 seeds or no BPB)."""
+    if c.get("exceeds_noise") is None:
+        return "undecided"
+    if not c["exceeds_noise"]:
+        return "within noise"
+    return "beats" if c["delta"] < 0 else "loses"
+
+
+def verdict_sentence(wf: Workflow, tables: dict[str, dict]) -> str:
+    """One sentence from the numbers: the runs grouped by their outcome against the reference on
+    every evaluation text (beats / loses / within noise)."""
+    ref = wf.reference_run()
+    names = {t: "held-out text" if t == "heldout" else text_name(wf, t) for t in tables}
+    groups: dict[tuple, list[str]] = {}
+    for r in wf.train.runs:
+        if r.name == ref:
+            continue
+        comps = [next((c for c in tab["comparisons"] if c["run"] == r.name), {}) for tab in tables.values()]
+        groups.setdefault(tuple(outcome(c) for c in comps), []).append(r.name)
+    if not groups:
+        return "Only the reference was trained: nothing to compare."
+    clauses = []
+    for kinds, runs in groups.items():
+        who = _join(runs)
+        if len(set(kinds)) == 1:
+            clauses.append(f"{who} {_say(kinds[0], len(runs))} on {_join(list(names.values()))}")
+        else:
+            clauses.append(
+                f"{who}: "
+                + ", ".join(f"{_say(k, len(runs))} on {names[t]}" for t, k in zip(tables, kinds, strict=True))
+            )
+    n = len(wf.train.seeds)
+    seeds = f"{n} seed{'s' if n != 1 else ''} each"
+    return (
+        f"Against {ref} ({seeds}; beyond noise: |Δ| > 2 pooled std and Welch p < 0.05), "
+        + "; ".join(clauses)
+        + "."
+    )
+
+
+def _join(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _say(kind: str, n: int = 1) -> str:
+    one = n == 1
+    return {
+        "beats": f"beat{'s' if one else ''} the reference beyond noise",
+        "loses": f"lose{'s' if one else ''} to the reference beyond noise",
+        "within noise": f"{'is' if one else 'are'} within noise of the reference",
+        "undecided": "cannot be told from the reference (fewer than 2 seeds)",
+    }[kind]
+
+
+def _headline(wf: Workflow) -> str:
+    """The experiment at a glance: every run × evaluation text, mean ± std, Δ and p, and the verdict."""
+    texts = wf.eval_texts()
+    tables = {t: bpb_table(wf, t) for t in texts}
+    head = "".join(
+        f"<th>{E(text_name(wf, t))}: BPB mean ± std</th><th>Δ vs reference</th><th>Welch p</th>"
+        for t in texts
+    )
+    rows = []
+    for i, r in enumerate(wf.train.runs):
+        cells = []
+        for t in texts:
+            run = tables[t]["runs"][i]
+            c = next((c for c in tables[t]["comparisons"] if c["run"] == r.name), None)
+            ms = f"{run['mean']:.4f}" if run["mean"] is not None else "–"
+            ms += f" ± {run['std']:.4f}" if run["std"] is not None else ""
+            attrs = f"data-head-run='{E(r.name)}' data-head-text='{t}' data-head-mean='{run['mean']!r}'"
+            cells.append(f"<td class='num' {attrs} data-head-n='{len(run['seeds'])}'>{ms}</td>")
+            if c is None or c["delta"] is None:
+                cells.append(
+                    "<td>reference</td><td></td>"
+                    if r.name == tables[t]["reference"]
+                    else "<td></td><td></td>"
+                )
+                continue
+            p = "" if c["p_value"] is None else f"{c['p_value']:.3g}"
+            cells.append(
+                f"<td class='num' data-head-run='{E(r.name)}' data-head-text='{t}' data-head-outcome='{outcome(c)}'>"
+                f"{c['delta']:+.4f}</td><td class='num'>{p}</td>"
+            )
+        label = f"{r.loss}" + (f", normalize {r.normalize}" if r.loss == "weighted_ce" else "")
+        rows.append(f"<tr><td>{E(r.name)}</td><td>{E(r.data)}</td><td>{E(label)}</td>{''.join(cells)}</tr>")
+    n = len(wf.train.seeds)
+    return (
+        f"<h2>Experiment: bits per byte ({n} seed{'s' if n != 1 else ''} per run, same tokens and steps)</h2>"
+        f"<p class='headline-verdict'>{E(verdict_sentence(wf, tables))}</p>"
+        f"<table><tr><th>run</th><th>data</th><th>loss</th>{head}</tr>{''.join(rows)}</table>"
+        "<p>Lower is better. Δ: mean BPB minus the reference's; Welch's t-test (unequal variances) over "
+        "seeds.</p>"
+    )
 
 
 # -- drawing
@@ -270,6 +378,8 @@ def highlight(tok, ids: np.ndarray, values: np.ndarray) -> str:
 def build_report(run_dir: str | Path, samples: int = 3, max_tokens: int = 2_000_000) -> str:
     record, wf = load_run(run_dir)
     parts = [f"<h1>entroweight run: {E(str(record.get('config', {}).get('run_dir', run_dir)))}</h1>"]
+    if wf.train is not None and wf.eval is not None:
+        parts.append(_headline(wf))
     parts.append(_provenance(record))
 
     scores = {}
@@ -292,7 +402,8 @@ def build_report(run_dir: str | Path, samples: int = 3, max_tokens: int = 2_000_
         parts.append(_agreement(wf, scores))
     parts.append(_curves(wf))
     if wf.train is not None and wf.eval is not None:
-        parts.append(_bpb_section(wf))
+        for t in wf.eval_texts():
+            parts.append(_bpb_section(wf, t))
     body = "\n".join(parts)
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>entroweight report</title>"
@@ -435,21 +546,23 @@ def _fmt(v, nd=4) -> str:
     return "" if v is None else f"{v:.{nd}f}"
 
 
-def _bpb_section(wf: Workflow) -> str:
-    table = bpb_table(wf)
+def _bpb_section(wf: Workflow, text: str = "main") -> str:
+    table = bpb_table(wf, text)
     seeds = wf.train.seeds
     head = "".join(f"<th>seed {s}</th>" for s in seeds)
     rows = []
     for r in table["runs"]:
         cells = "".join(
-            f"<td class='num bpb' data-run='{E(r['run'])}' data-seed='{s}' data-value='{r['seeds'][s]!r}'>"
+            f"<td class='num bpb' data-run='{E(r['run'])}' data-text='{text}' data-seed='{s}' "
+            f"data-value='{r['seeds'][s]!r}'>"
             f"{r['seeds'][s]:.4f}</td>"
             if s in r["seeds"]
             else "<td></td>"
             for s in seeds
         )
         stat = "".join(
-            f"<td class='num bpb' data-run='{E(r['run'])}' data-stat='{k}' data-value='{r[k]!r}'>{_fmt(r[k])}</td>"
+            f"<td class='num bpb' data-run='{E(r['run'])}' data-text='{text}' data-stat='{k}' "
+            f"data-value='{r[k]!r}'>{_fmt(r[k])}</td>"
             if r[k] is not None
             else "<td></td>"
             for k in ("mean", "std")
@@ -459,9 +572,9 @@ def _bpb_section(wf: Workflow) -> str:
             f"<tr><td>{E(r['run'])}{ref}</td><td>{E(r['data'])}</td><td>{E(r['loss'])}</td>{cells}{stat}"
             f"<td>{_fmt(r['mean'])}{' ± ' + _fmt(r['std']) if r['std'] is not None else ''}</td></tr>"
         )
-    text = E(wf.eval.text or "the bundled WikiText-2 test set")
+    title = E(wf.eval.text or "the bundled WikiText-2 test set") if text == "main" else E(text_name(wf, text))
     uni_file = wf.root / wf.eval.out / "unigram.json"
-    unigram = json.loads(uni_file.read_text())["bpb"] if uni_file.is_file() else None
+    unigram = json.loads(uni_file.read_text())["bpb"] if uni_file.is_file() and text == "main" else None
     uni = (
         f"<p>Unigram baseline (the training tokens' frequencies as the prediction): "
         f"<span class='bpb' data-stat='unigram' data-value='{unigram!r}'>{unigram:.4f}</span> BPB; a run "
@@ -470,14 +583,15 @@ def _bpb_section(wf: Workflow) -> str:
         else ""
     )
     verdicts = "".join(
-        f"<p class='verdict' data-run='{E(c['run'])}' data-exceeds='{c.get('exceeds_noise')}'>{E(c['verdict'])}</p>"
+        f"<p class='verdict' data-run='{E(c['run'])}' data-text='{text}' data-exceeds='{c.get('exceeds_noise')}'>"
+        f"{E(c['verdict'])}</p>"
         for c in table["comparisons"]
     )
     data_note = (
         f"Reference data: `{E(TOKENS)}` is the tokenized data without weights." if table["runs"] else ""
     )
     return (
-        f"<h2>Bits per byte on {text}</h2><p>Lower is better. {data_note}</p>"
+        f"<h2>Bits per byte on {title}</h2><p>Lower is better. {data_note}</p>"
         f"<table><tr><th>run</th><th>data</th><th>loss</th>{head}<th>mean</th><th>std</th>"
         f"<th>mean ± std</th></tr>{''.join(rows)}</table>{uni}{verdicts}"
     )

@@ -1,4 +1,5 @@
-"""Run a workflow: tokenizer -> tokenize -> models -> scores -> experiment training -> eval -> report.
+"""Run a workflow: holdout -> tokenizer -> tokenize -> models -> scores -> experiment training -> eval
+-> report.
 
 Every step is incremental. Data stages skip shards whose manifest matches their config (the
 stage machinery); a trained model skips when its directory holds a finished checkpoint whose
@@ -183,6 +184,8 @@ class Runner:
 
     def _each_step(self) -> None:
         wf = self.wf
+        if wf.holdout is not None:
+            self._holdout()
         self._tokenizer()
         self._tokenize()
         for m in wf.models:
@@ -190,11 +193,16 @@ class Runner:
         for s in wf.scores:
             self._score(s)
         if wf.train:
-            for r in wf.train.runs:
-                for seed in wf.train.seeds:
+            if wf.eval:
+                self._unigram()
+            # seed by seed, each run evaluated once trained: a run stopped part way has every run at
+            # the same number of seeds, and those are complete
+            for seed in wf.train.seeds:
+                for r in wf.train.runs:
                     self._experiment(r, seed)
-        if wf.eval:
-            self._eval()
+                    if wf.eval:
+                        for text in wf.eval_texts():
+                            self._eval_one(r, seed, text)
         if wf.report is not None:
             self._report()
 
@@ -220,6 +228,37 @@ class Runner:
         step.status, step.detail = status, detail
         self.echo(f"{step.kind} {step.name}: {status}{' - ' + detail if detail else ''}")
 
+    # -- held-out documents
+    def _holdout(self) -> None:
+        """Split the sources: the last `docs` documents become the held-out text, never trained on."""
+        import gzip
+
+        from entroweight.transforms.train_tokenizer import corpus_texts
+
+        h, out = self.wf.holdout, self.wf.holdout_dir()
+        step = self._begin("holdout", "holdout", out)
+        key = _key({"sources": list(self.wf.sources), "docs": h.docs})
+        marker = out / STEP_FILE
+        if marker.exists() and json.loads(marker.read_text()).get("key") == key:
+            return self._say(step, "up to date", str(out))
+        if self.dry_run:
+            self.stale.add("holdout")
+            return self._say(step, "would run", f"set aside the last {h.docs} documents")
+        texts = list(corpus_texts(list(self.wf.sources)))
+        if len(texts) <= h.docs:
+            raise WorkflowError(f"holdout.docs is {h.docs}, but the sources hold only {len(texts)} documents")
+        train, held = texts[: -h.docs], texts[-h.docs :]
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "train.jsonl.gz.tmp"
+        with gzip.open(tmp, "wt", encoding="utf-8") as f:
+            for t in train:
+                f.write(json.dumps({self.wf.tokenize.text_column: t}) + "\n")
+        tmp.replace(out / "train.jsonl.gz")
+        (out / "heldout.txt.tmp").write_text("\n\n".join(held), encoding="utf-8")
+        (out / "heldout.txt.tmp").replace(out / "heldout.txt")
+        write_json_atomic({"key": key, "train_docs": len(train), "heldout_docs": len(held)}, marker)
+        self._say(step, "ran", f"{len(train)} documents to train on, {len(held)} held out")
+
     # -- tokenizer
     def _tokenizer(self) -> None:
         spec, out = self.wf.tokenizer, self.wf.tokenizer_dir()
@@ -232,7 +271,10 @@ class Runner:
             except (ValueError, OSError) as e:
                 raise WorkflowError(f"tokenizer.path: {e}") from None
             return self._say(step, "up to date", f"given: {spec.path}")
-        key = _key({"train": spec.train.model_dump(mode="json")})
+        key = {"train": spec.train.model_dump(mode="json")}
+        if self.wf.holdout is not None:  # trained on the sources less the held-out documents
+            key["holdout"] = self.wf.holdout.docs
+        key = _key(key)
         marker = out / STEP_FILE
         built = (out / "tokenizer.json").exists()
         old = json.loads(marker.read_text()).get("key") if marker.exists() else None
@@ -253,7 +295,7 @@ class Runner:
         t0 = time.perf_counter()
         t = spec.train
         tok = train_tokenizer(
-            corpus_texts(list(self.wf.sources), t.max_docs), t.vocab_size, t.algorithm, t.base
+            corpus_texts(self.wf.train_sources(), t.max_docs), t.vocab_size, t.algorithm, t.base
         )
         path, sha = save_tokenizer(tok, out)
         write_json_atomic({"key": key, "sha256": sha}, marker)
@@ -305,7 +347,7 @@ class Runner:
 
         def build():
             return TokenizeStage(
-                list(wf.sources),
+                wf.train_sources(),
                 self.tokenizer_file(),
                 t.n_ctx,
                 t.pack,
@@ -314,24 +356,27 @@ class Runner:
                 t.reject_duplicates,
             )
 
-        self._stage(step, build, ["tokenizer"])
+        self._stage(step, build, ["tokenizer", "holdout"])
 
     def _score(self, s) -> None:
         from entroweight.transforms.weigh import WeighConfig, entropy_quantiles
 
         wf = self.wf
         step = self._begin("score", s.name, wf.score_dir(s.name))
-        upstream = [TOKENS, s.checkpoint_from or "", s.weighting.quantiles_from or ""]
+        upstream = [TOKENS, s.checkpoint_from or "", s.weighting.quantiles_from or "", s.values_from or ""]
 
         def build():
             options = dict(s.options)  # validated with the spec (the scorer's Options model)
             if s.checkpoint_from:
                 options["checkpoint"] = str(wf.model_dir(s.checkpoint_from))
+            if s.values_from:
+                options["scores"] = str(wf.score_dir(s.values_from))
             w = s.weighting
             quantiles = entropy_quantiles(wf.score_dir(w.quantiles_from)) if w.quantiles_from else None
             weigh = WeighConfig(
                 method=w.method,
                 quantiles=quantiles,
+                keep=w.keep,
                 clip=w.clip,
                 floor=w.floor,
                 invert=w.invert,
@@ -497,45 +542,45 @@ class Runner:
         self._train_step(step, cfg, t.nproc, [r.data])
 
     # -- evaluation and report
-    def _eval(self) -> None:
+    def _eval_one(self, r, seed: int, text: str) -> None:
         from entroweight.trainers.bpb import eval_bpb
 
         wf, e = self.wf, self.wf.eval
-        self._unigram()
-        for r in wf.train.runs:
-            for seed in wf.train.seeds:
-                ckpt, path = wf.run_ckpt(r.name, seed), wf.eval_file(r.name, seed)
-                step = self._begin("eval", f"{r.name}/seed-{seed}", path)
-                if self.dry_run and step.name in self.stale:
-                    self._say(step, "would run", "BPB after training")
-                    continue
-                state = ckpt / "trainer_state.json"
-                if not state.exists():
-                    if self.dry_run:
-                        self._say(step, "would run", "BPB after training")
-                        continue
-                    raise WorkflowError(f"eval {step.name}: no checkpoint at {ckpt}")
-                settings = e.model_dump(mode="json", exclude={"out", "batch_size", "device"})
-                key = _key({"weights": json.loads(state.read_text())["weights_sha256"], **settings})
-                if path.exists() and json.loads(path.read_text()).get("key") == key:
-                    self._say(step, "up to date", f"BPB {json.loads(path.read_text())['bpb']:.4f}")
-                    continue
-                if self.dry_run:
-                    self._say(step, "would run", "BPB")
-                    continue
-                t0 = time.perf_counter()
-                res = eval_bpb(ckpt, e.text, e.n_ctx, e.stride, None, e.max_bytes, e.batch_size, e.device)
-                res |= {
-                    "key": key,
-                    "run": r.name,
-                    "seed": seed,
-                    "loss": r.loss,
-                    "data": r.data,
-                    "checkpoint": str(ckpt),
-                }
-                write_json_atomic(res, path)
-                step.seconds = time.perf_counter() - t0
-                self._say(step, "ran", f"BPB {res['bpb']:.4f} ({step.seconds:.1f} s)")
+        if text == "main":
+            text_path, max_bytes, label = e.text, e.max_bytes, ""
+        else:
+            text_path = str(wf.holdout_dir() / "heldout.txt")
+            max_bytes, label = wf.holdout.max_bytes, f" ({text})"
+        ckpt, path = wf.run_ckpt(r.name, seed), wf.eval_file(r.name, seed, text)
+        step = self._begin("eval", f"{r.name}/seed-{seed}{label}", path)
+        if self.dry_run and step.name in self.stale:
+            return self._say(step, "would run", "BPB after training")
+        state = ckpt / "trainer_state.json"
+        if not state.exists():
+            if self.dry_run:
+                return self._say(step, "would run", "BPB after training")
+            raise WorkflowError(f"eval {step.name}: no checkpoint at {ckpt}")
+        settings = e.model_dump(mode="json", exclude={"out", "batch_size", "device"})
+        if text != "main":
+            settings |= {"text": text, "max_bytes": max_bytes, "holdout": wf.holdout.docs}
+        key = _key({"weights": json.loads(state.read_text())["weights_sha256"], **settings})
+        if path.exists() and json.loads(path.read_text()).get("key") == key:
+            return self._say(step, "up to date", f"BPB {json.loads(path.read_text())['bpb']:.4f}")
+        if self.dry_run:
+            return self._say(step, "would run", "BPB")
+        t0 = time.perf_counter()
+        res = eval_bpb(ckpt, text_path, e.n_ctx, e.stride, None, max_bytes, e.batch_size, e.device)
+        res |= {
+            "key": key,
+            "run": r.name,
+            "seed": seed,
+            "loss": r.loss,
+            "data": r.data,
+            "checkpoint": str(ckpt),
+        }
+        write_json_atomic(res, path)
+        step.seconds = time.perf_counter() - t0
+        self._say(step, "ran", f"BPB {res['bpb']:.4f} ({step.seconds:.1f} s)")
 
     def _unigram(self) -> None:
         """The baseline a model must beat: the training tokens' frequencies as the prediction (BPB)."""

@@ -116,8 +116,9 @@ class ModelSpec(TrainSettings):
 
 
 class Weighting(_Strict):
-    method: Literal["minmax", "quantile"] = "minmax"
-    quantiles_from: str | None = None  # quantile: a score step (scored with minmax) that sets the scale
+    method: Literal["minmax", "quantile", "raw", "topk"] = "minmax"
+    quantiles_from: str | None = None  # quantile/topk: an earlier score step whose values set the scale
+    keep: float | None = Field(None, gt=0, le=1)  # topk: the fraction of the dataset's tokens kept
     clip: tuple[float, float] | None = None
     floor: float = Field(0.0, ge=0, le=1)
     invert: bool = False
@@ -125,12 +126,14 @@ class Weighting(_Strict):
 
     @model_validator(mode="after")
     def _q(self):
-        if self.method == "quantile" and not self.quantiles_from:
-            raise ValueError("method quantile needs quantiles_from: a score step scored with minmax")
-        if self.quantiles_from and self.method != "quantile":
+        if self.method in ("quantile", "topk") and not self.quantiles_from:
+            raise ValueError(f"method {self.method} needs quantiles_from: a score step scored with minmax")
+        if self.quantiles_from and self.method not in ("quantile", "topk"):
             raise ValueError(
-                "quantiles_from applies to method quantile only: drop it or set method: quantile"
+                "quantiles_from applies to methods quantile and topk only: drop it or change the method"
             )
+        if (self.method == "topk") != (self.keep is not None):
+            raise ValueError("keep (the fraction kept) goes with method topk, and only with it")
         return self
 
 
@@ -142,6 +145,7 @@ class ScoreSpec(_Strict):
     weighting: Weighting = Field(default_factory=Weighting)
     with_entropy: bool = True
     limit_shards: int | None = Field(None, ge=1)  # score the first N shards only (slow scorers)
+    values_from: str | None = None  # scorer `stored`: an earlier score step's values, weighed anew
     out: str | None = None  # default scores/<name>
 
     _name = field_validator("name")(_name)
@@ -173,6 +177,8 @@ class ScoreSpec(_Strict):
         options = dict(self.options)
         if self.checkpoint_from is not None:
             options["checkpoint"] = f"<checkpoint of {self.checkpoint_from}>"
+        if self.values_from is not None:
+            options["scores"] = f"<scores of {self.values_from}>"
         try:
             check_options(self.scorer, options)
         except OptionsError as e:
@@ -220,6 +226,17 @@ class TrainSpec(TrainSettings):
     _out = field_validator("out")(_inside)
 
 
+class HoldoutSpec(_Strict):
+    """The last `docs` documents of the sources are set aside before anything trains on them (the
+    tokenizer included): an evaluation text from the training distribution that no model has seen."""
+
+    docs: int = Field(100, ge=1)
+    max_bytes: int | None = Field(None, ge=1)  # of the held-out text evaluated
+    out: str = "holdout"
+
+    _out = field_validator("out")(_inside)
+
+
 class EvalSpec(_Strict):
     text: str | None = None  # default: the bundled WikiText-2 test set
     max_bytes: int | None = Field(None, ge=1)
@@ -248,6 +265,7 @@ class Workflow(_Strict):
     sources: list[str] = Field(min_length=1)
     tokenizer: TokenizerSpec
     tokenize: TokenizeSpec = Field(default_factory=TokenizeSpec)
+    holdout: HoldoutSpec | None = None
     models: list[ModelSpec] = Field(default_factory=list)
     scores: list[ScoreSpec] = Field(default_factory=list)
     train: TrainSpec | None = None
@@ -279,6 +297,11 @@ class Workflow(_Strict):
             q = s.weighting.quantiles_from
             if q is not None and q not in {x.name for x in self.scores[:i]}:
                 raise _At(f"scores[{i}].weighting.quantiles_from", f"{q!r} is not an earlier score step")
+            v = s.values_from
+            if (v is not None) != (s.scorer == "stored"):
+                raise _At(f"scores[{i}].values_from", "goes with scorer `stored`, and only with it")
+            if v is not None and v not in {x.name for x in self.scores[:i]}:
+                raise _At(f"scores[{i}].values_from", f"{v!r} is not an earlier score step")
         if problems:
             raise _At(None, "\n".join(problems))
         if self.train is not None:
@@ -324,8 +347,22 @@ class Workflow(_Strict):
     def run_ckpt(self, run: str, seed: int) -> Path:
         return self.root / self.train.out / run / f"seed-{seed}"
 
-    def eval_file(self, run: str, seed: int) -> Path:
-        return self.root / self.eval.out / run / f"seed-{seed}.json"
+    def eval_file(self, run: str, seed: int, text: str = "main") -> Path:
+        """`main`: eval.text (WikiText-2 by default); `heldout`: the held-out source documents."""
+        suffix = "" if text == "main" else f".{text}"
+        return self.root / self.eval.out / run / f"seed-{seed}{suffix}.json"
+
+    def eval_texts(self) -> list[str]:
+        return ["main", "heldout"] if self.holdout is not None else ["main"]
+
+    def holdout_dir(self) -> Path:
+        return self.root / self.holdout.out
+
+    def train_sources(self) -> list[str]:
+        """What the tokenizer and the tokenized data are built from: the sources less the held-out docs."""
+        if self.holdout is None:
+            return list(self.sources)
+        return [str(self.holdout_dir() / "train.jsonl.gz")]
 
     def reference_run(self) -> str | None:
         if self.train is None:

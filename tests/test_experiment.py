@@ -1,0 +1,226 @@
+"""The experiment of issue 17 as a workflow: held-out source documents nothing trains on, BPB on them
+and on WikiText-2, Rho-1's top-k selection from stored values, and a report that opens with the
+comparison table and a verdict computed from the numbers."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from test_workflow import c4_subset, run_cli, write_yaml
+
+from entroweight.transforms.tokenizer import load_tokenizer
+from entroweight.workflows.report import bpb_table, outcome, verdict_sentence
+from entroweight.workflows.spec import SpecError, parse_workflow
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64}
+
+
+def spec(tmp: Path, tokenizer_dir: Path, **changes) -> dict:
+    s = {
+        "run_dir": str(tmp / "run"),
+        "sources": [str(c4_subset(tmp / "c4-60.json.gz", 0, 60))],
+        "holdout": {"docs": 10, "max_bytes": 4000},
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "tokenize": {"n_ctx": 32, "shard_docs": 25},
+        "models": [{"name": "causal", "config": TINY_MODEL, "steps": 4, "batch_size": 8, "lr": 0.003}],
+        "scores": [
+            {
+                "name": "causal_loss",
+                "scorer": "causal_loss",
+                "checkpoint_from": "causal",
+                "options": {"dtype": "fp32"},
+            },
+            {
+                "name": "topk",
+                "scorer": "stored",
+                "values_from": "causal_loss",
+                "weighting": {"method": "topk", "keep": 0.6, "quantiles_from": "causal_loss"},
+            },
+        ],
+        "train": {
+            "config": TINY_MODEL,
+            "steps": 3,
+            "batch_size": 8,
+            "lr": 0.003,
+            "seeds": [0, 1],
+            "runs": [
+                {"name": "reference", "data": "tokens", "loss": "ce"},
+                {"name": "weighted", "data": "causal_loss", "loss": "weighted_ce"},
+                {"name": "topk", "data": "topk", "loss": "weighted_ce", "normalize": "weight"},
+            ],
+        },
+        "eval": {"max_bytes": 4000},
+        "report": {"samples": 1},
+    }
+    s.update(changes)
+    return s
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tokenizer_dir):
+    tmp = tmp_path_factory.mktemp("experiment")
+    wf = write_yaml(tmp / "wf.yaml", spec(tmp, tokenizer_dir))
+    code, out = run_cli("run", wf)
+    assert code == 0, out
+    return {"dir": tmp / "run", "out": out, "source": tmp / "c4-60.json.gz", "tok": tokenizer_dir}
+
+
+def test_held_out_documents_are_never_trained_on(run):
+    d = run["dir"]
+    docs = [json.loads(ln)["text"] for ln in gzip.open(run["source"], "rt")]
+    assert (d / "holdout" / "heldout.txt").read_text() == "\n\n".join(docs[-10:])
+    tok = load_tokenizer(run["tok"])
+    trained = set()
+    for f in sorted((d / "tokens").glob("part-*.parquet")):
+        t = pq.read_table(f)
+        for ids, pad in zip(t.column("input_ids").to_pylist(), t.column("n_pad").to_pylist(), strict=True):
+            trained.add(tok.decode_bytes(ids[pad:]).decode("utf-8", errors="ignore"))
+    assert len(trained) == 50
+    for held in docs[-10:]:
+        assert not any(held.startswith(x[:40]) for x in trained)  # no row starts like a held-out doc
+    for kept in docs[:3]:
+        assert any(kept.startswith(x[:40]) for x in trained)
+
+
+def test_every_run_is_evaluated_on_both_texts(run):
+    d = run["dir"]
+    for r in ("reference", "weighted", "topk"):
+        for s in (0, 1):
+            main = json.loads((d / "eval" / r / f"seed-{s}.json").read_text())
+            held = json.loads((d / "eval" / r / f"seed-{s}.heldout.json").read_text())
+            assert held["bytes"] == 4000 and main["bytes"] == 4000
+            assert held["bpb"] != main["bpb"]
+    meta = pq.read_schema(next((d / "scores" / "topk").glob("part-*.parquet"))).metadata
+    md = json.loads(next(v for k, v in meta.items() if k == b"entroweight"))
+    assert md["weighting"]["method"] == "topk" and md["unit"] == "nats"
+
+
+class Headline(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.order, self.cells, self.sentence, self._in = [], [], None, False
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "h2":
+            self.order.append("h2")
+        if tag == "td" and "data-head-mean" in a:
+            self.cells.append(a)
+        if tag == "p" and a.get("class") == "headline-verdict":
+            self._in = True
+
+    def handle_data(self, data):
+        if self._in:
+            self.sentence = (self.sentence or "") + data
+            self.order.append("verdict")
+
+    def handle_endtag(self, tag):
+        if tag == "p":
+            self._in = False
+
+
+def test_report_opens_with_the_table_and_a_verdict_from_the_numbers(run):
+    page = Headline()
+    page.feed((run["dir"] / "report.html").read_text())
+    assert page.order[:2] == ["h2", "verdict"]  # the first section of the page
+    wf = parse_workflow(json.loads((run["dir"] / "run.json").read_text())["config"])
+    wf.run_dir = str(run["dir"])
+    for c in page.cells:
+        seeds = [
+            json.loads(wf.eval_file(c["data-head-run"], s, c["data-head-text"]).read_text())["bpb"]
+            for s in (0, 1)
+        ]
+        assert float(c["data-head-mean"]) == pytest.approx(np.mean(seeds), rel=1e-12)
+    assert len(page.cells) == 6  # 3 runs x 2 texts
+    tables = {t: bpb_table(wf, t) for t in wf.eval_texts()}
+    assert page.sentence == verdict_sentence(wf, tables)
+
+
+def _fake_run(tmp: Path, tokenizer_dir: Path, bpb: dict) -> object:
+    wf = parse_workflow(
+        spec(tmp, tokenizer_dir, train={**spec(tmp, tokenizer_dir)["train"], "seeds": [0, 1, 2, 3, 4]})
+    )
+    for (run, text), values in bpb.items():
+        for s, v in enumerate(values):
+            p = wf.eval_file(run, s, text)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps({"bpb": v}))
+    return wf
+
+
+def test_verdict_names_winners_losers_and_ties(tmp_path, tokenizer_dir):
+    base = [2.00, 2.01, 1.99, 2.005, 1.995]
+    better = [v - 0.05 for v in base]
+    noisy = [2.03, 1.97, 2.02, 1.98, 2.0]
+    worse = [v + 0.05 for v in base]
+    bpb = {
+        ("reference", "main"): base,
+        ("reference", "heldout"): base,
+        ("weighted", "main"): better,
+        ("weighted", "heldout"): noisy,
+        ("topk", "main"): worse,
+        ("topk", "heldout"): worse,
+    }
+    wf = _fake_run(tmp_path, tokenizer_dir, bpb)
+    tables = {t: bpb_table(wf, t) for t in wf.eval_texts()}
+    got = {(c["run"], t): outcome(c) for t, tab in tables.items() for c in tab["comparisons"]}
+    assert got == {
+        ("weighted", "main"): "beats",
+        ("weighted", "heldout"): "within noise",
+        ("topk", "main"): "loses",
+        ("topk", "heldout"): "loses",
+    }
+    sentence = verdict_sentence(wf, tables)
+    assert "5 seeds each" in sentence
+    assert (
+        "weighted: beats the reference beyond noise on WikiText-2, is within noise of the reference on held-out"
+        in sentence
+    )
+    assert "topk loses to the reference beyond noise on WikiText-2 and held-out text" in sentence
+
+
+def test_spec_refusals(tmp_path, tokenizer_dir):
+    good = spec(tmp_path, tokenizer_dir)
+    bad = json.loads(json.dumps(good))
+    bad["scores"][1]["weighting"].pop("keep")
+    with pytest.raises(SpecError, match="keep"):
+        parse_workflow(bad)
+    bad = json.loads(json.dumps(good))
+    bad["scores"][1]["values_from"] = "topk"
+    with pytest.raises(SpecError, match="values_from"):
+        parse_workflow(bad)
+    bad = json.loads(json.dumps(good))
+    bad["scores"][0]["values_from"] = "causal_loss"
+    with pytest.raises(SpecError, match="goes with scorer `stored`"):
+        parse_workflow(bad)
+    with pytest.raises(SpecError, match="holdout.docs"):
+        parse_workflow({**good, "holdout": {"docs": 0}})
+
+
+def test_holdout_larger_than_the_sources_is_refused(tmp_path, tokenizer_dir):
+    p = write_yaml(tmp_path / "wf.yaml", spec(tmp_path, tokenizer_dir, holdout={"docs": 60}))
+    code, out = run_cli("run", p)
+    assert code == 2 and "sources hold only 60 documents" in out
+    assert not (tmp_path / "run" / "tokens").exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["default.yaml", "experiment.yaml", "experiment-small.yaml", "experiment-large.yaml"]
+)
+def test_shipped_experiment_workflows_parse(name):
+    wf = parse_workflow(yaml.safe_load((ROOT / "workflows" / name).read_text()))
+    runs = {r.name: r for r in wf.train.runs}
+    assert runs["reference"].loss == "ce"
+    assert (runs["rho1-topk"].loss, runs["rho1-topk"].normalize) == ("weighted_ce", "weight")
+    excess = next(s for s in wf.scores if s.name == "excess")
+    assert excess.scorer == "excess_loss" and excess.options["cross_tokenizer"] is True
+    assert wf.holdout is not None and wf.eval_texts() == ["main", "heldout"]
+    assert len(wf.train.seeds) == (2 if name == "default.yaml" else 5)
