@@ -259,7 +259,8 @@ def test_hf_layout_loads_with_datasets(scored, tmp_path):
     res = export(root / "scores" / "causal_loss", out, "hf")
     assert res.exit_code == 0, res.output
 
-    ds = datasets.load_dataset(str(out), split="train")
+    # its own cache: datasets may reuse an earlier test run's cached copy of a directory named alike
+    ds = datasets.load_dataset(str(out), split="train", cache_dir=str(tmp_path / "hf-cache"))
     assert ds.features["input_ids"] == datasets.List(datasets.Value("uint16"))
     assert ds.features["weight"] == datasets.List(datasets.Value("float16"))
     rows, _ = expected(scored)
