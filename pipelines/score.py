@@ -34,7 +34,7 @@ from entroweight import __version__
 
 from .stage import ShardTask, Stage, StageError
 
-READ_ROWS = 256  # rows read, scored and written at a time (the scorer batches within)
+WRITE_ROWS = 256  # rows weighed and written at a time (the whole shard is scored first, see process)
 
 
 def parquet_options(weight_dtype: str, with_entropy: bool) -> dict:
@@ -97,7 +97,12 @@ class ScoreStage(Stage):
         weighting: WeighConfig | None = None,
         with_entropy: bool = True,
         tokenizer: str | None = None,
+        batch_tokens: int | None = None,
     ):
+        if batch_tokens is not None and batch_tokens < 1:
+            raise StageError(f"--batch-tokens must be at least 1, not {batch_tokens}")
+        #: token budget per forward (rows × width); None: the scorer's batch_size rows. Speed, not values
+        self.batch_tokens = batch_tokens
         self.data_dir = str(Path(data_dir).resolve())
         self.weighting = weighting or WeighConfig()
         self.with_entropy = with_entropy
@@ -200,43 +205,47 @@ class ScoreStage(Stage):
             meta["vocab_size"], meta.get("packed", False), self.weighting.dtype, self.with_entropy
         )
         schema = with_file_metadata(schema, self.file_metadata())
-        ids_type = schema.field("input_ids").type
         weight_type = schema.field("weight").type.value_type
         output = Path(inp.uri).name  # the input's part name
         self.scorer.reset_report()
-        rows = real = n_bytes = 0
+        self.scorer.reset_padding_counts()
+        n_bytes = 0
         start = time.perf_counter()
         options = parquet_options(self.weighting.dtype, self.with_entropy)
+        # the whole shard is planned at once: rows sorted by real length into token-budget batches,
+        # each cut to its longest real row, and the values put back in the shard's row order
+        table = source.read()
+        rows = table.num_rows
+        flat = pc.list_flatten(table.column("input_ids")).to_numpy(zero_copy_only=False)
+        ids = flat.reshape(rows, -1) if rows else np.zeros((0, int(meta["n_ctx"])), dtype=np.int64)
+        n_pad = table.column("n_pad").to_numpy().astype(np.int64)
         # rows as they are scored, not only when the shard ends (mininterval 0: a batch takes seconds)
         bar = tqdm(
-            total=source.metadata.num_rows,
-            unit="row",
-            desc=output,
-            leave=False,
-            mininterval=0,
-            disable=not self.row_progress,
+            total=rows, unit="row", desc=output, leave=False, mininterval=0, disable=not self.row_progress
         )
-        with bar, _WeightedWriter(Path(task.out_dir) / output, schema, options) as writer:
-            for batch in source.iter_batches(batch_size=READ_ROWS):
-                n = batch.num_rows
-                flat = pc.list_flatten(batch.column("input_ids")).to_numpy(zero_copy_only=False)
-                ids = flat.reshape(n, -1)
-                n_pad = batch.column("n_pad").to_numpy().astype(np.int64)
-                values = self.scorer.score(ids, n_pad)
-                weights = encode_weights(weigh(values, n_pad, self.weighting), self.weighting.dtype)
+        with bar:
+            self.scorer.set_batching(self.batch_tokens, bar.update)
+            try:
+                all_values = self.scorer.score(ids, n_pad)
+            finally:
+                self.scorer.set_batching(self.batch_tokens, None)
+        with _WeightedWriter(Path(task.out_dir) / output, schema, options) as writer:
+            for s in range(0, rows, WRITE_ROWS):
+                batch = table.slice(s, WRITE_ROWS)
+                values, pads = all_values[s : s + WRITE_ROWS], n_pad[s : s + WRITE_ROWS]
+                weights = encode_weights(weigh(values, pads, self.weighting), self.weighting.dtype)
                 arrays = [
-                    batch.column(name).cast(schema.field(name).type) for name in _sequence_columns(schema)
+                    batch.column(name).combine_chunks().cast(schema.field(name).type)
+                    for name in _sequence_columns(schema)
                 ]
-                arrays[schema.names.index("input_ids")] = batch.column("input_ids").cast(ids_type)
                 if self.with_entropy:
                     arrays.append(fixed_lists(values.astype(np.float32), pa.float32()))
                 arrays.append(fixed_lists(weights, weight_type))
                 writer.write(pa.RecordBatch.from_arrays(arrays, schema=schema))
-                rows += n
-                bar.update(n)
-                real += int(ids.size - n_pad.sum())
                 n_bytes += int(pc.sum(batch.column("n_bytes")).as_py() or 0)
             sha = writer.close()
+        real = int(ids.size - n_pad.sum())
+        computed, scored = self.scorer.padding_counts()
         seconds = time.perf_counter() - start
         return ShardManifest(
             shard=task.shard,
@@ -252,7 +261,14 @@ class ScoreStage(Stage):
             n_bytes=n_bytes,
             config_hash=self.config_hash,
             code_version=__version__,
-            extra={"scorer": self.scorer.name, "tokens_per_s": round(real / max(seconds, 1e-9), 1)}
+            extra={
+                "scorer": self.scorer.name,
+                "tokens_per_s": round(real / max(seconds, 1e-9), 1),
+                # of the row positions the forwards computed, the share that were padding (None: a
+                # scorer that batches its own way, e.g. cross_tokenizer's windows of text)
+                "pad_fraction": round(1 - scored / computed, 4) if computed else None,
+                "batch_tokens": self.batch_tokens,
+            }
             | self.scorer.report(),
         )
 

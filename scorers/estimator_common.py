@@ -107,6 +107,10 @@ class CheckpointScorer(Scorer):
     def vocab_size(self) -> int | None:
         return checkpoint_vocab(self._ckpt_config)
 
+    def batch_width(self, longest: int, T: int) -> int:
+        # every row is run at the model's width, however short (to_model_width)
+        return max(self.n_ctx, T)
+
     def setup(self, data_tokenizer=None) -> None:
         if self._model is None:
             self._model = load_model(self.checkpoint, self.device, self.options.get("allow_pickle", False))

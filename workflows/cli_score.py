@@ -80,6 +80,13 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
 @click.option("--drop-entropy", is_flag=True, help="Do not store the raw `entropy` column.")
 @click.option("--out", required=True, type=click.Path(file_okay=False))
 @click.option("--batch-size", type=int, default=None, help="Rows per forward pass (default: the scorer's).")
+@click.option(
+    "--batch-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Token budget per forward pass (rows × width, rows sorted by length over the whole shard); "
+    "instead of --batch-size. Speed and memory, not values.",
+)
 @click.option("--device", default=None, help="cpu | cuda | cuda:N (default cpu).")
 @click.option(
     "--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="Default: bf16 where native."
@@ -136,6 +143,7 @@ def score(
     drop_entropy,
     out,
     generic_options,
+    batch_tokens,
     **eng,
 ):
     """Score every token of DATA_DIR's shards, weigh it, write weighted parquet shards to --out."""
@@ -173,7 +181,7 @@ def score(
             invert=invert,
             dtype=weight_dtype,
         )
-        stage = ScoreStage(data_dir, scorer, options, weigh, not drop_entropy, tokenizer)
+        stage = ScoreStage(data_dir, scorer, options, weigh, not drop_entropy, tokenizer, batch_tokens)
         stage.row_progress = eng["engine"] == "local"
     except (ScorerError, StageError, ModelLoadError, CheckpointError, TokenizerError, ValueError) as e:
         _fail(str(e))
