@@ -98,7 +98,12 @@ class ScoreStage(Stage):
         with_entropy: bool = True,
         tokenizer: str | None = None,
         batch_tokens: int | None = None,
+        cpus_per_worker: int = 1,
     ):
+        if cpus_per_worker < 1:
+            raise StageError(f"--cpus-per-worker must be at least 1, not {cpus_per_worker}")
+        #: CPUs each worker asks for (its tokenizing/aligning/writing threads beside the model)
+        self.cpus_per_worker = cpus_per_worker
         if batch_tokens is not None and batch_tokens < 1:
             raise StageError(f"--batch-tokens must be at least 1, not {batch_tokens}")
         #: token budget per forward (rows × width); None: the scorer's batch_size rows. Speed, not values
@@ -164,7 +169,11 @@ class ScoreStage(Stage):
         self.scorer.setup(self._tok)
 
     def resources(self) -> dict[str, float]:
-        return {"num_cpus": 1, "num_gpus": 1 if self.scorer.device.startswith("cuda") else 0}
+        # one accelerator per worker: one model copy on each, never several on one
+        return {
+            "num_cpus": self.cpus_per_worker,
+            "num_gpus": 1 if self.scorer.device.startswith("cuda") else 0,
+        }
 
     def config(self) -> dict[str, Any]:
         # batch size and device change speed, not values (to float tolerance): not hashed
@@ -247,6 +256,8 @@ class ScoreStage(Stage):
         real = int(ids.size - n_pad.sum())
         computed, scored = self.scorer.padding_counts()
         seconds = time.perf_counter() - start
+        from entroweight.scorers.forward import resolved_device
+
         return ShardManifest(
             shard=task.shard,
             stage=self.name,
@@ -268,6 +279,9 @@ class ScoreStage(Stage):
                 # scorer that batches its own way, e.g. cross_tokenizer's windows of text)
                 "pad_fraction": round(1 - scored / computed, 4) if computed else None,
                 "batch_tokens": self.batch_tokens,
+                # resolved here, in the worker that ran the model (a driver may have no accelerator)
+                "device": resolved_device(self.scorer.device),
+                "dtype": getattr(self.scorer, "dtype", None),
             }
             | self.scorer.report(),
         )

@@ -103,10 +103,15 @@ def model_sha256(resolved: Path | str) -> str | None:
 
 
 def load_causal_lm(
-    resolved: Path | str, device: str = "cpu", allow_pickle: bool = False, trust_remote_code: bool = False
+    resolved: Path | str,
+    device: str = "cpu",
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    dtype: str = "fp32",
 ):
-    """The model in eval mode, fp32 weights (autocast handles bf16). Safetensors only unless `allow_pickle`;
-    a repository's own modelling code runs only with `trust_remote_code`."""
+    """The model in eval mode, weights in the compute `dtype` (bf16/fp16/fp32: no per-forward re-cast),
+    SDPA attention where the model has it. Safetensors only unless `allow_pickle`; a repository's own
+    modelling code runs only with `trust_remote_code`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -118,12 +123,15 @@ def load_causal_lm(
                 "loaded; convert them to safetensors, or pass --allow-pickle if you trust their source"
             )
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(resolved),
-            dtype=torch.float32,
+        kw = dict(
+            dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32),
             use_safetensors=None if allow_pickle else True,
             trust_remote_code=trust_remote_code,
         )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(resolved), attn_implementation="sdpa", **kw)
+        except ValueError:  # a model without SDPA support: its default attention
+            model = AutoModelForCausalLM.from_pretrained(str(resolved), **kw)
     except OSError as e:
         raise ModelLoadError(
             f"cannot load {resolved} ({e}); for a hub id, log in and download it first "

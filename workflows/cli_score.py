@@ -87,6 +87,13 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
     help="Token budget per forward pass (rows × width, rows sorted by length over the whole shard); "
     "instead of --batch-size. Speed and memory, not values.",
 )
+@click.option(
+    "--cpus-per-worker",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="CPUs each worker asks the engine for (its reading, tokenizing and writing beside the model).",
+)
 @click.option("--device", default=None, help="cpu | cuda | cuda:N (default cpu).")
 @click.option(
     "--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="Default: bf16 where native."
@@ -144,6 +151,7 @@ def score(
     out,
     generic_options,
     batch_tokens,
+    cpus_per_worker,
     **eng,
 ):
     """Score every token of DATA_DIR's shards, weigh it, write weighted parquet shards to --out."""
@@ -181,7 +189,9 @@ def score(
             invert=invert,
             dtype=weight_dtype,
         )
-        stage = ScoreStage(data_dir, scorer, options, weigh, not drop_entropy, tokenizer, batch_tokens)
+        stage = ScoreStage(
+            data_dir, scorer, options, weigh, not drop_entropy, tokenizer, batch_tokens, cpus_per_worker
+        )
         stage.row_progress = eng["engine"] == "local"
     except (ScorerError, StageError, ModelLoadError, CheckpointError, TokenizerError, ValueError) as e:
         _fail(str(e))
