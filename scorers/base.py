@@ -73,7 +73,7 @@ class ScorerOptions(BaseModel):
 class ModelOptions(ScorerOptions):
     """A scorer that runs a torch model."""
 
-    dtype: Literal["bf16", "fp32"] | None = Field(
+    dtype: Literal["bf16", "fp16", "fp32"] | None = Field(
         None, description="Compute dtype (default: bf16 where native)."
     )
     allow_pickle: bool = Field(

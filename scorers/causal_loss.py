@@ -69,6 +69,8 @@ class CausalLossScorer(Scorer):
         else:
             self._resolved = hf.resolve_model(model)
             self._ckpt_config = None
+        # a hub model is pinned to the commit it had when the run was planned (workers load that one)
+        self.revision = hf.hub_revision(model) if isinstance(self._resolved, str) else None
 
     # -- driver side (cheap)
     def config(self) -> dict[str, Any]:
@@ -83,6 +85,7 @@ class CausalLossScorer(Scorer):
             "scorer": self.name,
             "model": self.model_spec if isinstance(self._resolved, str) else Path(self.model_spec).name,
             "model_sha256": hf.model_sha256(self._resolved),
+            **({"model_revision": self.revision} if isinstance(self._resolved, str) else {}),
             "dtype": self.dtype_option,
         }
 
@@ -137,7 +140,11 @@ class CausalLossScorer(Scorer):
             self._start = None
         else:
             self._model = hf.load_causal_lm(
-                self._resolved, self.device, dtype=self.dtype, **hf.load_options(self.options)
+                self._resolved,
+                self.device,
+                dtype=self.dtype,
+                revision=self.revision,
+                **hf.load_options(self.options),
             )
             _, self._start = hf.load_model_tokenizer(self._resolved)
 

@@ -162,3 +162,18 @@ def test_weights_load_in_the_compute_dtype(which, hf_model, ours, tokenized_dir,
     extra = read_manifests(tmp_path / "out")[0].extra
     assert extra["device"] == "cpu" and extra["dtype"] in ("bf16", "fp32")
     assert read_file_metadata(next((tmp_path / "out").glob("part-*.parquet")))["dtype"] == "auto"
+
+
+def test_a_hub_model_is_pinned_to_its_commit(tmp_path, monkeypatch):
+    """Offline here: the revision comes from the local hub cache's main ref, into the stage config."""
+    from entroweight.scorers import make_scorer
+    from huggingface_hub import constants
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    ref = tmp_path / "models--meta-llama--Llama-3.2-1B" / "refs" / "main"
+    ref.parent.mkdir(parents=True)
+    ref.write_text(sha)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    s = make_scorer("causal_loss", model="meta-llama/Llama-3.2-1B", dtype="fp32")
+    assert s.config()["model_revision"] == sha and s.revision == sha

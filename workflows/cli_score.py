@@ -96,7 +96,7 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
 )
 @click.option("--device", default=None, help="cpu | cuda | cuda:N (default cpu).")
 @click.option(
-    "--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="Default: bf16 where native."
+    "--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="Default: bf16 where native."
 )
 @click.option("--context", type=int, default=None, help="cross_tokenizer: model tokens per window (2048).")
 @click.option("--stride", type=int, default=None, help="cross_tokenizer: new tokens per later window.")
