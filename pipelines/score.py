@@ -9,6 +9,7 @@ not the one the scorer reads is refused before any work.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,11 @@ from entroweight import __version__
 
 from .stage import ShardTask, Stage, StageError
 
-WRITE_ROWS = 256  # rows weighed and written at a time (the whole shard is scored first, see process)
+WRITE_ROWS = 256  # rows weighed and written at a time
+# rows planned and scored together: the whole shard up to this (batches sorted by length over all of
+# it), else segments of it in shard order, so that memory stays bounded and the writer thread weighs
+# and writes one segment while the next is scored
+SEGMENT_ROWS = 16384
 
 
 def parquet_options(weight_dtype: str, with_entropy: bool) -> dict:
@@ -221,37 +226,50 @@ class ScoreStage(Stage):
         n_bytes = 0
         start = time.perf_counter()
         options = parquet_options(self.weighting.dtype, self.with_entropy)
-        # the whole shard is planned at once: rows sorted by real length into token-budget batches,
-        # each cut to its longest real row, and the values put back in the shard's row order
+        # the shard's rows are planned at once (up to SEGMENT_ROWS): sorted by real length into
+        # token-budget batches, each cut to its longest real row, values put back in row order
         table = source.read()
         rows = table.num_rows
         flat = pc.list_flatten(table.column("input_ids")).to_numpy(zero_copy_only=False)
         ids = flat.reshape(rows, -1) if rows else np.zeros((0, int(meta["n_ctx"])), dtype=np.int64)
         n_pad = table.column("n_pad").to_numpy().astype(np.int64)
-        # rows as they are scored, not only when the shard ends (mininterval 0: a batch takes seconds)
-        bar = tqdm(
-            total=rows, unit="row", desc=output, leave=False, mininterval=0, disable=not self.row_progress
-        )
-        with bar:
-            self.scorer.set_batching(self.batch_tokens, bar.update)
-            try:
-                all_values = self.scorer.score(ids, n_pad)
-            finally:
-                self.scorer.set_batching(self.batch_tokens, None)
-        with _WeightedWriter(Path(task.out_dir) / output, schema, options) as writer:
-            for s in range(0, rows, WRITE_ROWS):
-                batch = table.slice(s, WRITE_ROWS)
-                values, pads = all_values[s : s + WRITE_ROWS], n_pad[s : s + WRITE_ROWS]
-                weights = encode_weights(weigh(values, pads, self.weighting), self.weighting.dtype)
+
+        def write(writer, s: int, values: np.ndarray) -> int:
+            """Weigh and write rows s.. of the shard (on the writer thread); returns their bytes."""
+            n_bytes = 0
+            for a in range(0, len(values), WRITE_ROWS):
+                v = values[a : a + WRITE_ROWS]
+                batch, pads = table.slice(s + a, len(v)), n_pad[s + a : s + a + len(v)]
+                weights = encode_weights(weigh(v, pads, self.weighting), self.weighting.dtype)
                 arrays = [
                     batch.column(name).combine_chunks().cast(schema.field(name).type)
                     for name in _sequence_columns(schema)
                 ]
                 if self.with_entropy:
-                    arrays.append(fixed_lists(values.astype(np.float32), pa.float32()))
+                    arrays.append(fixed_lists(v.astype(np.float32), pa.float32()))
                 arrays.append(fixed_lists(weights, weight_type))
                 writer.write(pa.RecordBatch.from_arrays(arrays, schema=schema))
                 n_bytes += int(pc.sum(batch.column("n_bytes")).as_py() or 0)
+            return n_bytes
+
+        # rows as they are scored, not only when the shard ends (mininterval 0: a batch takes seconds)
+        bar = tqdm(
+            total=rows, unit="row", desc=output, leave=False, mininterval=0, disable=not self.row_progress
+        )
+        path = Path(task.out_dir) / output
+        with bar, _WeightedWriter(path, schema, options) as writer, ThreadPoolExecutor(1) as pool:
+            self.scorer.set_batching(self.batch_tokens, bar.update)
+            pending = None  # the previous segment's write: at most one in flight, in shard order
+            try:
+                for s in range(0, rows, SEGMENT_ROWS):
+                    values = self.scorer.score(ids[s : s + SEGMENT_ROWS], n_pad[s : s + SEGMENT_ROWS])
+                    if pending is not None:
+                        n_bytes += pending.result()
+                    pending = pool.submit(write, writer, s, values)
+                if pending is not None:
+                    n_bytes += pending.result()
+            finally:
+                self.scorer.set_batching(self.batch_tokens, None)
             sha = writer.close()
         real = int(ids.size - n_pad.sum())
         computed, scored = self.scorer.padding_counts()

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar, Literal
 
 import numpy as np
+from entroweight.transforms.prefetch import prefetch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
@@ -149,10 +150,14 @@ class Scorer(ABC):
         out = np.zeros((B, T), dtype=np.float32)
         lengths = T - n_pad
         plan = plan_batches(lengths, lambda n: self.batch_width(n, T), self.batch_size, self.batch_tokens)
-        for idx, width in plan:
-            cut = min(width, T)  # columns of the input this batch reads (a model may widen it further)
-            values = self.score_batch(input_ids[idx, T - cut :], n_pad[idx] - (T - cut))
-            out[idx, T - cut :] = values
+
+        def batches():  # gathered on a background thread while the model runs the previous batch
+            for idx, width in plan:
+                cut = min(width, T)  # columns of the input this batch reads (a model may widen it)
+                yield idx, width, cut, np.ascontiguousarray(input_ids[idx, T - cut :]), n_pad[idx] - (T - cut)
+
+        for idx, width, cut, ids, pads in prefetch(batches()):
+            out[idx, T - cut :] = self.score_batch(ids, pads)
             self.computed_tokens += len(idx) * width
             self.real_tokens += int(lengths[idx].sum())
             if self.on_rows is not None:

@@ -194,3 +194,27 @@ def test_cli_batch_tokens(tmp_path, data, checkpoints, rows):
     assert extra["pad_fraction"] == pytest.approx(rows[1].sum() / rows[0].size, abs=1e-4)
     r = CliRunner().invoke(main, [*args, "--batch-tokens", "0", "--out", str(tmp_path / "no")])
     assert r.exit_code == 2 and "--batch-tokens" in r.output and not (tmp_path / "no").exists()
+
+
+def test_segments_scored_while_the_previous_one_is_written_keep_the_row_order(
+    tmp_path, data, checkpoints, monkeypatch
+):
+    """A shard wider than SEGMENT_ROWS is scored segment by segment (the writer thread weighs and
+    writes one while the next is scored): the same file as one segment."""
+    from entroweight.pipelines import score as score_module
+
+    options = {"model": checkpoints["hf"], "dtype": "fp32"}
+    run_stage(ScoreStage(data, "causal_loss", options, batch_tokens=BUDGET), tmp_path / "one", progress=False)
+    monkeypatch.setattr(score_module, "SEGMENT_ROWS", 5)
+    monkeypatch.setattr(score_module, "WRITE_ROWS", 2)
+    run_stage(ScoreStage(data, "causal_loss", options, batch_tokens=BUDGET), tmp_path / "seg", progress=False)
+    one, seg = (pq.read_table(next((tmp_path / d).glob("part-*.parquet"))) for d in ("one", "seg"))
+    assert one.num_rows == seg.num_rows == 16
+    for name in ("input_ids", "n_pad", "weight"):
+        assert one.column(name).to_pylist() == seg.column(name).to_pylist()
+    np.testing.assert_allclose(
+        np.stack(seg.column("entropy").to_numpy(zero_copy_only=False)),
+        np.stack(one.column("entropy").to_numpy(zero_copy_only=False)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
