@@ -40,6 +40,7 @@ WRITE_ROWS = 256  # rows weighed and written at a time
 # it), else segments of it in shard order, so that memory stays bounded and the writer thread weighs
 # and writes one segment while the next is scored
 SEGMENT_ROWS = 16384
+READ_ROWS = 256  # the segment of a scorer that batches its own way (nothing to plan over the shard)
 
 
 def parquet_options(weight_dtype: str, with_entropy: bool) -> dict:
@@ -260,9 +261,11 @@ class ScoreStage(Stage):
         with bar, _WeightedWriter(path, schema, options) as writer, ThreadPoolExecutor(1) as pool:
             self.scorer.set_batching(self.batch_tokens, bar.update)
             pending = None  # the previous segment's write: at most one in flight, in shard order
+            step = self._segment_rows()
             try:
-                for s in range(0, rows, SEGMENT_ROWS):
-                    values = self.scorer.score(ids[s : s + SEGMENT_ROWS], n_pad[s : s + SEGMENT_ROWS])
+                for s in range(0, rows, step):
+                    values = self.scorer.score(ids[s : s + step], n_pad[s : s + step])
+                    bar.update(s + len(values) - bar.n)  # for scorers that report no batches
                     if pending is not None:
                         n_bytes += pending.result()
                     pending = pool.submit(write, writer, s, values)
@@ -303,6 +306,13 @@ class ScoreStage(Stage):
             }
             | self.scorer.report(),
         )
+
+    def _segment_rows(self) -> int:
+        """A scorer whose rows go through `plan_batches` (Scorer.score, or scorers made of such) is
+        planned over the whole shard; one that batches its own way (cross_tokenizer's windows of
+        text) is given the shard 256 rows at a time, so its progress and memory stay as they were."""
+        s = self.scorer
+        return SEGMENT_ROWS if type(s).score is Scorer.score or s.parts() else READ_ROWS
 
 
 def _sequence_columns(schema: pa.Schema) -> list[str]:
