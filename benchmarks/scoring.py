@@ -233,8 +233,15 @@ def _column_bytes(path: Path, column: str) -> int:
 def run(quick: bool = False) -> list[dict]:
     from entroweight.transforms.tokenizer import load_tokenizer
 
+    from . import scoring_path
+
     torch.manual_seed(0)
-    spec = _model_spec()
+    # the whole shard path per scorer (random models: needs nothing installed)
+    path_rows = scoring_path.run(quick)
+    try:
+        spec = _model_spec()
+    except RuntimeError as e:  # SmolLM2 not installed: the path rows still count
+        return path_rows + [row("score", "SmolLM2 rows skipped", float("nan"), note=str(e))]
     texts = c4_texts()
     rounds = 2 if quick else 3
     threads = torch.get_num_threads()
@@ -251,6 +258,7 @@ def run(quick: bool = False) -> list[dict]:
                 rows += bench_storage(8, spec, scorer._model)
     finally:
         torch.set_num_threads(threads)
+    rows = path_rows + rows
     rows.append(
         row(
             "score",

@@ -56,15 +56,24 @@ def _dofn():
     """The DoFn class, built on first use so that importing this module does not import Beam."""
     beam = _import_beam()
 
+    from apache_beam.utils import shared
+
     class RunShardFn(beam.DoFn):
         def __init__(self, stage: Stage, threads: int | None):
             self.stage = stage
             self.threads = threads
+            # one loaded stage (one model copy) per worker process, whatever the DoFn threads there:
+            # the mechanism RunInference uses for large models
+            self._shared = shared.Shared()
 
         def setup(self):
             if self.threads:
                 _limit_threads(self.threads)
+            self.stage = self._shared.acquire(self._loaded)
+
+        def _loaded(self) -> Stage:
             self.stage.setup()
+            return self.stage
 
         def process(self, line: str):
             yield json.dumps(asdict(run_task(self.stage, task_from_json(line))))
@@ -115,6 +124,17 @@ def build_runner(options: dict, workers: int | None):
     return runner, PipelineOptions.from_dictionary(opts), threads
 
 
+# the resource hint of a stage that needs a GPU (Dataflow's syntax; `--engine-option accelerator=...`)
+DEFAULT_ACCELERATOR = "type:nvidia-l4;count:1;install-nvidia-driver"
+
+
+def with_hints(transform, stage: Stage, accelerator: str):
+    """The shard transform with a hint requesting one accelerator when the stage runs on one."""
+    if stage.resources().get("num_gpus"):
+        return transform.with_resource_hints(accelerator=accelerator)
+    return transform
+
+
 def results_root(plan: RunPlan, options: dict) -> str:
     """Where workers write results: the run's temp_location if given (gs://...), else the output dir."""
     temp = (options or {}).get("temp_location") or (options or {}).get("temp-location")
@@ -131,6 +151,7 @@ def run_beam(
 
     _quiet_beam()
     options = dict(options or {})
+    accelerator = options.pop("accelerator", DEFAULT_ACCELERATOR)
     runner, pipeline_options, threads = build_runner(options, workers)
     root = results_root(plan, options)
     _remove_tree(root)  # a killed run's leftovers; the driver holds the directory's lock
@@ -150,7 +171,7 @@ def run_beam(
                 p
                 | "Shards" >> beam.io.ReadFromText(tasks_file)
                 | "Spread" >> beam.Reshuffle()
-                | "RunShard" >> beam.ParDo(_dofn()(plan.stage, threads))
+                | "RunShard" >> with_hints(beam.ParDo(_dofn()(plan.stage, threads)), plan.stage, accelerator)
                 | "Results" >> beam.io.WriteToText(prefix, file_name_suffix=".jsonl")
             )
     except Exception as e:  # the runner itself failed: shards without a manifest are reported failed

@@ -21,6 +21,18 @@ from tqdm.auto import tqdm
 from .stage import RunPlan, ShardResult, Stage, StageError, reconcile_results, run_task
 
 IN_FLIGHT_PER_ACTOR = 2  # one running, one queued: no idle gap between shards, little memory
+# an actor lost with its node (preemption) restarts elsewhere and its shard runs again: shard outputs
+# are written atomically, so a retried shard is the same shard; -1 would retry forever
+MAX_RESTARTS = 3
+MAX_TASK_RETRIES = 3
+
+
+def actor_options(resources: dict[str, float]) -> dict:
+    """What each actor asks Ray for: the stage's resources (a scoring stage on CUDA: one GPU per actor,
+    so one model per accelerator) and how it survives a lost node."""
+    return {**resources, "max_restarts": MAX_RESTARTS, "max_task_retries": MAX_TASK_RETRIES}
+
+
 QUIET_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",  # no phone-home (offline machines, CI)
     "RAY_DEDUP_LOGS": "0",
@@ -121,7 +133,7 @@ def _run(ray, plan: RunPlan, workers: int | None, progress: bool, embedded: bool
     if embedded and workers:
         # our own Ray on this machine: the actors share its cores (a stage's thread pools use them)
         resources["num_cpus"] = max(resources.get("num_cpus", 1), _machine_cpus() // n)
-    actor_cls = ray.remote(ShardWorker).options(**resources, max_restarts=0)
+    actor_cls = ray.remote(ShardWorker).options(**actor_options(resources))
     stage_ref = ray.put(stage)  # pickled once (heavy state dropped), shared by all actors
     env = actor_env(resources)
     actors = [actor_cls.remote(stage_ref, env) for _ in range(n)]

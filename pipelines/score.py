@@ -9,6 +9,7 @@ not the one the scorer reads is refused before any work.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,12 @@ from entroweight.transforms.writer import PARQUET_OPTIONS, AtomicParquetWriter
 
 from .stage import ShardTask, Stage, StageError
 
-READ_ROWS = 256  # rows read, scored and written at a time (the scorer batches within)
+WRITE_ROWS = 256  # rows weighed and written at a time
+# rows planned and scored together: the whole shard up to this (batches sorted by length over all of
+# it), else segments of it in shard order, so that memory stays bounded and the writer thread weighs
+# and writes one segment while the next is scored
+SEGMENT_ROWS = 16384
+READ_ROWS = 256  # the segment of a scorer that batches its own way (nothing to plan over the shard)
 
 
 def parquet_options(weight_dtype: str, with_entropy: bool) -> dict:
@@ -97,7 +103,17 @@ class ScoreStage(Stage):
         weighting: WeighConfig | None = None,
         with_entropy: bool = True,
         tokenizer: str | None = None,
+        batch_tokens: int | None = None,
+        cpus_per_worker: int = 1,
     ):
+        if cpus_per_worker < 1:
+            raise StageError(f"--cpus-per-worker must be at least 1, not {cpus_per_worker}")
+        #: CPUs each worker asks for (its tokenizing/aligning/writing threads beside the model)
+        self.cpus_per_worker = cpus_per_worker
+        if batch_tokens is not None and batch_tokens < 1:
+            raise StageError(f"--batch-tokens must be at least 1, not {batch_tokens}")
+        #: token budget per forward (rows × width); None: the scorer's batch_size rows. Speed, not values
+        self.batch_tokens = batch_tokens
         self.data_dir = str(Path(data_dir).resolve())
         self.weighting = weighting or WeighConfig()
         self.with_entropy = with_entropy
@@ -160,7 +176,11 @@ class ScoreStage(Stage):
             carry_tokenizer(self.tokenizer_path, out_dir)
 
     def resources(self) -> dict[str, float]:
-        return {"num_cpus": 1, "num_gpus": 1 if self.scorer.device.startswith("cuda") else 0}
+        # one accelerator per worker: one model copy on each, never several on one
+        return {
+            "num_cpus": self.cpus_per_worker,
+            "num_gpus": 1 if self.scorer.device.startswith("cuda") else 0,
+        }
 
     def config(self) -> dict[str, Any]:
         # batch size and device change speed, not values (to float tolerance): not hashed
@@ -202,49 +222,70 @@ class ScoreStage(Stage):
             meta["vocab_size"], meta.get("packed", False), self.weighting.dtype, self.with_entropy
         )
         schema = with_file_metadata(schema, self.file_metadata())
-        ids_type = schema.field("input_ids").type
         weight_type = schema.field("weight").type.value_type
         output = Path(inp.uri).name  # the input's part name
         self.scorer.reset_report()
-        rows = real = n_bytes = 0
+        self.scorer.reset_padding_counts()
+        n_bytes = 0
         start = time.perf_counter()
         options = parquet_options(self.weighting.dtype, self.with_entropy)
-        # rows as they are scored, not only when the shard ends (mininterval 0: a batch takes seconds)
-        bar = tqdm(
-            total=source.metadata.num_rows,
-            unit="row",
-            desc=output,
-            leave=False,
-            mininterval=0,
-            disable=not self.row_progress,
-        )
-        with bar, _WeightedWriter(Path(task.out_dir) / output, schema, options) as writer:
-            for batch in source.iter_batches(batch_size=READ_ROWS):
-                n = batch.num_rows
-                flat = pc.list_flatten(batch.column("input_ids")).to_numpy(zero_copy_only=False)
-                ids = flat.reshape(n, -1)
-                n_pad = batch.column("n_pad").to_numpy().astype(np.int64)
-                values = self.scorer.score(ids, n_pad)
-                try:
-                    exclude = self.scorer.excluded(ids, n_pad)
-                    w = weigh(values, n_pad, self.weighting, first_row=rows, exclude=exclude)
+        # the shard's rows are planned at once (up to SEGMENT_ROWS): sorted by real length into
+        # token-budget batches, each cut to its longest real row, values put back in row order
+        table = source.read()
+        rows = table.num_rows
+        flat = pc.list_flatten(table.column("input_ids")).to_numpy(zero_copy_only=False)
+        ids = flat.reshape(rows, -1) if rows else np.zeros((0, int(meta["n_ctx"])), dtype=np.int64)
+        n_pad = table.column("n_pad").to_numpy().astype(np.int64)
+
+        def write(writer, s: int, values: np.ndarray) -> int:
+            """Weigh and write rows s.. of the shard (on the writer thread); returns their bytes."""
+            n_bytes = 0
+            for a in range(0, len(values), WRITE_ROWS):
+                v = values[a : a + WRITE_ROWS]
+                batch, pads = table.slice(s + a, len(v)), n_pad[s + a : s + a + len(v)]
+                try:  # a NaN or inf value is refused with its rows, never given a weight
+                    exclude = self.scorer.excluded(ids[s + a : s + a + len(v)], pads)
+                    w = weigh(v, pads, self.weighting, first_row=s + a, exclude=exclude)
                 except NonFiniteScores as e:
                     raise NonFiniteScores(f"{inp.uri}: {e}") from None
                 weights = encode_weights(w, self.weighting.dtype)
                 arrays = [
-                    batch.column(name).cast(schema.field(name).type) for name in _sequence_columns(schema)
+                    batch.column(name).combine_chunks().cast(schema.field(name).type)
+                    for name in _sequence_columns(schema)
                 ]
-                arrays[schema.names.index("input_ids")] = batch.column("input_ids").cast(ids_type)
                 if self.with_entropy:
-                    arrays.append(fixed_lists(values.astype(np.float32), pa.float32()))
+                    arrays.append(fixed_lists(v.astype(np.float32), pa.float32()))
                 arrays.append(fixed_lists(weights, weight_type))
                 writer.write(pa.RecordBatch.from_arrays(arrays, schema=schema))
-                rows += n
-                bar.update(n)
-                real += int(ids.size - n_pad.sum())
                 n_bytes += int(pc.sum(batch.column("n_bytes")).as_py() or 0)
+            return n_bytes
+
+        # rows as they are scored, not only when the shard ends (mininterval 0: a batch takes seconds)
+        bar = tqdm(
+            total=rows, unit="row", desc=output, leave=False, mininterval=0, disable=not self.row_progress
+        )
+        path = Path(task.out_dir) / output
+        with bar, _WeightedWriter(path, schema, options) as writer, ThreadPoolExecutor(1) as pool:
+            self.scorer.set_batching(self.batch_tokens, bar.update)
+            pending = None  # the previous segment's write: at most one in flight, in shard order
+            step = self._segment_rows()
+            try:
+                for s in range(0, rows, step):
+                    values = self.scorer.score(ids[s : s + step], n_pad[s : s + step])
+                    bar.update(s + len(values) - bar.n)  # for scorers that report no batches
+                    if pending is not None:
+                        n_bytes += pending.result()
+                    pending = pool.submit(write, writer, s, values)
+                if pending is not None:
+                    n_bytes += pending.result()
+            finally:
+                self.scorer.set_batching(self.batch_tokens, None)
             sha = writer.close()
+        real = int(ids.size - n_pad.sum())
+        computed, scored = self.scorer.padding_counts()
         seconds = time.perf_counter() - start
+        from entroweight.scorers.forward import resolved_device
+
         return ShardManifest(
             shard=task.shard,
             stage=self.name,
@@ -259,9 +300,26 @@ class ScoreStage(Stage):
             n_bytes=n_bytes,
             config_hash=self.config_hash,
             code_version=__version__,
-            extra={"scorer": self.scorer.name, "tokens_per_s": round(real / max(seconds, 1e-9), 1)}
+            extra={
+                "scorer": self.scorer.name,
+                "tokens_per_s": round(real / max(seconds, 1e-9), 1),
+                # of the row positions the forwards computed, the share that were padding (None: a
+                # scorer that batches its own way, e.g. cross_tokenizer's windows of text)
+                "pad_fraction": round(1 - scored / computed, 4) if computed else None,
+                "batch_tokens": self.batch_tokens,
+                # resolved here, in the worker that ran the model (a driver may have no accelerator)
+                "device": resolved_device(self.scorer.device),
+                "dtype": getattr(self.scorer, "dtype", None),
+            }
             | self.scorer.report(),
         )
+
+    def _segment_rows(self) -> int:
+        """A scorer whose rows go through `plan_batches` (Scorer.score, or scorers made of such) is
+        planned over the whole shard; one that batches its own way (cross_tokenizer's windows of
+        text) is given the shard 256 rows at a time, so its progress and memory stay as they were."""
+        s = self.scorer
+        return SEGMENT_ROWS if type(s).score is Scorer.score or s.parts() else READ_ROWS
 
 
 def _sequence_columns(schema: pa.Schema) -> list[str]:

@@ -18,6 +18,8 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from entroweight.transforms.prefetch import prefetch
+
 
 class ScorerError(ValueError):
     """A scorer that cannot run on this input or with these options; the message says what to do."""
@@ -73,7 +75,7 @@ class ScorerOptions(BaseModel):
 class ModelOptions(ScorerOptions):
     """A scorer that runs a torch model."""
 
-    dtype: Literal["bf16", "fp32"] | None = Field(
+    dtype: Literal["bf16", "fp16", "fp32"] | None = Field(
         None, description="Compute dtype (default: bf16 where native)."
     )
     allow_pickle: bool = Field(
@@ -144,17 +146,66 @@ class Scorer(ABC):
         raise NotImplementedError
 
     def score(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
-        """(B, T) left-padded ids -> (B, T) float32 in the input order; pads 0."""
+        """(B, T) left-padded ids -> (B, T) float32 in the input order; pads 0. The rows are batched
+        by `plan_batches` (sorted by real length; a token budget when `batch_tokens` is set), each
+        batch cut to its widest real row where the model allows it (`cut_padding`)."""
         input_ids, n_pad = np.asarray(input_ids), np.asarray(n_pad)
         B, T = input_ids.shape
         out = np.zeros((B, T), dtype=np.float32)
         lengths = T - n_pad
-        for idx in length_buckets(lengths, self.batch_size):
-            width = max(int(lengths[idx].max()), 1) if self.cut_padding else T
-            values = self.score_batch(input_ids[idx, T - width :], n_pad[idx] - (T - width))
-            out[idx, T - width :] = values
+        plan = plan_batches(lengths, lambda n: self.batch_width(n, T), self.batch_size, self.batch_tokens)
+
+        def batches():  # gathered on a background thread while the model runs the previous batch
+            for idx, width in plan:
+                cut = min(width, T)  # columns of the input this batch reads (a model may widen it)
+                yield idx, width, cut, np.ascontiguousarray(input_ids[idx, T - cut :]), n_pad[idx] - (T - cut)
+
+        for idx, width, cut, ids, pads in prefetch(batches()):
+            out[idx, T - cut :] = self.score_batch(ids, pads)
+            self.computed_tokens += len(idx) * width
+            self.real_tokens += int(lengths[idx].sum())
+            if self.on_rows is not None:
+                self.on_rows(len(idx))
         out[np.arange(T)[None, :] < n_pad[:, None]] = 0.0
         return out
+
+    def batch_width(self, longest: int, T: int) -> int:
+        """Positions a forward computes per row for a batch whose longest real row is `longest` (of
+        width T): that row's length when padding is cut, else the whole row (a model may widen it)."""
+        return max(longest, 1) if self.cut_padding else T
+
+    #: a token budget per forward (rows × width), set by the stage (`score --batch-tokens`); None:
+    #: `batch_size` rows per forward. Either way batches change speed, not values.
+    batch_tokens: int | None = None
+    #: positions computed / real tokens scored since `reset_report` (the stage reports the pad fraction)
+    computed_tokens: int = 0
+    real_tokens: int = 0
+    #: called with the number of rows after each batch (a progress bar)
+    on_rows = None
+
+    def set_batching(self, batch_tokens: int | None, on_rows=None) -> None:
+        """The token budget and progress hook, for this scorer and the scorers it is made of
+        (excess_loss scores with two)."""
+        self.batch_tokens, self.on_rows = batch_tokens, on_rows
+        for part in self.parts():
+            part.set_batching(batch_tokens, None)
+
+    def parts(self) -> list[Scorer]:
+        """The scorers this one delegates to (found among its attributes)."""
+        return [v for v in vars(self).values() if isinstance(v, Scorer)]
+
+    def padding_counts(self) -> tuple[int, int]:
+        """(positions computed, real tokens scored), this scorer's and its parts'."""
+        computed, real = self.computed_tokens, self.real_tokens
+        for part in self.parts():
+            c, r = part.padding_counts()
+            computed, real = computed + c, real + r
+        return computed, real
+
+    def reset_padding_counts(self) -> None:
+        self.computed_tokens = self.real_tokens = 0
+        for part in self.parts():
+            part.reset_padding_counts()
 
     #: cut left padding to the batch's longest row; a model that attends to pads must keep them
     cut_padding: bool = True
@@ -193,6 +244,28 @@ def length_buckets(lengths: np.ndarray, batch_size: int) -> Iterator[np.ndarray]
     order = np.argsort(-np.asarray(lengths), kind="stable")
     for start in range(0, len(order), batch_size):
         yield order[start : start + batch_size]
+
+
+def plan_batches(
+    lengths: np.ndarray, width_of, batch_size: int, batch_tokens: int | None = None
+) -> list[tuple[np.ndarray, int]]:
+    """(row indices, width) per forward: rows sorted by real length, longest first (a stable sort keeps
+    ties in order), so each batch is as wide as its first row (`width_of(its length)`). With
+    `batch_tokens`, a batch takes rows while rows × width stays within it (at least one row);
+    without, `batch_size` rows."""
+    lengths = np.asarray(lengths)
+    if batch_tokens is None:
+        return [(idx, width_of(int(lengths[idx[0]]))) for idx in length_buckets(lengths, batch_size)]
+    if batch_tokens < 1:
+        raise ScorerError(f"--batch-tokens must be at least 1, not {batch_tokens}")
+    order = np.argsort(-lengths, kind="stable")
+    plan, start = [], 0
+    while start < len(order):
+        width = width_of(int(lengths[order[start]]))
+        n = max(1, batch_tokens // max(width, 1))
+        plan.append((order[start : start + n], width))
+        start += n
+    return plan
 
 
 def fill_first_token(values: np.ndarray, n_pad: np.ndarray, has_context: np.ndarray) -> None:

@@ -18,7 +18,15 @@ from pydantic import Field, model_validator
 from . import hf
 from .base import HFModelOptions, Scorer, ScorerError, fill_first_token
 from .estimator_common import checkpoint_vocab
-from .forward import autocast, chunked_ce, hf_token_losses, resolve_dtype, with_start_token
+from .forward import (
+    autocast,
+    check_dtype,
+    chunked_ce,
+    hf_token_losses,
+    resolve_dtype,
+    to_compute_dtype,
+    with_start_token,
+)
 
 ONE_MODEL = "give exactly one of --model (HF id, directory or .gguf) or --checkpoint (ours)"
 
@@ -49,7 +57,9 @@ class CausalLossScorer(Scorer):
         if (model is None) == (checkpoint is None):
             raise ScorerError(ONE_MODEL)
         self.model_spec, self.checkpoint = model, checkpoint
-        self.dtype = resolve_dtype(dtype, device)
+        # what was asked ('auto' included) is the config; the worker resolves it in setup()
+        self.dtype_option = check_dtype(dtype)
+        self.dtype = None
         self._model = None
         if checkpoint is not None:
             from entroweight.models.checkpoint import read_checkpoint_config
@@ -59,6 +69,8 @@ class CausalLossScorer(Scorer):
         else:
             self._resolved = hf.resolve_model(model)
             self._ckpt_config = None
+        # a hub model is pinned to the commit it had when the run was planned (workers load that one)
+        self.revision = hf.hub_revision(model) if isinstance(self._resolved, str) else None
 
     # -- driver side (cheap)
     def config(self) -> dict[str, Any]:
@@ -67,13 +79,14 @@ class CausalLossScorer(Scorer):
                 "scorer": self.name,
                 "checkpoint": Path(self.checkpoint).name,
                 "checkpoint_sha256": self._ckpt_config.get("weights_sha256"),
-                "dtype": self.dtype,
+                "dtype": self.dtype_option,
             }
         return {
             "scorer": self.name,
             "model": self.model_spec if isinstance(self._resolved, str) else Path(self.model_spec).name,
             "model_sha256": hf.model_sha256(self._resolved),
-            "dtype": self.dtype,
+            **({"model_revision": self.revision} if isinstance(self._resolved, str) else {}),
+            "dtype": self.dtype_option,
         }
 
     def vocab_size(self) -> int | None:
@@ -112,6 +125,7 @@ class CausalLossScorer(Scorer):
     def setup(self, data_tokenizer=None) -> None:
         if self._model is not None:
             return
+        self.dtype = resolve_dtype(self.dtype_option, self.device)  # here, where the model runs
         if self.checkpoint is not None:
             from entroweight.models.checkpoint import load_checkpoint
 
@@ -120,11 +134,18 @@ class CausalLossScorer(Scorer):
                 map_location=self.device,
                 allow_pickle=self.options.get("allow_pickle", False),
             )
+            to_compute_dtype(self._model, self.dtype)
             # our models read no attention mask: they see the left padding they were trained on
             self.cut_padding = "attention_mask" in inspect.signature(self._model.forward).parameters
             self._start = None
         else:
-            self._model = hf.load_causal_lm(self._resolved, self.device, **hf.load_options(self.options))
+            self._model = hf.load_causal_lm(
+                self._resolved,
+                self.device,
+                dtype=self.dtype,
+                revision=self.revision,
+                **hf.load_options(self.options),
+            )
             self._start_info = hf.start_token(self._resolved, hf.model_tokenizer(self._resolved))
             self._start = self._start_info.id
 
@@ -157,9 +178,10 @@ class CausalLossScorer(Scorer):
         step = max(1, 8192 // T)
         with torch.inference_mode(), autocast(self.device, self.dtype):
             for s in range(0, B, step):
-                logits = self._model(ids[s : s + step])
-                sel = pred[s : s + step]
-                out[s : s + step, 1:][sel] = chunked_ce(logits[:, :-1][sel], ids[s : s + step, 1:][sel])
+                logits = self._model(ids[s : s + step])[:, :-1]
+                ce = chunked_ce(logits.reshape(-1, logits.shape[-1]), ids[s : s + step, 1:].reshape(-1))
+                # pads zeroed by `where`, not selected by a boolean mask: no host sync per sub-batch
+                out[s : s + step, 1:] = torch.where(pred[s : s + step], ce.view(-1, T - 1), 0.0)
         return out
 
 

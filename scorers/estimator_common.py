@@ -18,7 +18,7 @@ import torch.nn as nn
 from pydantic import Field
 
 from .base import ModelOptions, Scorer, ScorerError
-from .forward import autocast, chunked_ce, resolve_dtype
+from .forward import autocast, check_dtype, chunked_ce, resolve_dtype, to_compute_dtype
 
 # fp32 logits per forward sub-batch (rows × width × vocabulary × 4 bytes)
 LOGIT_BYTES = 256 << 20
@@ -81,7 +81,8 @@ class CheckpointScorer(Scorer):
         if checkpoint is None:
             raise ScorerError(f"the {self.name} scorer needs --checkpoint (one of our trained models)")
         self.checkpoint = str(checkpoint)
-        self.dtype = resolve_dtype(dtype, device)
+        # what was asked ('auto' included) is the config; the worker resolves it in setup()
+        self.dtype_option, self.dtype = check_dtype(dtype), None
         self._ckpt_config = checkpoint_info(self.checkpoint)
         kind = self._ckpt_config.get("kind")
         if self.kinds is not None and kind not in self.kinds:
@@ -98,7 +99,7 @@ class CheckpointScorer(Scorer):
             "scorer": self.name,
             "checkpoint": Path(self.checkpoint).name,
             "checkpoint_sha256": self._ckpt_config.get("weights_sha256"),
-            "dtype": self.dtype,
+            "dtype": self.dtype_option,
         }
 
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
@@ -107,9 +108,15 @@ class CheckpointScorer(Scorer):
     def vocab_size(self) -> int | None:
         return checkpoint_vocab(self._ckpt_config)
 
+    def batch_width(self, longest: int, T: int) -> int:
+        # every row is run at the model's width, however short (to_model_width)
+        return max(self.n_ctx, T)
+
     def setup(self, data_tokenizer=None) -> None:
         if self._model is None:
+            self.dtype = resolve_dtype(self.dtype_option, self.device)  # here, where the model runs
             self._model = load_model(self.checkpoint, self.device, self.options.get("allow_pickle", False))
+            to_compute_dtype(self._model, self.dtype)
 
     def to_model_width(self, input_ids: np.ndarray, n_pad: np.ndarray) -> tuple[torch.Tensor, int]:
         """(B, T) left-padded ids -> (B, n_ctx) on the device, the checkpoint's pad id on the left; and

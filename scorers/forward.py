@@ -25,18 +25,47 @@ def native_bf16(device: str) -> bool:
         return False
 
 
-def resolve_dtype(dtype: str | None, device: str) -> str:
-    """'bf16' or 'fp32'; None/'auto' picks bf16 where it is native."""
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def check_dtype(dtype: str | None) -> str:
+    """The requested dtype as the stage config records it: 'bf16', 'fp16', 'fp32' or 'auto' (None).
+    'auto' is resolved where the model runs (`resolve_dtype` in the worker's setup), not on a driver
+    that may have no accelerator."""
     if dtype in (None, "auto"):
-        return "bf16" if native_bf16(device) else "fp32"
-    if dtype not in ("bf16", "fp32"):
-        raise ValueError(f"--dtype must be bf16 or fp32, not {dtype!r}")
+        return "auto"
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"--dtype must be bf16, fp16 or fp32, not {dtype!r}")
     return dtype
 
 
+def resolve_dtype(dtype: str | None, device: str) -> str:
+    """'bf16', 'fp16' or 'fp32'; None/'auto' picks bf16 where it is native."""
+    if check_dtype(dtype) == "auto":
+        return "bf16" if native_bf16(device) else "fp32"
+    return dtype
+
+
+def resolved_device(device: str) -> str:
+    """The device a worker actually computes on ('cuda' -> 'cuda:N', the current one)."""
+    if device == "cuda" and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
+
+
+def to_compute_dtype(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """Parameters in the compute dtype, so that autocast does not re-cast every weight on every forward;
+    buffers (RoPE tables) stay fp32, as they are under autocast."""
+    want = TORCH_DTYPES[dtype]
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != want:
+            p.data = p.data.to(want)
+    return model
+
+
 def autocast(device: str, dtype: str):
-    if dtype == "bf16":
-        return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
+    if dtype in ("bf16", "fp16"):
+        return torch.autocast(device_type=device.split(":")[0], dtype=TORCH_DTYPES[dtype])
     return contextlib.nullcontext()
 
 
@@ -73,12 +102,15 @@ def hf_token_losses(model, x: torch.Tensor, mask: torch.Tensor, dtype: str) -> t
         model.config, "logit_scale"
     )
     with torch.inference_mode(), autocast(device, dtype):
+        # CE at every position, pads zeroed by `where`: no boolean-mask indexing, so no host sync
+        # inside (a pad's value may be anything, even NaN; `where` does not propagate it)
         if base is not None and head is not None and plain:
-            h = base(input_ids=x, attention_mask=mask, position_ids=pos).last_hidden_state
-            out[:, 1:][pred] = chunked_ce(h[:, :-1][pred], x[:, 1:][pred], head)
+            h = base(input_ids=x, attention_mask=mask, position_ids=pos).last_hidden_state[:, :-1]
+            ce = chunked_ce(h.reshape(-1, h.shape[-1]), x[:, 1:].reshape(-1), head)
         else:  # models with scaled or capped logits: full logits, CE still chunked in fp32
-            logits = model(input_ids=x, attention_mask=mask, position_ids=pos).logits
-            out[:, 1:][pred] = chunked_ce(logits[:, :-1][pred], x[:, 1:][pred])
+            logits = model(input_ids=x, attention_mask=mask, position_ids=pos).logits[:, :-1]
+            ce = chunked_ce(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        out[:, 1:] = torch.where(pred, ce.view(pred.shape), 0.0)
     return out
 
 

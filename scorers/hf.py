@@ -120,6 +120,18 @@ def _convert(path: Path, sha: str, tmp: Path) -> None:
             plain_mode(f)  # safetensors leaves 0600
 
 
+def hub_revision(repo_id: str) -> str | None:
+    """The commit sha a hub model's main ref points at (the hub's, else the local cache's when offline),
+    pinned in the stage config so that a new upstream revision cannot silently change the scores."""
+    from huggingface_hub import HfApi, constants
+
+    try:
+        return HfApi().model_info(repo_id).sha
+    except (OSError, ValueError):  # offline, or not reachable: what this machine's cache holds
+        ref = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "refs" / "main"
+        return ref.read_text().strip() if ref.is_file() else None
+
+
 def model_sha256(resolved: Path | str) -> str | None:
     """sha256 over a local directory's weight files (names and bytes); None for a hub id."""
     if not isinstance(resolved, Path):
@@ -136,10 +148,16 @@ def model_sha256(resolved: Path | str) -> str | None:
 
 
 def load_causal_lm(
-    resolved: Path | str, device: str = "cpu", allow_pickle: bool = False, trust_remote_code: bool = False
+    resolved: Path | str,
+    device: str = "cpu",
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    dtype: str = "fp32",
+    revision: str | None = None,
 ):
-    """The model in eval mode, fp32 weights (autocast handles bf16). Safetensors only unless `allow_pickle`;
-    a repository's own modelling code runs only with `trust_remote_code`."""
+    """The model in eval mode, weights in the compute `dtype` (bf16/fp16/fp32: no per-forward re-cast),
+    SDPA attention where the model has it. Safetensors only unless `allow_pickle`; a repository's own
+    modelling code runs only with `trust_remote_code`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -151,12 +169,16 @@ def load_causal_lm(
                 "loaded; convert them to safetensors, or pass --allow-pickle if you trust their source"
             )
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(resolved),
-            dtype=torch.float32,
+        kw = dict(
+            dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32),
             use_safetensors=None if allow_pickle else True,
             trust_remote_code=trust_remote_code,
+            revision=revision,
         )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(resolved), attn_implementation="sdpa", **kw)
+        except ValueError:  # a model without SDPA support: its default attention
+            model = AutoModelForCausalLM.from_pretrained(str(resolved), **kw)
     except OSError as e:
         raise ModelLoadError(
             f"cannot load {resolved} ({e}); for a hub id, log in and download it first "

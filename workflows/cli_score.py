@@ -90,9 +90,23 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
 @click.option("--drop-entropy", is_flag=True, help="Do not store the raw `entropy` column.")
 @click.option("--out", required=True, type=click.Path(file_okay=False))
 @click.option("--batch-size", type=int, default=None, help="Rows per forward pass (default: the scorer's).")
+@click.option(
+    "--batch-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Token budget per forward pass (rows × width, rows sorted by length over the whole shard); "
+    "instead of --batch-size. Speed and memory, not values.",
+)
+@click.option(
+    "--cpus-per-worker",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="CPUs each worker asks the engine for (its reading, tokenizing and writing beside the model).",
+)
 @click.option("--device", default=None, help="cpu | cuda | cuda:N (default cpu).")
 @click.option(
-    "--dtype", type=click.Choice(["bf16", "fp32"]), default=None, help="Default: bf16 where native."
+    "--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="Default: bf16 where native."
 )
 @click.option("--context", type=int, default=None, help="cross_tokenizer: model tokens per window (2048).")
 @click.option("--stride", type=int, default=None, help="cross_tokenizer: new tokens per later window.")
@@ -160,6 +174,8 @@ def score(
     drop_entropy,
     out,
     generic_options,
+    batch_tokens,
+    cpus_per_worker,
     **eng,
 ):
     """Score every token of DATA_DIR's shards, weigh it, write weighted parquet shards to --out."""
@@ -201,7 +217,9 @@ def score(
             invert=invert,
             dtype=weight_dtype,
         )
-        stage = ScoreStage(data_dir, scorer, options, weigh, not drop_entropy, tokenizer)
+        stage = ScoreStage(
+            data_dir, scorer, options, weigh, not drop_entropy, tokenizer, batch_tokens, cpus_per_worker
+        )
         stage.row_progress = eng["engine"] == "local"
     except (ScorerError, StageError, ModelLoadError, CheckpointError, TokenizerError, ValueError) as e:
         _fail(str(e))

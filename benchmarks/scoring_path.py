@@ -1,0 +1,299 @@
+"""The whole shard path of the score stage against the packed limit, per scorer (issue 18).
+
+For each scorer that runs a model over rows (causal_loss with our checkpoint and with an HF model, on
+left-padded C4 at n_ctx 512; occlusion; decomposition), on one shard scored by `ScoreStage` as a run
+does (read -> batch -> forward -> weigh -> write):
+
+- ratio: real tokens scored per second / a bare forward of the same model over the same real tokens
+  packed into full rows with no padding (same dtype and threads);
+- feed: real tokens per second of the same path with the scorer's forward replaced by a stub that
+  returns zeros of the right shape (what the CPU side can feed an accelerator);
+- pad fraction: of the row positions the forwards computed, the share that were padding;
+- with CUDA: MFU of a Llama-3.2-1B-shaped random model (bf16, a 64k-token budget).
+
+Models have random weights (speed does not depend on them). Runs on the code it is imported with,
+so the same file measures a checkout before a change (`PYTHONPATH=<old tree>`); a stage without
+`batch_tokens` is scored its old way (batches of 16 rows per 256-row read).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from .common import C4, bench_threads, bench_tokenizer, median, row
+
+BUDGET = 4096  # tokens per forward on CPU (8 rows of 512; 64k on an accelerator)
+N_CTX = 512
+
+
+def _shard(tmp: Path, tok: Path, n_ctx: int, rows: int, tag: str = "") -> Path:
+    """The first `rows` C4 documents, left-padded at n_ctx: one shard in its own directory."""
+    from entroweight.pipelines import run_stage
+    from entroweight.pipelines.tokenize import TokenizeStage
+
+    every = tmp / f"tok{n_ctx}{tag}"
+    run_stage(TokenizeStage([str(C4)], str(tok), n_ctx=n_ctx, shard_docs=rows), every, progress=False)
+    one = tmp / f"shard{n_ctx}{tag}"
+    one.mkdir()
+    for f in every.glob("part-00000*"):
+        shutil.copy(f, one / f.name)
+    for f in every.glob(".part-00000*"):
+        shutil.copy(f, one / f.name)
+    return one
+
+
+def _models(tmp: Path, sha: str, tok: Path, vocab: int) -> dict[str, str]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from entroweight.models.checkpoint import save_checkpoint
+    from entroweight.models.estimator import EntropyEstimator
+    from entroweight.models.llama import Llama
+
+    torch.manual_seed(0)
+    d = dict(d_model=256, n_layers=4, n_heads=4, d_ff=1024)
+    ours = Llama(Llama.Config(vocab_size=vocab, n_ctx=N_CTX, **d)).eval()
+    hf_cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=N_CTX + 1)  # fmt: skip
+    hf_dir = tmp / "hf"
+    LlamaForCausalLM(hf_cfg).save_pretrained(hf_dir)
+    shutil.copy(tok / "tokenizer.json", hf_dir / "tokenizer.json")
+
+    def estimator(n_ctx):
+        cfg = EntropyEstimator.Config(
+            vocab_size=vocab, n_ctx=n_ctx, injection="token", encoder="mixer", decoder="llama",
+            encoder_config={"d_model": 128, "n_layers": 2},
+            decoder_config={"d_model": 128, "n_layers": 2, "n_heads": 2}, embed_dim=16, noise="none",
+        )  # fmt: skip
+        return EntropyEstimator(cfg).eval()
+
+    def save(model, name, kind, n_ctx):
+        return str(save_checkpoint(model, kind, tmp / name, tokenizer_sha256=sha, n_ctx=n_ctx, pad_id=0))
+
+    return {
+        "ours": save(ours, "ours", "llama", N_CTX),
+        "hf": str(hf_dir),
+        "est512": save(estimator(N_CTX), "est512", "estimator", N_CTX),
+        "est64": save(estimator(64), "est64", "estimator", 64),
+    }
+
+
+def _stage(data: Path, name: str, options: dict, budget: int | None):
+    from entroweight.pipelines.score import ScoreStage
+
+    kw = {}
+    if "batch_tokens" in inspect.signature(ScoreStage.__init__).parameters:
+        kw["batch_tokens"] = budget
+    stage = ScoreStage(data, name, {**options, "dtype": "fp32"}, **kw)
+    stage.setup()
+    return stage
+
+
+def _run_shard(stage, data: Path, out: Path) -> float:
+    """Seconds of the stage's process() on the shard (read, batch, forward, weigh, write)."""
+    from entroweight.pipelines.stage import ShardTask
+
+    (inp,) = stage.plan_inputs()
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir()
+    task = ShardTask(shard="part-00000", inputs=[inp], out_dir=str(out))
+    start = time.perf_counter()
+    stage.process(task)
+    return time.perf_counter() - start
+
+
+class _Counting:
+    """Wraps a scorer's score_batch: counts the positions its forwards compute (rows × the width the
+    model runs at), and with `stub` returns zeros instead of running the model."""
+
+    def __init__(self, scorer, stub: bool = False):
+        self.scorer, self.inner, self.stub = scorer, scorer.score_batch, stub
+        self.computed = 0
+        scorer.score_batch = self
+
+    def __call__(self, ids, n_pad):
+        model_width = getattr(self.scorer, "n_ctx", 0)  # our estimators widen rows to their n_ctx
+        self.computed += ids.shape[0] * max(ids.shape[1], model_width)
+        if self.stub:
+            return np.zeros(ids.shape, dtype=np.float32)
+        return self.inner(ids, n_pad)
+
+    def restore(self):
+        self.scorer.score_batch = self.inner
+
+
+def _packed_forward(model, tokens: np.ndarray, n_ctx: int, budget: int, hf: bool) -> float:
+    """Seconds of a bare forward over `tokens` packed into full rows of n_ctx (no padding), batches of
+    the token budget; the logits are formed (the model's whole forward) but no loss."""
+    n = len(tokens) // n_ctx * n_ctx
+    rows = torch.as_tensor(tokens[:n].reshape(-1, n_ctx))
+    rest = torch.as_tensor(tokens[n:])[None] if n < len(tokens) else None
+    step = max(1, budget // n_ctx)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for s in range(0, len(rows), step):
+            model(rows[s : s + step]) if not hf else model(input_ids=rows[s : s + step])
+        if rest is not None:
+            model(rest) if not hf else model(input_ids=rest)
+    return time.perf_counter() - start
+
+
+CASES = (
+    # name, scorer, options key -> model, data width
+    ("causal_loss (ours d256x4)", "causal_loss", {"checkpoint": "ours"}, N_CTX),
+    ("causal_loss (HF d256x4)", "causal_loss", {"model": "hf"}, N_CTX),
+    ("occlusion", "occlusion", {"checkpoint": "est512"}, N_CTX),
+    ("decomposition (n_ctx 64)", "decomposition", {"checkpoint": "est64"}, 64),
+)
+
+
+def bench_paths(quick: bool = False) -> list[dict]:
+    from entroweight.schemas import read_file_metadata
+
+    tok = bench_tokenizer(8000, quick)
+    vocab = json.loads((tok / "tokenizer.json").read_text())["model"]["vocab"].__len__()
+    out_rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-path-") as tmp:
+        tmp = Path(tmp)
+        n_rows = 16 if quick else 48
+        data = {N_CTX: _shard(tmp, tok, N_CTX, n_rows), 64: _shard(tmp, tok, 64, 8 if quick else 16)}
+        data["big", N_CTX] = _shard(tmp, tok, N_CTX, 200 if quick else 100_000, "big")
+        sha = read_file_metadata(next(data[N_CTX].glob("part-*.parquet")))["tokenizer_sha256"]
+        models = _models(tmp, sha, tok, max(vocab, 8000))
+        for label, name, spec, width in CASES:
+            d = data[width]
+            options = {k: models[v] for k, v in spec.items()}
+            stage = _stage(d, name, options, BUDGET)
+            t = pq.read_table(next(d.glob("part-*.parquet")), columns=["input_ids", "n_pad"])
+            ids = np.stack(t.column("input_ids").to_numpy(zero_copy_only=False)).astype(np.int64)
+            n_pad = t.column("n_pad").to_numpy()
+            real = int(ids.size - n_pad.sum())
+            packed = np.concatenate([ids[r, n_pad[r] :] for r in range(len(ids))])
+            _run_shard(stage, d, tmp / "warm")  # warm-up
+            is_hf = "model" in spec
+            model = stage.scorer._model
+            t_path, t_bare = [], []
+            for _ in range(1 if quick else 2):  # alternated, so load from others falls on both
+                t_path.append(_run_shard(stage, d, tmp / "out"))
+                t_bare.append(_packed_forward(model, packed, width, BUDGET, is_hf))
+            # feed rate and pad fraction on a whole shard (all the sample's documents): forward = zeros
+            big = data.get(("big", width), d)
+            feed_stage = _stage(big, name, options, BUDGET) if big is not d else stage
+            stub = _Counting(feed_stage.scorer, stub=True)
+            t_feed = median([_run_shard(feed_stage, big, tmp / "feed") for _ in range(2)])
+            computed = stub.computed // 2
+            stub.restore()
+            t = pq.read_table(next(big.glob("part-*.parquet")), columns=["n_pad"])
+            big_rows, big_real = t.num_rows, int(t.num_rows * width - pc.sum(t.column("n_pad")).as_py())
+            pad = 1 - big_real / computed if computed else 0.0
+            note = f"{len(ids)} C4 rows <= {width} tokens, {real} real; fp32, {torch.get_num_threads()} thread(s)"
+            out_rows += [
+                row(
+                    "score-path",
+                    f"{label}: real tok/s (vs packed bare forward)",
+                    real / median(t_path),
+                    real / median(t_bare),
+                    ">= 0.9",
+                    note,
+                ),
+                row(
+                    "score-path",
+                    f"{label}: feed rate, real tok/s (stub forward)",
+                    big_real / t_feed,
+                    None,
+                    None,
+                    f"{big_rows} rows: read -> batch -> weigh -> write, forward = zeros",
+                ),
+                row(
+                    "score-path",
+                    f"{label}: pad fraction computed",
+                    pad,
+                    None,
+                    None,
+                    f"of rows x model width the forwards ran, {big_rows} rows, budget {BUDGET}",
+                ),
+            ]
+    return out_rows
+
+
+def bench_mfu() -> list[dict]:
+    """A Llama-3.2-1B-shaped model with random weights, bf16, SDPA, 64k-token batches: the forward's
+    model FLOPs utilisation (2 × params × tokens + attention, over the device's dense bf16 peak)."""
+    if not torch.cuda.is_available():
+        return []
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+                      tie_word_embeddings=True)  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    n_ctx, rows = 1024, 64  # 64k tokens per forward
+    x = torch.randint(0, cfg.vocab_size, (rows, n_ctx), device="cuda")
+    base, head = model.model, model.lm_head
+    with torch.inference_mode():
+        for _ in range(2):
+            h = base(input_ids=x).last_hidden_state
+        torch.cuda.synchronize()
+        start, n = time.perf_counter(), 5
+        for _ in range(n):
+            h = base(input_ids=x).last_hidden_state
+            for s in range(0, rows, 4):  # the head in chunks, as the scorer does
+                head(h[s : s + 4])
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / n
+    params = sum(p.numel() for p in model.parameters())
+    flops = 2 * params * rows * n_ctx + 4 * cfg.num_hidden_layers * rows * n_ctx * n_ctx * cfg.hidden_size / 2
+    name = torch.cuda.get_device_name()
+    peak = 989e12 if "H100" in name or "H200" in name else 312e12  # dense bf16 (A100: 312)
+    return [
+        row(
+            "score-path",
+            "Llama-3.2-1B-shaped forward, tokens/s",
+            rows * n_ctx / seconds,
+            None,
+            ">= 150k",
+            name,
+        ),
+        row(
+            "score-path",
+            "Llama-3.2-1B-shaped forward, MFU",
+            flops / seconds / peak,
+            None,
+            "0.40-0.50",
+            f"bf16, {rows}x{n_ctx} tokens per forward, peak {peak / 1e12:.0f} TFLOP/s",
+        ),
+    ]
+
+
+def run(quick: bool = False) -> list[dict]:
+    threads = torch.get_num_threads()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(bench_threads())
+    try:
+        rows = bench_paths(quick)
+        try:
+            return rows + bench_mfu()
+        except Exception as e:  # a GPU problem must not lose the rows measured before it
+            return rows + [
+                row("score-path", "MFU: ERROR", float("nan"), note=f"{type(e).__name__}: {e}"[:300])
+            ]
+    finally:
+        torch.set_num_threads(threads)
+
+
+if __name__ == "__main__":  # python -m entroweight.benchmarks.scoring_path [--quick]
+    import sys
+
+    for r in run("--quick" in sys.argv):
+        print(json.dumps(r))

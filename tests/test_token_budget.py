@@ -1,0 +1,221 @@
+"""Token-budget batches over the whole shard (`score --batch-tokens`): every scorer that runs a model
+over rows gives the values of the per-row path (one row per forward) to 1e-5 relative in fp32, on
+real C4 rows of mixed lengths; the plan keeps its budget; the stage reports the pad fraction."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner
+
+from entroweight.models.checkpoint import save_checkpoint
+from entroweight.models.estimator import EntropyEstimator
+from entroweight.models.llama import Llama
+from entroweight.pipelines import run_stage
+from entroweight.pipelines.score import ScoreStage
+from entroweight.pipelines.stage import read_manifests
+from entroweight.pipelines.tokenize import TokenizeStage
+from entroweight.schemas import read_file_metadata
+from entroweight.scorers import make_scorer
+from entroweight.scorers.base import plan_batches
+from entroweight.workflows.cli import main
+
+N_CTX = 32
+VOCAB = 1024
+PAD = 0
+BUDGET = 100  # tokens per forward: 3 full rows, more short ones
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, c4_path, tokenizer_dir):
+    """16 C4 documents, n_ctx 32, left-padded, one shard; every other one cut short (mixed lengths)."""
+    src = tmp_path_factory.mktemp("src") / "c4.jsonl.gz"
+    with gzip.open(c4_path, "rt", encoding="utf-8") as f:
+        docs = [json.loads(next(f)) for _ in range(16)]
+    with gzip.open(src, "wt", encoding="utf-8") as f:
+        for i, d in enumerate(docs):
+            if i % 2 == 0:
+                d["text"] = " ".join(d["text"].split()[: 2 + i])
+            f.write(json.dumps(d) + "\n")
+    out = tmp_path_factory.mktemp("tokens")
+    run_stage(TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=16), out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows(data):
+    t = pq.read_table(next(data.glob("part-*.parquet")))
+    ids = np.stack(t.column("input_ids").to_numpy(zero_copy_only=False)).astype(np.int64)
+    n_pad = t.column("n_pad").to_numpy().astype(np.int64)
+    assert len(set(n_pad.tolist())) > 4 and (n_pad == 0).any()  # mixed lengths, some full rows
+    return ids, n_pad
+
+
+@pytest.fixture(scope="module")
+def sha(data):
+    return read_file_metadata(next(data.glob("part-*.parquet")))["tokenizer_sha256"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, sha, tokenizer_dir):
+    root = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+
+    def estimator(n_ctx):
+        cfg = EntropyEstimator.Config(
+            vocab_size=VOCAB, n_ctx=n_ctx, injection="token", encoder="mixer", decoder="llama",
+            encoder_config={"d_model": 32, "n_layers": 1},
+            decoder_config={"d_model": 32, "n_layers": 2, "n_heads": 2},
+            embed_dim=8, noise="none", init_std=0.2,
+        )  # fmt: skip
+        return EntropyEstimator(cfg).eval()
+
+    def save(model, name, kind):
+        n_ctx = model.config.n_ctx
+        return str(save_checkpoint(model, kind, root / name, tokenizer_sha256=sha, n_ctx=n_ctx, pad_id=PAD))
+
+    llama = Llama(Llama.Config(vocab_size=VOCAB, n_ctx=N_CTX, d_model=32, n_layers=2, n_heads=2, d_ff=64))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    hf_dir = root / "hf"
+    LlamaForCausalLM(hf_cfg).save_pretrained(hf_dir)
+    shutil.copy(tokenizer_dir / "tokenizer.json", hf_dir / "tokenizer.json")
+    return {
+        "est": save(estimator(N_CTX), "est", "estimator"),
+        "short": save(estimator(N_CTX - 1), "short", "estimator"),
+        "llama": save(llama.eval(), "llama", "llama"),
+        "hf": str(hf_dir),
+    }
+
+
+# every scorer that runs a model over the data's rows (cross_tokenizer reads text: tests/test_scorers_cross.py)
+CASES = {
+    "causal_loss_hf": ("causal_loss", lambda c: {"model": c["hf"]}),
+    "causal_loss_ours": ("causal_loss", lambda c: {"checkpoint": c["llama"]}),
+    "occlusion_l1": ("occlusion", lambda c: {"checkpoint": c["est"]}),
+    "occlusion_cosine": ("occlusion", lambda c: {"checkpoint": c["est"], "metric": "cosine"}),
+    "decomposition": ("decomposition", lambda c: {"checkpoint": c["est"]}),
+    "two_model": ("two_model", lambda c: {"checkpoint": c["est"], "checkpoint_short": c["short"]}),
+    "grad_input": ("grad_input", lambda c: {"checkpoint": c["est"]}),
+    "excess_loss": ("excess_loss", lambda c: {"checkpoint": c["est"], "reference": c["hf"]}),
+}
+
+
+def make(case, checkpoints, **kw):
+    name, options = CASES[case]
+    s = make_scorer(name, dtype="fp32", **options(checkpoints), **kw)
+    s.setup()
+    return s
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_token_budget_equals_the_per_row_path(case, checkpoints, rows):
+    ids, n_pad = rows
+    if case == "grad_input":  # one backward per position: a few rows of each kind suffice
+        ids, n_pad = ids[:6], n_pad[:6]
+    per_row = make(case, checkpoints, batch_size=1)
+    want = np.concatenate([per_row.score(ids[i : i + 1], n_pad[i : i + 1]) for i in range(len(ids))])
+    s = make(case, checkpoints)
+    s.set_batching(BUDGET)
+    got = s.score(ids, n_pad)
+    assert np.abs(want).max() > 0
+    # min-max normalised scorers: values in [0, 1] per row, so 1e-5 of the row's range (the batch's
+    # float rounding, ~1e-7 of a raw value, is divided by a row's max − min)
+    atol = 1e-5 if case in ("grad_input", "occlusion_l1") else 1e-6
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol)
+    computed, real = s.padding_counts()
+    assert real == int((N_CTX - n_pad).sum()) * (2 if case == "excess_loss" else 1)
+    assert computed >= real
+
+
+def test_plan_keeps_the_budget_and_covers_every_row_once():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 513, size=3000)
+    plan = plan_batches(lengths, lambda n: max(n, 1), 16, 4096)
+    order = np.concatenate([idx for idx, _ in plan])
+    assert sorted(order.tolist()) == list(range(3000))
+    assert (np.diff(lengths[order]) <= 0).all()  # longest first: each batch as wide as its first row
+    for idx, width in plan:
+        assert width == max(int(lengths[idx].max()), 1)
+        assert len(idx) * width <= 4096 or len(idx) == 1
+    # the budget is used: batches are not cut short before it is reached (except the last)
+    assert all((len(idx) + 1) * w > 4096 for idx, w in plan[:-1])
+    # cut padding: the positions computed are within a few percent of the real ones
+    computed = sum(len(idx) * w for idx, w in plan)
+    assert computed / lengths.sum() < 1.02
+    # one row longer than the budget still runs, alone
+    assert [len(i) for i, _ in plan_batches(np.array([9000, 10]), lambda n: n, 16, 4096)] == [1, 1]
+
+
+def test_stage_with_a_token_budget_writes_the_per_row_values_and_the_pad_fraction(
+    tmp_path, data, checkpoints, rows
+):
+    ids, n_pad = rows
+    out = tmp_path / "scored"
+    stage = ScoreStage(
+        data, "causal_loss", {"model": checkpoints["hf"], "dtype": "fp32"}, batch_tokens=BUDGET
+    )
+    run_stage(stage, out, progress=False)
+    t = pq.read_table(next(out.glob("part-*.parquet")))
+    per_row = make("causal_loss_hf", checkpoints, batch_size=1)
+    want = np.concatenate([per_row.score(ids[i : i + 1], n_pad[i : i + 1]) for i in range(len(ids))])
+    got = np.stack(t.column("entropy").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # the shard's row order
+    np.testing.assert_array_equal(np.stack(t.column("input_ids").to_numpy(zero_copy_only=False)), ids)
+    extra = read_manifests(out)[0].extra
+    assert extra["batch_tokens"] == BUDGET
+    # sorted, cut batches compute far fewer pads than the rows hold
+    assert 0 <= extra["pad_fraction"] < 0.5 * float(n_pad.sum() / ids.size)
+
+
+def test_cli_batch_tokens(tmp_path, data, checkpoints, rows):
+    out = tmp_path / "cli"
+    args = ["score", str(data), "--scorer", "occlusion", "--checkpoint", checkpoints["est"]]
+    r = CliRunner().invoke(main, [*args, "--batch-tokens", "64", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    extra = read_manifests(out)[0].extra
+    # the estimator reads its own left padding: rows are never cut, the pads are computed
+    assert extra["batch_tokens"] == 64
+    assert extra["pad_fraction"] == pytest.approx(rows[1].sum() / rows[0].size, abs=1e-4)
+    r = CliRunner().invoke(main, [*args, "--batch-tokens", "0", "--out", str(tmp_path / "no")])
+    assert r.exit_code == 2 and "--batch-tokens" in r.output and not (tmp_path / "no").exists()
+
+
+def test_segments_scored_while_the_previous_one_is_written_keep_the_row_order(
+    tmp_path, data, checkpoints, monkeypatch
+):
+    """A shard wider than SEGMENT_ROWS is scored segment by segment (the writer thread weighs and
+    writes one while the next is scored): the same file as one segment."""
+    from entroweight.pipelines import score as score_module
+
+    options = {"model": checkpoints["hf"], "dtype": "fp32"}
+    run_stage(ScoreStage(data, "causal_loss", options, batch_tokens=BUDGET), tmp_path / "one", progress=False)
+    monkeypatch.setattr(score_module, "SEGMENT_ROWS", 5)
+    monkeypatch.setattr(score_module, "WRITE_ROWS", 2)
+    run_stage(ScoreStage(data, "causal_loss", options, batch_tokens=BUDGET), tmp_path / "seg", progress=False)
+    one, seg = (pq.read_table(next((tmp_path / d).glob("part-*.parquet"))) for d in ("one", "seg"))
+    assert one.num_rows == seg.num_rows == 16
+    for name in ("input_ids", "n_pad", "weight"):
+        assert one.column(name).to_pylist() == seg.column(name).to_pylist()
+    np.testing.assert_allclose(
+        np.stack(seg.column("entropy").to_numpy(zero_copy_only=False)),
+        np.stack(one.column("entropy").to_numpy(zero_copy_only=False)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
