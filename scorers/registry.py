@@ -28,7 +28,6 @@ BUILTIN = {
     "two_model": "entroweight.scorers.two_model:TwoModelScorer",
     "grad_input": "entroweight.scorers.grad_input:GradInputScorer",
     "excess_loss": "entroweight.scorers.excess_loss:ExcessLossScorer",
-    "stored": "entroweight.scorers.stored:StoredScorer",
 }
 _registered: dict[str, type[Scorer]] = {}
 

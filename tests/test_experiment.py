@@ -1,5 +1,5 @@
 """The experiment of issue 17 as a workflow: held-out source documents nothing trains on, BPB on them
-and on WikiText-2, Rho-1's top-k selection from stored values, and a report that opens with the
+and on WikiText-2, Rho-1's top-k selection from stored values (the weigh stage), and a report that opens with the
 comparison table and a verdict computed from the numbers."""
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ def spec(tmp: Path, tokenizer_dir: Path, **changes) -> dict:
             },
             {
                 "name": "topk",
-                "scorer": "stored",
                 "values_from": "causal_loss",
                 "weighting": {"method": "topk", "keep": 0.6, "quantiles_from": "causal_loss"},
             },
@@ -199,7 +198,7 @@ def test_spec_refusals(tmp_path, tokenizer_dir):
         parse_workflow(bad)
     bad = json.loads(json.dumps(good))
     bad["scores"][0]["values_from"] = "causal_loss"
-    with pytest.raises(SpecError, match="goes with scorer `stored`"):
+    with pytest.raises(SpecError, match="either scorer"):
         parse_workflow(bad)
     with pytest.raises(SpecError, match="holdout.docs"):
         parse_workflow({**good, "holdout": {"docs": 0}})

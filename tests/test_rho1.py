@@ -16,6 +16,7 @@ from test_trainer_fixtures import tiny_ckpt, weighted_dir  # noqa: F401 - sessio
 
 from entroweight.pipelines import run_stage
 from entroweight.pipelines.score import ScoreStage
+from entroweight.pipelines.weigh import WeighStage
 from entroweight.schemas import read_file_metadata
 from entroweight.scorers import ScorerError, make_scorer
 from entroweight.trainers.losses import compute_loss, per_token_ce
@@ -115,31 +116,18 @@ def test_topk_keeps_the_global_top_fraction(scored):
         WeighConfig(method="topk", keep=KEEP, quantiles=(0.0, 1.0), invert=True)
 
 
-def test_stored_reweighs_without_scoring_again(scored, small_data, tmp_path):
+def test_topk_reweighs_stored_values_without_scoring_again(scored, tmp_path):
+    """The weigh stage (a workflow's `values_from`, `entroweight weigh`) applies Rho-1's top-k to the
+    values a score step stored: the same values row by row, 60 % of tokens kept, no model loaded."""
     cfg = WeighConfig(method="topk", keep=KEEP, quantiles=entropy_quantiles(scored))
     out = tmp_path / "rho1"
-    run_stage(ScoreStage(small_data, "stored", {"scores": str(scored)}, cfg), out, progress=False)
+    run_stage(WeighStage(scored, cfg), out, progress=False)
     values, weights = _real_values(out)
-    np.testing.assert_array_equal(values, _real_values(scored)[0])  # the same values, row by row
+    np.testing.assert_array_equal(values, _real_values(scored)[0])
     assert weights.mean() == pytest.approx(KEEP, abs=0.01)
     np.testing.assert_array_equal(weights == 1.0, values >= np.quantile(values, 1 - KEEP) - 1e-6)
     meta = read_file_metadata(next(out.glob("part-*.parquet")))
-    assert meta["unit"] == "nats" and meta["source"]["scorer"] == "causal_loss"
-    # rows the source does not hold are refused, not given zeros
-    other = tmp_path / "other"
-    other.mkdir()
-    f = sorted(small_data.glob("part-*.parquet"))[0]
-    t = pq.read_table(f)
-    ids = t.column("input_ids").to_pylist()
-    ids[0][-1] = (ids[0][-1] + 1) % 1000
-    import pyarrow as pa
-
-    t = t.set_column(
-        t.schema.get_field_index("input_ids"), "input_ids", pa.array(ids, t.schema.field("input_ids").type)
-    )
-    pq.write_table(t, other / f.name)
-    with pytest.raises(Exception, match="is not in"):
-        run_stage(ScoreStage(other, "stored", {"scores": str(scored)}, cfg), tmp_path / "o2", progress=False)
+    assert meta["unit"] == "nats" and meta["scorer"] == "causal_loss" and meta["stage"] == "weigh"
 
 
 def test_selective_loss_is_the_mean_ce_of_the_kept_tokens():

@@ -83,7 +83,9 @@ BASE = {"run_dir": "runs/x", "sources": ["a.jsonl"], "tokenizer": {"train": {"vo
 def test_unknown_key_is_refused_with_its_path():
     msg = refusal({**BASE, "scores": [{"name": "a", "scorer": "causal_loss"}, {"name": "b", "scorr": "x"}]})
     assert "scores[1].scorr: unknown key" in msg
-    assert "scores[1].scorer: Field required" in msg
+    # a step with neither a scorer nor values_from to weigh anew
+    msg = refusal({**BASE, "scores": [{"name": "a"}]})
+    assert "scores[0]: give either scorer (score the tokens) or values_from" in msg
     assert "tokenize.n_ctxx: unknown key" in refusal({**BASE, "tokenize": {"n_ctxx": 3}})
     assert "colour: unknown key" in refusal({**BASE, "colour": "red"})
 

@@ -465,7 +465,7 @@ def _scorer_table(wf: Workflow, scores: dict) -> str:
             continue
         e, w = sc["entropy"], sc["weight"]
         rows.append(
-            f"<tr><td>{E(s.name)}</td><td>{E(s.scorer)}</td><td class='num'>{sc['n_files']}</td>"
+            f"<tr><td>{E(s.name)}</td><td>{E(s.scorer or f'{s.values_from}, weighed anew')}</td><td class='num'>{sc['n_files']}</td>"
             f"<td class='num'>{sc['n_sequences']:,}</td><td class='num'>{sc['n_tokens']:,}</td>"
             f"<td class='num'>{'' if e is None else f'{e.mean():.4f}'}</td>"
             f"<td class='num'>{'' if w is None else f'{w.mean():.4f}'}</td></tr>"

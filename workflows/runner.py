@@ -30,6 +30,7 @@ from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import SHARDS_FILE, STAGE_FILE, read_manifests, run_lock
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
+from entroweight.pipelines.weigh import WeighStage
 from entroweight.schemas import StageRecord
 from entroweight.transforms.writer import write_json_atomic
 
@@ -366,11 +367,6 @@ class Runner:
         upstream = [TOKENS, s.checkpoint_from or "", s.weighting.quantiles_from or "", s.values_from or ""]
 
         def build():
-            options = dict(s.options)  # validated with the spec (the scorer's Options model)
-            if s.checkpoint_from:
-                options["checkpoint"] = str(wf.model_dir(s.checkpoint_from))
-            if s.values_from:
-                options["scores"] = str(wf.score_dir(s.values_from))
             w = s.weighting
             quantiles = entropy_quantiles(wf.score_dir(w.quantiles_from)) if w.quantiles_from else None
             weigh = WeighConfig(
@@ -382,6 +378,11 @@ class Runner:
                 invert=w.invert,
                 dtype=w.dtype,
             )
+            if s.values_from:  # an earlier step's values, weighed anew: no second scoring
+                return WeighStage(wf.score_dir(s.values_from), weigh, s.with_entropy)
+            options = dict(s.options)  # validated with the spec (the scorer's Options model)
+            if s.checkpoint_from:
+                options["checkpoint"] = str(wf.model_dir(s.checkpoint_from))
             return LimitedScoreStage(
                 wf.tokens_dir(),
                 s.scorer,

@@ -139,13 +139,15 @@ class Weighting(_Strict):
 
 class ScoreSpec(_Strict):
     name: str
-    scorer: str  # causal_loss | cross_tokenizer | occlusion | a registered scorer
+    scorer: str | None = None  # causal_loss | cross_tokenizer | occlusion | a registered scorer
     checkpoint_from: str | None = None  # a `models` step: its checkpoint becomes options.checkpoint
     options: dict[str, Any] = Field(default_factory=dict)  # validated by the scorer's Options model
     weighting: Weighting = Field(default_factory=Weighting)
     with_entropy: bool = True
     limit_shards: int | None = Field(None, ge=1)  # score the first N shards only (slow scorers)
-    values_from: str | None = None  # scorer `stored`: an earlier score step's values, weighed anew
+    # instead of a scorer: an earlier score step whose stored values are weighed anew (the weigh
+    # stage, as `entroweight weigh`: no second scoring), e.g. Rho-1's top-k of the excess loss
+    values_from: str | None = None
     out: str | None = None  # default scores/<name>
 
     _name = field_validator("name")(_name)
@@ -156,6 +158,8 @@ class ScoreSpec(_Strict):
     def _known(cls, v):
         from entroweight.scorers import ScorerError, get_scorer_class
 
+        if v is None:
+            return v
         try:
             get_scorer_class(v)
         except ScorerError as e:
@@ -174,11 +178,11 @@ class ScoreSpec(_Strict):
         will give), one `path: message` line per problem; nothing is loaded."""
         from entroweight.scorers import OptionsError, check_options
 
+        if self.scorer is None:
+            return []
         options = dict(self.options)
         if self.checkpoint_from is not None:
             options["checkpoint"] = f"<checkpoint of {self.checkpoint_from}>"
-        if self.values_from is not None:
-            options["scores"] = f"<scores of {self.values_from}>"
         try:
             check_options(self.scorer, options)
         except OptionsError as e:
@@ -298,8 +302,13 @@ class Workflow(_Strict):
             if q is not None and q not in {x.name for x in self.scores[:i]}:
                 raise _At(f"scores[{i}].weighting.quantiles_from", f"{q!r} is not an earlier score step")
             v = s.values_from
-            if (v is not None) != (s.scorer == "stored"):
-                raise _At(f"scores[{i}].values_from", "goes with scorer `stored`, and only with it")
+            if (v is None) == (s.scorer is None):
+                raise _At(f"scores[{i}]", "give either scorer (score the tokens) or values_from (weigh anew)")
+            if v is not None and (s.checkpoint_from or s.options or s.limit_shards):
+                raise _At(
+                    f"scores[{i}].values_from",
+                    "weighs stored values: checkpoint_from, options and limit_shards belong to its scorer's step",
+                )
             if v is not None and v not in {x.name for x in self.scores[:i]}:
                 raise _At(f"scores[{i}].values_from", f"{v!r} is not an earlier score step")
         if problems:
