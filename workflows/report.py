@@ -270,6 +270,7 @@ def build_report(run_dir: str | Path, samples: int = 3, max_tokens: int = 2_000_
     record, wf = load_run(run_dir)
     parts = [f"<h1>entroweight run: {E(str(record.get('config', {}).get('run_dir', run_dir)))}</h1>"]
     parts.append(_provenance(record))
+    parts.append(_truncation(wf.tokens_dir()))
 
     scores = {}
     for s in wf.scores:
@@ -309,6 +310,21 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.8em; }
           border: 1px solid #ddd; padding: 0.6em; margin: 0.4em 0 1em; }
 .verdict { font-weight: 600; }
 """
+
+
+def _truncation(tokens_dir: Path) -> str:
+    """What the tokenized data lost (tokenize.overflow: truncate), where a reader of results looks."""
+    from entroweight.pipelines.stage import read_manifests
+
+    ms = read_manifests(tokens_dir) if Path(tokens_dir).is_dir() else []
+    cut = sum(m.extra.get("n_truncated", 0) for m in ms)
+    if not cut:
+        return ""
+    dropped = sum(m.extra.get("bytes_dropped", 0) for m in ms)
+    return (
+        f"<p class='verdict'>Truncated data: {cut} of {sum(m.docs_out for m in ms)} documents were cut "
+        f"to n_ctx tokens, {dropped:,} bytes of their text dropped (tokenize.overflow: truncate).</p>"
+    )
 
 
 def _provenance(record: dict) -> str:

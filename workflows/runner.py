@@ -253,7 +253,10 @@ class Runner:
         t0 = time.perf_counter()
         t = spec.train
         tok = train_tokenizer(
-            corpus_texts(list(self.wf.sources), t.max_docs), t.vocab_size, t.algorithm, t.base
+            corpus_texts(list(self.wf.sources), t.max_docs, self.wf.tokenize.text_column),
+            t.vocab_size,
+            t.algorithm,
+            t.base,
         )
         path, sha = save_tokenizer(tok, out)
         write_json_atomic({"key": key, "sha256": sha}, marker)
@@ -312,6 +315,7 @@ class Runner:
                 t.shard_docs,
                 t.text_column,
                 t.reject_duplicates,
+                t.overflow,
             )
 
         self._stage(step, build, ["tokenizer"])
