@@ -53,5 +53,9 @@ def tokenized_dir(tmp_path_factory, tokenizer_dir) -> Path:
     from entroweight.pipelines.tokenize import TokenizeStage
 
     out = tmp_path_factory.mktemp("tokenized")
-    run_stage(TokenizeStage([str(C4)], str(tokenizer_dir), n_ctx=128, shard_docs=250, overflow="truncate"), out, progress=False)
+    run_stage(
+        TokenizeStage([str(C4)], str(tokenizer_dir), n_ctx=128, shard_docs=250, overflow="truncate"),
+        out,
+        progress=False,
+    )
     return out
