@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import time
 from pathlib import Path
 
 from entroweight.transforms.writer import remove_stale_tmp
 
-from .stage import LockHeld, RunSummary, Stage, StageError, StageFailed, plan_run, run_lock
+from .stage import (
+    LockHeld,
+    RunSummary,
+    Stage,
+    StageError,
+    StageFailed,
+    has_shards,
+    plan_run,
+    run_lock,
+)
 
 ENGINES = ("local", "beam", "ray")
 # The optional engines: the module each imports, installed by the extra of the engine's name.
@@ -36,13 +46,30 @@ def run_stage(
     progress: bool = True,
     **engine_options,
 ) -> RunSummary:
-    """Plan, run the pending shards on `engine`, and summarize. Raises StageFailed naming bad shards."""
-    from .stage import finish_run
+    """Plan, run the pending shards on `engine`, and summarize. Raises StageFailed naming bad shards.
+
+    Everything that can refuse the run (an --out among the inputs, an unreadable source or hub
+    dataset, a Ray cluster that cannot be reached, a read-only --out) is checked before --out is
+    written; a directory this call created for a run that then could not start is removed."""
+    from .stage import check_out_dir, finish_run
 
     require_engine(engine)
-    lock = run_lock(out_dir, wait)
+    check_out_dir(stage, out_dir)
+    inputs = stage.plan_inputs()
+    connected = None
+    if engine == "ray" and engine_options.get("address"):
+        from .ray import start_ray
+
+        connected, _ = start_ray(engine_options["address"])
+    created = not Path(out_dir).exists()
     try:
-        plan = plan_run(stage, out_dir, overwrite=overwrite)
+        lock = run_lock(out_dir, wait)
+    except BaseException:
+        if connected is not None:
+            connected.shutdown()
+        raise
+    try:
+        plan = plan_run(stage, out_dir, overwrite=overwrite, inputs=inputs)
         stage.carry(plan.out_dir)
         start = time.perf_counter()
         if not plan.todo:
@@ -65,6 +92,10 @@ def run_stage(
         return finish_run(plan, results, time.perf_counter() - start)
     finally:
         lock.release()
+        if connected is not None:
+            connected.shutdown()
+        if created and not has_shards(out_dir):  # refused before any shard: leave no directory behind
+            shutil.rmtree(out_dir, ignore_errors=True)
 
 
 __all__ = [

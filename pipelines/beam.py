@@ -28,9 +28,11 @@ import threading
 import uuid
 from dataclasses import asdict
 
+from tqdm.auto import tqdm
+
 from entroweight.schemas.manifest import ShardInput
 
-from .stage import RunPlan, ShardResult, ShardTask, Stage, reconcile_results, run_task
+from .stage import RunPlan, ShardResult, ShardTask, Stage, manifest_path, reconcile_results, run_task
 
 # per-run results under the output directory (or temp_location), deleted after; hidden: datasets skips it
 RESULTS_DIR = ".engine"
@@ -166,7 +168,7 @@ def run_beam(
     error = None
     quiet = _filtered_stderr() if threads else contextlib.nullcontext()  # threads: worker processes
     try:
-        with quiet, beam.Pipeline(runner=runner, options=pipeline_options) as p:
+        with quiet, _progress(plan, progress), beam.Pipeline(runner=runner, options=pipeline_options) as p:
             _ = (
                 p
                 | "Shards" >> beam.io.ReadFromText(tasks_file)
@@ -185,6 +187,31 @@ def run_beam(
                 ]
     _remove_tree(root)
     return reconcile_results(plan, results, error or "no result came back from the Beam workers")
+
+
+@contextlib.contextmanager
+def _progress(plan: RunPlan, enabled: bool, every: float = 0.5):
+    """A shard progress bar like the other engines': Beam reports nothing until the pipeline ends,
+    so a thread counts the shard manifests as workers write them (local output directories)."""
+    if not enabled or "://" in str(plan.out_dir):
+        yield
+        return
+    paths = [manifest_path(t.out_dir, t.shard) for t in plan.todo]
+    stop = threading.Event()
+    with tqdm(total=len(paths), unit="shard", desc=f"{plan.stage.name} (beam)") as bar:
+
+        def watch():
+            while not stop.wait(every):
+                bar.update(sum(p.exists() for p in paths) - bar.n)
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            bar.update(sum(p.exists() for p in paths) - bar.n)
 
 
 def task_to_json(task: ShardTask) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 
 from tqdm.auto import tqdm
@@ -73,10 +74,36 @@ def start_ray(address: str | None):
         ignore_reinit_error=True,
     )
     if address:
-        ray.init(address=address, **common)
+        _reachable(address)
+        try:
+            ray.init(address=address, **common)
+        except (
+            ValueError,
+            ConnectionError,
+            RuntimeError,
+            SystemExit,
+        ) as e:  # Ray exits when GCS never answers
+            raise StageError(f"cannot connect to the Ray cluster at --ray-address {address}: {e}") from None
     else:
         ray.init(num_cpus=_machine_cpus(), **common)
     return ray, True
+
+
+def _reachable(address: str, timeout: float = 5.0) -> None:
+    """A HOST:PORT that does not answer is refused at once: ray.init would retry for two minutes
+    and then exit the process. ("auto" and other forms are left to Ray.)"""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        if address != "auto":
+            raise StageError(f"--ray-address takes HOST:PORT (e.g. 10.0.0.1:6379) or auto, not {address!r}")
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise StageError(
+            f"cannot reach the Ray cluster at --ray-address {address} ({e.strerror or e}); "
+            "is `ray start --head` running there?"
+        ) from None
 
 
 def _machine_cpus() -> int:

@@ -91,6 +91,19 @@ class Stage(ABC):
     def carry(self, out_dir: Path) -> None:  # noqa: B027 - optional hook
         """Write what the output directory carries besides shards (its tokenizer); driver side, each run."""
 
+    def input_paths(self) -> list[Path]:
+        """The local files and directories this stage reads: its --out may be none of them, nor hold
+        or lie inside one. Default: each input file, and the directory of one that is another
+        stage's output (score reads a tokenized directory)."""
+        paths = []
+        for inp in self.plan_inputs():
+            p = Path(inp.uri)
+            if p.exists():
+                paths.append(p)
+                if (p.parent / STAGE_FILE).exists():
+                    paths.append(p.parent)
+        return paths
+
     def resources(self) -> dict[str, float]:
         """What one worker needs (Ray: num_cpus / num_gpus)."""
         return {"num_cpus": 1}
@@ -117,12 +130,39 @@ def read_manifests(out_dir: str | Path) -> list[ShardManifest]:
     ]
 
 
+def check_out_dir(stage: Stage, out_dir: str | Path) -> None:
+    """Refuse an --out that is, holds or lies inside one of the stage's inputs: with --overwrite its
+    shards would be deleted, and a rerun would read its own output as input."""
+    out = Path(out_dir).resolve()
+    for path in stage.input_paths():
+        src = Path(path).resolve()
+        how = (
+            "is"
+            if out == src
+            else "holds"
+            if out in src.parents
+            else "lies inside"
+            if src in out.parents
+            else ""
+        )
+        if how:
+            raise StageError(
+                f"--out {out_dir} {how} the input {path} of this {stage.name} run; "
+                "write to a directory apart from the inputs"
+            )
+
+
 def run_lock(out_dir: str | Path, wait: float = 0) -> FileLock:
     """Held by the driver for a whole run, so two overlapping runs cannot interleave shards."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(Path(out_dir) / LOCK_FILE), timeout=wait)
+    out = Path(out_dir)
     try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+        lock = FileLock(str(out / LOCK_FILE), timeout=wait)
         lock.acquire()
+    except OSError as e:  # read-only, not a directory, full: refused before anything is written
+        raise StageError(f"cannot write to --out {out_dir}: {e.strerror or e}") from None
     except Timeout:
         raise LockHeld(
             f"another entroweight run holds {out_dir} (lock {LOCK_FILE}); wait for it to finish, "
@@ -140,11 +180,14 @@ class RunPlan:
     stale: list[str] = field(default_factory=list)  # shards whose input changed: recomputed
 
 
-def plan_run(stage: Stage, out_dir: str | Path, overwrite: bool = False) -> RunPlan:
+def plan_run(
+    stage: Stage, out_dir: str | Path, overwrite: bool = False, inputs: list[ShardInput] | None = None
+) -> RunPlan:
     """Which shards are done (manifest matches config and input), which to run; refuses mixed configs."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    inputs = stage.plan_inputs()  # first: a missing source is the error to report, not a config clash
+    if inputs is None:  # first: a missing source is the error to report, not a config clash
+        inputs = stage.plan_inputs()
     record = StageRecord(
         stage=stage.name, config=stage.config(), config_hash=stage.config_hash, code_version=__version__
     )
@@ -152,7 +195,8 @@ def plan_run(stage: Stage, out_dir: str | Path, overwrite: bool = False) -> RunP
     if stage_file.exists():
         old = StageRecord.model_validate_json(stage_file.read_text())
         if old.config_hash != record.config_hash or old.stage != record.stage:
-            if not overwrite:
+            # a record without any shard (a run that failed to start) protects nothing: replace it
+            if not overwrite and has_shards(out):
                 raise StageError(_mismatch_message(out, old, record))
             for p in [*out.glob("part-*"), *out.glob(".part-*"), out / SHARDS_FILE]:
                 p.unlink(missing_ok=True)
@@ -185,6 +229,11 @@ def plan_run(stage: Stage, out_dir: str | Path, overwrite: bool = False) -> RunP
     for task in todo:
         manifest_path(out, task.shard).unlink(missing_ok=True)
     return RunPlan(stage=stage, out_dir=out, todo=todo, done=done, stale=stale)
+
+
+def has_shards(out: str | Path) -> bool:
+    """Whether `out` holds any shard or shard manifest (what a failed start must never delete)."""
+    return any(Path(out).glob("part-*")) or any(Path(out).glob(".part-*"))
 
 
 def _mismatch_message(out: Path, old: StageRecord, new: StageRecord) -> str:
@@ -257,15 +306,22 @@ class RunSummary:
     rejected: dict[str, int]
     n_real_tokens: int
     seconds: float
+    truncated: int = 0  # documents cut to n_ctx (tokenize --overflow truncate) ...
+    bytes_dropped: int = 0  # ... and the bytes of text they lost
 
     def line(self) -> str:
         rej = sum(self.rejected.values())
         if self.shards_run == 0:
             return f"{self.stage}: nothing to do, all {self.shards_done_before} shard(s) of {self.out_dir} are up to date"
+        cut = (
+            f"; {self.truncated} docs truncated, {self.bytes_dropped} bytes of text dropped"
+            if self.truncated
+            else ""
+        )
         return (
             f"{self.stage}: {self.shards_run} shard(s) run, {self.shards_done_before} already done; "
-            f"{self.docs_in} docs in, {self.rows_out} rows out, {rej} rejected {dict(self.rejected) if rej else ''}; "
-            f"{self.n_real_tokens} tokens in {self.seconds:.1f} s -> {self.out_dir}"
+            f"{self.docs_in} docs in, {self.rows_out} rows out, {rej} rejected {dict(self.rejected) if rej else ''}"
+            f"{cut}; {self.n_real_tokens} tokens in {self.seconds:.1f} s -> {self.out_dir}"
         ).replace("  ", " ")
 
 
@@ -288,4 +344,6 @@ def finish_run(plan: RunPlan, results: list[ShardResult], seconds: float) -> Run
         rejected=rejected,
         n_real_tokens=sum(m.n_real_tokens for m in manifests),
         seconds=seconds,
+        truncated=sum(m.extra.get("n_truncated", 0) for m in manifests),
+        bytes_dropped=sum(m.extra.get("bytes_dropped", 0) for m in manifests),
     )

@@ -10,8 +10,8 @@ import pyarrow as pa
 from entroweight import __version__
 from entroweight.schemas import FileMetadata, ShardManifest, with_file_metadata
 from entroweight.transforms.prefetch import prefetch
-from entroweight.transforms.sources import DocumentReader, plan_inputs
-from entroweight.transforms.tokenize import SequenceBuilder
+from entroweight.transforms.sources import DocumentReader, expand_sources, plan_inputs
+from entroweight.transforms.tokenize import OVERFLOW, SequenceBuilder
 from entroweight.transforms.tokenizer import LoadedTokenizer, carry_tokenizer, load_tokenizer
 from entroweight.transforms.writer import AtomicParquetWriter, write_table_atomic
 
@@ -31,10 +31,17 @@ class TokenizeStage(Stage):
         shard_docs: int | None = None,
         text_column: str = "text",
         reject_duplicates: bool = False,
+        overflow: str = "split",
     ):
         if n_ctx < 2:
             raise ValueError(f"--n-ctx must be at least 2, not {n_ctx}")
-        self.sources, self.n_ctx, self.pack = list(sources), n_ctx, pack
+        if shard_docs is not None and shard_docs < 1:
+            raise ValueError(f"--shard-docs must be at least 1, not {shard_docs}")
+        if overflow not in OVERFLOW:
+            raise ValueError(f"--overflow is one of {', '.join(OVERFLOW)}, not {overflow!r}")
+        if pack and overflow == "truncate":
+            raise ValueError("--overflow truncate does not apply to --pack (packing cuts no document)")
+        self.sources, self.n_ctx, self.pack, self.overflow = list(sources), n_ctx, pack, overflow
         self.shard_docs, self.text_column, self.reject_duplicates = shard_docs, text_column, reject_duplicates
         self.tokenizer_path = str(Path(tokenizer).resolve())  # workers may run elsewhere
         self._tok: LoadedTokenizer | None = load_tokenizer(tokenizer)  # fail early on a bad file
@@ -72,10 +79,17 @@ class TokenizeStage(Stage):
             "padding_side": "left",
             "text_column": self.text_column,
             "reject_duplicates": self.reject_duplicates,
+            **({} if self.pack else {"overflow": self.overflow}),  # packing splits by nature
         }
 
     def plan_inputs(self):
         return plan_inputs(self.sources, self.shard_docs)
+
+    def input_paths(self) -> list[Path]:
+        # the sources as named (a directory, not only its files: --out may not lie inside it)
+        named = [s for s in self.sources if not s.startswith("hf:") and not any(c in s for c in "*?[")]
+        globbed = [s for s in expand_sources(self.sources) if not s.startswith("hf:")]
+        return [Path(p) for p in [*named, *globbed]]
 
     def file_metadata(self) -> dict:
         tok = self.tok
@@ -98,7 +112,7 @@ class TokenizeStage(Stage):
 
     def process(self, task: ShardTask) -> ShardManifest:
         out = Path(task.out_dir)
-        builder = SequenceBuilder(self.tok, self.n_ctx, self.pack, task.shard)
+        builder = SequenceBuilder(self.tok, self.n_ctx, self.pack, task.shard, self.overflow)
         schema = with_file_metadata(builder.schema, self.file_metadata())
         output = f"{task.shard}.parquet"
         docs_in, rejected, rejects_file, rejects_sha = 0, collections.Counter(), None, None
@@ -146,7 +160,11 @@ class TokenizeStage(Stage):
             n_bytes=builder.n_bytes,
             config_hash=self.config_hash,
             code_version=__version__,
-            extra={"n_truncated": builder.n_truncated, "duplicate_ids_kept": duplicates_kept},
+            extra={
+                "n_truncated": builder.n_truncated,
+                "bytes_dropped": builder.bytes_dropped,
+                "duplicate_ids_kept": duplicates_kept,
+            },
         )
 
 

@@ -50,10 +50,15 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenized_dir(tmp_path_factory, tokenizer_dir) -> Path:
-    """The C4 sample tokenized with `tokenizer_dir`, n_ctx 128, left-padded, 4 shards of 250 docs."""
+    """The C4 sample tokenized with `tokenizer_dir`, n_ctx 128, left-padded, 4 shards of 250 docs,
+    one row per document (--overflow truncate, the write-up's layout: tests count rows as documents)."""
     from entroweight.pipelines import run_stage
     from entroweight.pipelines.tokenize import TokenizeStage
 
     out = tmp_path_factory.mktemp("tokenized")
-    run_stage(TokenizeStage([str(C4)], str(tokenizer_dir), n_ctx=128, shard_docs=250), out, progress=False)
+    run_stage(
+        TokenizeStage([str(C4)], str(tokenizer_dir), n_ctx=128, shard_docs=250, overflow="truncate"),
+        out,
+        progress=False,
+    )
     return out

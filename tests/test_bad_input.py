@@ -124,7 +124,7 @@ def test_50mb_document_is_cut_before_encoding(tmp_path, tokenizer_dir, monkeypat
     )
     big = "the quick brown fox jumps over the lazy dog " * (50_000_000 // 44 + 1)
     src = jsonl(tmp_path / "in.jsonl", [{"text": big}, {"text": GOOD}])
-    s, out = tokenize(tmp_path, [src], tokenizer_dir)
+    s, out = tokenize(tmp_path, [src], tokenizer_dir, overflow="truncate")
     assert cuts and cuts[0][0] >= 50_000_000 and cuts[0][1] < 100_000
     rows = rows_of(out)
     tok = load_tokenizer(tokenizer_dir)
@@ -143,7 +143,7 @@ def test_one_repeated_character(tmp_path, tokenizer_dir, char):
         s, out = tokenize(tmp_path, [src], tokenizer_dir)
         assert rejected(out) == {"empty": 2}
         return
-    s, out = tokenize(tmp_path, [src], tokenizer_dir, n_ctx=1024)
+    s, out = tokenize(tmp_path, [src], tokenizer_dir, n_ctx=1024, overflow="truncate")
     first, second = rows_of(out)
     assert first["n_pad"] == 0 and long.encode().startswith(real_bytes(tok, first))
     assert real_bytes(tok, second) == short.encode() and second["n_bytes"] == len(short.encode())

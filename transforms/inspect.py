@@ -85,6 +85,10 @@ def summarize(path: str | Path) -> dict:
                 rejected[k] = rejected.get(k, 0) + v
         out["docs_in"] = sum(m["docs_in"] for m in ms)
         out["rejected"] = rejected
+        truncated = sum(m.get("extra", {}).get("n_truncated", 0) for m in ms)
+        if truncated:  # tokenize --overflow truncate cut documents: say how much text is missing
+            out["truncated_docs"] = truncated
+            out["bytes_dropped"] = sum(m.get("extra", {}).get("bytes_dropped", 0) for m in ms)
     return out
 
 

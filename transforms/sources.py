@@ -7,6 +7,7 @@ Reading yields DOCUMENT_SCHEMA batches and, separately, the rows rejected with a
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import hashlib
@@ -34,6 +35,8 @@ SUFFIXES = {
     ".jsonl.zst": "jsonl.zst",
     ".json.zst": "jsonl.zst",
 }
+# Compressed JSON lines are recognised by their first bytes, whatever the file is called.
+MAGIC = {b"\x1f\x8b": "jsonl.gz", b"\x28\xb5\x2f\xfd": "jsonl.zst"}
 # A hub id: hf:OWNER/NAME, optionally :CONFIG and :SPLIT (default split: train).
 HUB_RE = re.compile(
     r"^hf:(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<config>[\w.-]+))?(?::(?P<split>[\w.-]+))?$"
@@ -73,6 +76,35 @@ def file_format(path: str | Path) -> str | None:
     return None
 
 
+# What marks a directory as a stage's output (pipelines/stage.py writes it; named here because
+# transforms sit below pipelines): its files are data this project wrote, never source documents.
+STAGE_MARKER = ".stage.json"
+
+
+def is_stage_output(path: str | Path) -> bool:
+    """A file of a stage's output directory (its shards, a copy of its tokenizer, ...)."""
+    return (Path(path).parent / STAGE_MARKER).exists()
+
+
+def _walk(root: str) -> list[str]:
+    """Data files under `root`, following symlinked directories (a symlink loop is refused).
+    Hidden files and directories (a stage's bookkeeping: .stage.json, manifests, .rejects/) and
+    stage output directories are skipped: sources are documents, never this project's own files."""
+    seen: set[str] = set()
+    files: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            raise SourceError(f"{dirpath} leads back to {real} (a symlink loop); remove the link")
+        seen.add(real)
+        if STAGE_MARKER in filenames and dirpath != root:
+            dirnames[:] = []  # a stage's output inside the sources: not documents
+            continue
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        files += [os.path.join(dirpath, f) for f in filenames if not f.startswith(".") and file_format(f)]
+    return sorted(files)
+
+
 def expand_sources(specs: list[str]) -> list[str]:
     """Files (sorted, deduplicated) and hub ids named by the SOURCE arguments."""
     out: list[str] = []
@@ -86,7 +118,12 @@ def expand_sources(specs: list[str]) -> list[str]:
             if not matches:
                 raise SourceError(f"the glob {spec!r} matches no file")
         elif os.path.isdir(spec):
-            matches = sorted(str(p) for p in Path(spec).rglob("*") if p.is_file() and file_format(p))
+            if os.path.exists(os.path.join(spec, STAGE_MARKER)):
+                raise SourceError(
+                    f"{spec} is the output of an entroweight stage ({STAGE_MARKER}), not documents; "
+                    "name the documents it was made from"
+                )
+            matches = _walk(spec)
             if not matches:
                 raise SourceError(f"the directory {spec} holds no {', '.join(sorted(SUFFIXES))} file")
         elif os.path.isfile(spec):
@@ -94,6 +131,12 @@ def expand_sources(specs: list[str]) -> list[str]:
         else:
             raise SourceError(f"no such file, directory or hub id: {spec}")
         files = [m for m in matches if os.path.isfile(m) and file_format(m)]
+        outputs = [f for f in files if is_stage_output(f)]
+        if outputs:
+            raise SourceError(
+                f"{outputs[0]} belongs to the output of an entroweight stage ({STAGE_MARKER} beside it), "
+                "not documents; name the documents it was made from"
+            )
         if not files:
             raise SourceError(f"{spec!r} names no readable input (suffixes: {', '.join(sorted(SUFFIXES))})")
         out.extend(str(Path(f).resolve()) for f in files)
@@ -108,6 +151,10 @@ def _open_binary(path: str, fmt: str):
         # not even a valid empty .gz/.zst/.parquet: an interrupted download or copy, never "no documents"
         raise SourceError(f"{path} is empty (0 bytes): an interrupted download or copy? replace or remove it")
     raw = open(path, "rb")
+    if fmt != "parquet":  # JSON lines: trust the bytes, not the name (a gzip saved as .jsonl)
+        head = raw.read(4)
+        raw.seek(0)
+        fmt = next((f for magic, f in MAGIC.items() if head.startswith(magic)), "jsonl")
     if fmt == "jsonl.gz":
         return gzip.GzipFile(fileobj=raw)
     if fmt == "jsonl.zst":
@@ -168,6 +215,8 @@ def _count_rows(path: str, fmt: str) -> int:
 
 def plan_inputs(specs: list[str], shard_docs: int | None = None) -> list[ShardInput]:
     """One ShardInput per shard: a file, a range of its rows (`shard_docs` per shard), or a hub shard."""
+    if shard_docs is not None and shard_docs < 1:  # 0 or -1 once dropped every document, exit 0
+        raise SourceError(f"--shard-docs must be at least 1, not {shard_docs}")
     shards: list[ShardInput] = []
     for spec in expand_sources(specs):
         if spec.startswith("hf:"):
@@ -178,7 +227,7 @@ def plan_inputs(specs: list[str], shard_docs: int | None = None) -> list[ShardIn
         fmt = file_format(spec)
         st = os.stat(spec)
         common = dict(uri=spec, fmt=fmt, size=st.st_size, mtime_ns=st.st_mtime_ns)
-        if not shard_docs:
+        if shard_docs is None:
             shards.append(ShardInput(**common))
             continue
         try:
@@ -222,16 +271,25 @@ class DocumentReader:
     def _documents(self, rows: Iterator[tuple[int, dict | None, str | None]]) -> Iterator[pa.RecordBatch]:
         """rows: (row number, parsed row or None, error reason) -> batches of valid documents."""
         ids, texts, urls = [], [], []
+        n_rows = n_missing = 0
+        fields: dict[str, None] = {}  # the fields rows do have, named when none has the text column
         for rowno, row, error in rows:
             self.docs_in += 1
             fallback_id = f"{self.source}:{rowno}"
             if error is not None:
                 self._reject(fallback_id, error, f"row {rowno}")
                 continue
+            n_rows += 1
             raw_id = row.get("id")
             doc_id = str(raw_id) if raw_id is not None else None
+            if doc_id is not None and not _is_utf8(doc_id):
+                self._reject(fallback_id, "invalid_utf8", f"row {rowno}: invalid UTF-8 in 'id'")
+                continue
             text = row.get(self.text_column, _MISSING)
             if text is _MISSING or text is None:
+                n_missing += 1
+                if len(fields) < 50:
+                    fields.update(dict.fromkeys(row))
                 self._reject(
                     doc_id or fallback_id, "missing_text", f"row {rowno} has no {self.text_column!r}"
                 )
@@ -247,23 +305,30 @@ class DocumentReader:
                     doc_id or fallback_id, "not_string", f"{self.text_column} is {type(text).__name__}"
                 )
                 continue
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:  # lone surrogates from JSON escapes
-                self._reject(doc_id or text_id(text), "invalid_utf8", str(e))
+            if not _is_utf8(text):  # lone surrogates from JSON escapes, or invalid bytes in the line
+                self._reject(doc_id or fallback_id, "invalid_utf8", f"row {rowno}: invalid UTF-8 in the text")
                 continue
             if not text or text.isspace():
                 self._reject(doc_id or fallback_id, "empty", None)
                 continue
+            url = row.get("url")
+            url = None if url is None else str(url)
+            if url is not None and not _is_utf8(url):  # one bad field loses its document, not the shard
+                self._reject(doc_id or fallback_id, "invalid_utf8", f"row {rowno}: invalid UTF-8 in 'url'")
+                continue
             ids.append(doc_id or text_id(text))
             texts.append(text)
-            url = row.get("url")
-            urls.append(None if url is None else str(url))
+            urls.append(url)
             if len(texts) >= self.batch_docs:
                 yield self._batch(ids, texts, urls)
                 ids, texts, urls = [], [], []
         if texts:
             yield self._batch(ids, texts, urls)
+        if n_rows and n_missing == n_rows:  # a wrong column name, not bad documents: say so
+            raise SourceError(
+                f"{self.shard.uri}: none of its {n_rows} rows has a {self.text_column!r} field "
+                f"(fields found: {', '.join(map(str, fields)) or 'none'}); pass --text-column NAME"
+            )
 
     def _batch(self, ids, texts, urls) -> pa.RecordBatch:
         return pa.RecordBatch.from_arrays(
@@ -304,6 +369,8 @@ class DocumentReader:
                     continue
                 if s.stop is not None and rowno >= s.stop:
                     break
+                if rowno == 0 and line.startswith(codecs.BOM_UTF8):  # files saved by Windows editors
+                    line = line[len(codecs.BOM_UTF8) :]
                 try:
                     line_text = line.decode("utf-8")
                 except UnicodeDecodeError:
@@ -357,6 +424,16 @@ class DocumentReader:
 _MISSING = object()
 
 
+def _is_utf8(value: str) -> bool:
+    """False for strings holding lone surrogates (invalid bytes read with surrogateescape, or JSON
+    escapes like \\udc80): Arrow cannot store them, and they are no text."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _hub_from_uri(uri: str) -> HubId:
     _, rest = uri.split(":", 1)
     repo, config, split = rest.split(":")
@@ -364,10 +441,18 @@ def _hub_from_uri(uri: str) -> HubId:
 
 
 def load_hub_stream(hub: HubId):
-    """Stream a hub dataset with `datasets` (network needed; tests patch this to local parquet)."""
+    """Stream a hub dataset with `datasets` (network needed; tests patch this to local parquet).
+    A dataset that cannot be reached is a SourceError: refused before any output is written."""
     import datasets
 
-    return datasets.load_dataset(hub.repo, name=hub.config, split=hub.split, streaming=True)
+    try:
+        return datasets.load_dataset(hub.repo, name=hub.config, split=hub.split, streaming=True)
+    except (OSError, ValueError, ImportError) as e:  # ConnectionError, DatasetNotFoundError, bad split
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise SourceError(
+            f"cannot open the hub dataset hf:{hub.repo} ({type(e).__name__}: {first}); check its name, "
+            "config and split, the network, and HF_HUB_OFFLINE / HF_TOKEN"
+        ) from None
 
 
 def _hub_num_shards(hub: HubId) -> int:

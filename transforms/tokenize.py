@@ -1,4 +1,9 @@
-"""Documents -> sequences: batch-encode, then left-pad one document per sequence or pack windows."""
+"""Documents -> sequences: batch-encode, then left-pad one document per sequence or pack windows.
+
+A document longer than n_ctx tokens (one document per row) either continues in the next rows
+(`overflow="split"`, the default: every piece but the last is full, the last is left-padded, all
+keep the document's id, so no text is lost), or keeps its first n_ctx tokens (`"truncate"`, the
+write-up's layout; what it drops is counted: `n_truncated`, `bytes_dropped`)."""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from entroweight.schemas import sequence_schema
 
 from .tokenizer import LoadedTokenizer
 
+OVERFLOW = ("split", "truncate")  # what happens to a document longer than n_ctx (module docstring)
+
 
 def fixed_lists(matrix: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
     """A (rows, n) matrix as an Arrow list column without a Python loop."""
@@ -24,28 +31,33 @@ def fixed_lists(matrix: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
 class SequenceBuilder:
     """Turns DOCUMENT_SCHEMA batches into sequence batches for one shard.
 
-    Left padding (default): each document's first `n_ctx` tokens, pads on the left. Packing: the
-    documents' tokens joined by eos and cut into `n_ctx` windows; the last window is left-padded.
+    Left padding (default): a document per row (split over rows, or truncated: see the module
+    docstring), pads on the left. Packing: the documents' tokens joined by eos and cut into `n_ctx`
+    windows; the last window is left-padded.
     """
 
-    def __init__(self, tok: LoadedTokenizer, n_ctx: int, pack: bool, shard: str):
+    def __init__(self, tok: LoadedTokenizer, n_ctx: int, pack: bool, shard: str, overflow: str = "split"):
         if tok.pad_id is None:
             raise ValueError(
                 f"the tokenizer {tok.path} has no pad token; train one with `entroweight train-tokenizer`"
             )
         if pack and tok.eos_id is None:
             raise ValueError(f"--pack needs an eos token, and the tokenizer {tok.path} has none")
+        if overflow not in OVERFLOW:
+            raise ValueError(f"--overflow is one of {', '.join(OVERFLOW)}, not {overflow!r}")
         self.tok, self.n_ctx, self.pack, self.shard = tok, n_ctx, pack, shard
+        self.truncate = overflow == "truncate" and not pack
         self.schema = sequence_schema(tok.vocab_size, packed=pack)
         self.ids_type = self.schema.field("input_ids").type.value_type
         self.np_dtype = np.uint16 if self.ids_type == pa.uint16() else np.int32
         self.n_seq = 0
         self.docs_out = 0
-        self.n_truncated = 0
+        self.n_truncated = 0  # documents cut (--overflow truncate) ...
+        self.bytes_dropped = 0  # ... and the UTF-8 bytes of text they lost
         self.n_real_tokens = 0
         self.n_bytes = 0
         # An upper bound of characters that n_ctx tokens can cover: longer texts are cut before
-        # encoding, so a 50 MB document never becomes a huge id list (left-pad mode only).
+        # encoding, so a 50 MB document never becomes a huge id list (truncate mode only).
         max_token_len = int(tok.token_nbytes.max()) if tok.vocab_size else 1
         self.char_budget = 2 * n_ctx * max(max_token_len, 1) + 64
         self._stream: list[np.ndarray] = []  # packing: pending token runs
@@ -54,7 +66,7 @@ class SequenceBuilder:
     def encode(self, docs: pa.RecordBatch) -> list[list[int]]:
         """Token ids of each document (no state touched: may run in another thread than `add`)."""
         texts = docs.column("text").to_pylist()
-        if not self.pack:
+        if self.truncate:
             texts = [t if len(t) <= self.char_budget else _cut(t, self.char_budget) for t in texts]
         encs = self.tok.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         return [e.ids for e in encs]
@@ -69,13 +81,17 @@ class SequenceBuilder:
         self.docs_out += len(doc_ids)
         if self.pack:
             yield from self._pack(doc_ids, ids)
+        elif not self.truncate:
+            yield self._split(doc_ids, ids)
         else:
             batch = self._left_pad(doc_ids, ids)
             # a full row is truncated when its tokens cover fewer bytes than the text has
             full = np.flatnonzero(batch.column("n_pad").to_numpy() == 0)
             n_bytes = batch.column("n_bytes").to_numpy()
             text_bytes = pc.binary_length(docs.column("text")).to_numpy()  # UTF-8 bytes, no Python strings
-            self.n_truncated += int((n_bytes[full] < text_bytes[full]).sum())
+            lost = text_bytes[full] - n_bytes[full]
+            self.n_truncated += int((lost > 0).sum())
+            self.bytes_dropped += int(lost[lost > 0].sum())
             yield batch
 
     def finish(self) -> Iterator[pa.RecordBatch]:
@@ -93,6 +109,24 @@ class SequenceBuilder:
                 matrix[row, n - k :] = seq[:k]
             n_pad[row] = n - k
         return self._batch(matrix, n_pad, doc_ids)
+
+    def _split(self, doc_ids: list[str], ids: list[list[int]]) -> pa.RecordBatch:
+        """Each document over ceil(len / n_ctx) rows: full rows, then the rest left-padded."""
+        n = self.n_ctx
+        pieces = [max(1, -(-len(seq) // n)) for seq in ids]
+        matrix = np.full((sum(pieces), n), self.tok.pad_id, dtype=self.np_dtype)
+        n_pad = np.zeros(len(matrix), dtype=np.int32)
+        row = 0
+        for seq in ids:
+            seq = np.asarray(seq, dtype=self.np_dtype)
+            full, rest = divmod(len(seq), n)
+            matrix[row : row + full] = seq[: full * n].reshape(full, n)
+            row += full
+            if rest or not full:  # the last piece: left-padded
+                matrix[row, n - rest :] = seq[full * n :]
+                n_pad[row] = n - rest
+                row += 1
+        return self._batch(matrix, n_pad, [d for d, k in zip(doc_ids, pieces, strict=True) for _ in range(k)])
 
     # -- packed windows
     def _pack(self, doc_ids: list[str], ids: list[list[int]]) -> Iterator[pa.RecordBatch]:

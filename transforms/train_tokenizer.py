@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterable, Iterator
 from importlib.resources import files
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .sources import DocumentReader, plan_inputs
+from .sources import DocumentReader, SourceError, plan_inputs
 from .tokenizer import BOS, EOS, PAD, resolve_tokenizer_path
 
 SPECIALS = [PAD, BOS, EOS]
@@ -17,11 +18,24 @@ SPECIALS = [PAD, BOS, EOS]
 DEFAULT_BASE = Path(files(__package__) / "data" / "llama3")
 
 
-def corpus_texts(sources: list[str], max_docs: int | None = None) -> Iterator[str]:
-    """Texts of the valid documents of the sources, in a fixed order (rejects are skipped)."""
+def corpus_texts(sources: list[str], max_docs: int | None = None, text_column: str = "text") -> Iterator[str]:
+    """Texts of the valid documents of the sources, in a fixed order (rejects are skipped).
+    Raises SourceError at the first read when no document can be read: a tokenizer trained on
+    nothing would still save (its 256 bytes and specials) and exit 0."""
+    texts = _texts(sources, max_docs, text_column)
+    first = next(texts, None)
+    if first is None:
+        raise SourceError(
+            f"no document could be read from {', '.join(sources)} (every row was rejected); "
+            f"is the text in another column than {text_column!r}? pass --text-column NAME"
+        )
+    return itertools.chain([first], texts)
+
+
+def _texts(sources: list[str], max_docs: int | None, text_column: str) -> Iterator[str]:
     n = 0
     for shard in plan_inputs(sources):
-        for batch in DocumentReader(shard):
+        for batch in DocumentReader(shard, text_column):
             for text in batch.column("text").to_pylist():
                 yield text
                 n += 1

@@ -51,14 +51,15 @@ def main():
     help="bpe: byte-level BPE. lz78 / lz78-freqgated: byte-level LZ78 dictionary, greedy longest match "
     "(a related-work baseline; --base is not used, pieces are GPT-2 pre-tokens). See docs/baselines.md.",
 )
+@click.option("--text-column", default="text", show_default=True, help="The field that holds the text.")
 @click.option("--out", required=True, type=click.Path(file_okay=False))
-def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, out):
+def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_column, out):
     """Train a tokenizer of VOCAB_SIZE tokens (pad/bos/eos reserved) on SOURCES: BPE or LZ78."""
     from entroweight.transforms.sources import SourceError
     from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_tokenizer
 
     try:
-        texts = corpus_texts(list(sources), max_docs)
+        texts = corpus_texts(list(sources), max_docs, text_column)
         tok = train_tokenizer(texts, vocab_size, algorithm, base, progress=sys.stderr.isatty())
     except (SourceError, ValueError) as e:
         _fail(str(e))
@@ -79,8 +80,18 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, out):
 @click.option(
     "--reject-duplicates", is_flag=True, help="Reject a document whose id was seen before in its shard."
 )
+@click.option(
+    "--overflow",
+    type=click.Choice(["split", "truncate"]),
+    default="split",
+    show_default=True,
+    help="A document longer than --n-ctx: split continues it in the next rows (no text lost); "
+    "truncate keeps its first n_ctx tokens (counted in the summary).",
+)
 @engine_options
-def tokenize(sources, tokenizer, n_ctx, pack, out, shard_docs, text_column, reject_duplicates, **eng):
+def tokenize(
+    sources, tokenizer, n_ctx, pack, out, shard_docs, text_column, reject_duplicates, overflow, **eng
+):
     """Tokenize SOURCES into left-padded (or packed) sequences as zstd parquet shards."""
     from entroweight.pipelines.tokenize import TokenizeStage
     from entroweight.transforms.sources import SourceError, expand_sources
@@ -89,7 +100,7 @@ def tokenize(sources, tokenizer, n_ctx, pack, out, shard_docs, text_column, reje
     try:
         expand_sources(list(sources))  # cheap (no file is read): refuse before --out is created
         stage = TokenizeStage(
-            list(sources), tokenizer, n_ctx, pack, shard_docs, text_column, reject_duplicates
+            list(sources), tokenizer, n_ctx, pack, shard_docs, text_column, reject_duplicates, overflow
         )
     except (SourceError, TokenizerError, ValueError) as e:
         _fail(str(e))

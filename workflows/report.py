@@ -381,6 +381,7 @@ def build_report(run_dir: str | Path, samples: int = 3, max_tokens: int = 2_000_
     if wf.train is not None and wf.eval is not None:
         parts.append(_headline(wf))
     parts.append(_provenance(record))
+    parts.append(_truncation(wf.tokens_dir()))
 
     scores = {}
     for s in wf.scores:
@@ -421,6 +422,21 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.8em; }
           border: 1px solid #ddd; padding: 0.6em; margin: 0.4em 0 1em; }
 .verdict { font-weight: 600; }
 """
+
+
+def _truncation(tokens_dir: Path) -> str:
+    """What the tokenized data lost (tokenize.overflow: truncate), where a reader of results looks."""
+    from entroweight.pipelines.stage import read_manifests
+
+    ms = read_manifests(tokens_dir) if Path(tokens_dir).is_dir() else []
+    cut = sum(m.extra.get("n_truncated", 0) for m in ms)
+    if not cut:
+        return ""
+    dropped = sum(m.extra.get("bytes_dropped", 0) for m in ms)
+    return (
+        f"<p class='verdict'>Truncated data: {cut} of {sum(m.docs_out for m in ms)} documents were cut "
+        f"to n_ctx tokens, {dropped:,} bytes of their text dropped (tokenize.overflow: truncate).</p>"
+    )
 
 
 def _provenance(record: dict) -> str:

@@ -296,7 +296,10 @@ class Runner:
         t0 = time.perf_counter()
         t = spec.train
         tok = train_tokenizer(
-            corpus_texts(self.wf.train_sources(), t.max_docs), t.vocab_size, t.algorithm, t.base
+            corpus_texts(self.wf.train_sources(), t.max_docs, self.wf.tokenize.text_column),
+            t.vocab_size,
+            t.algorithm,
+            t.base,
         )
         path, sha = save_tokenizer(tok, out)
         write_json_atomic({"key": key, "sha256": sha}, marker)
@@ -355,6 +358,7 @@ class Runner:
                 t.shard_docs,
                 t.text_column,
                 t.reject_duplicates,
+                t.overflow,
             )
 
         self._stage(step, build, ["tokenizer", "holdout"])

@@ -78,6 +78,7 @@ class TokenizeSpec(_Strict):
     shard_docs: int | None = Field(None, ge=1)
     text_column: str = "text"
     reject_duplicates: bool = False
+    overflow: Literal["split", "truncate"] = "split"  # a document over n_ctx: next rows, or cut
     out: str = "tokens"
 
     _out = field_validator("out")(_inside)

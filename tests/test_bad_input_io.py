@@ -1,0 +1,299 @@
+"""Issue 15, sources and outputs: an --out among the inputs, bookkeeping read as documents,
+--shard-docs 0, bad bytes in one field, BOMs, compressed files under the wrong name, a missing text
+column, read-only outputs, unreachable hubs and Ray clusters, symlinked directories, Beam progress.
+
+Each refusal exits 2 with a one-line message and no traceback, and leaves no --out behind; each
+reject is counted and the other documents are kept. Real C4 documents throughout."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zstandard
+from click.testing import CliRunner
+
+from entroweight.pipelines import StageError, StageFailed, run_stage
+from entroweight.pipelines.score import ScoreStage
+from entroweight.pipelines.stage import read_manifests
+from entroweight.pipelines.tokenize import TokenizeStage
+from entroweight.pipelines.verify import verify_dir
+from entroweight.scorers import Scorer, register
+from entroweight.transforms.writer import sha256_file
+from entroweight.workflows.cli import main
+
+N_CTX = 64
+
+
+@pytest.fixture(scope="module")
+def c4_lines(c4_path) -> list[str]:
+    with gzip.open(c4_path, "rt", encoding="utf-8") as f:
+        return list(itertools.islice(f, 30))
+
+
+def write(path, lines, mode="text"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = "".join(lines).encode()
+    path.write_bytes({"text": data, "gzip": gzip.compress(data), "zstd": zstandard.compress(data)}[mode])
+    return path
+
+
+def cli(*args):
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert "Traceback" not in res.output, res.output
+    return res
+
+
+def tokenize(sources, tokenizer_dir, out, **kw):
+    stage = TokenizeStage([str(s) for s in sources], str(tokenizer_dir), **{"n_ctx": N_CTX, **kw})
+    return run_stage(stage, out, progress=False)
+
+
+def rejected(out) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for m in read_manifests(out):
+        for k, v in m.rejected.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def tree(path) -> dict[str, str]:
+    return {str(p.relative_to(path)): sha256_file(p) for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# ---------------------------------------------------------------- 1. --out among the inputs
+
+
+class Mod3(Scorer):
+    name = "test_io_mod3"
+
+    def config(self):
+        return {"scorer": self.name}
+
+    def setup(self, data_tokenizer=None):
+        pass
+
+    def score_batch(self, input_ids, n_pad):
+        return (input_ids % 3).astype(np.float32)
+
+
+register(Mod3)
+
+
+def test_score_out_equal_to_or_inside_its_input_is_refused_even_with_overwrite(
+    tmp_path, c4_lines, tokenizer_dir
+):
+    tokens = tmp_path / "tokens"
+    tokenize([write(tmp_path / "src" / "c4.jsonl", c4_lines)], tokenizer_dir, tokens)
+    before = tree(tokens)
+    for out in (tokens, tokens / "scored", tmp_path):
+        with pytest.raises(StageError, match="--out .* (is|lies inside|holds) the input"):
+            run_stage(ScoreStage(tokens, "test_io_mod3"), out, overwrite=True, progress=False)
+    assert tree(tokens) == before and not (tokens / "scored").exists()
+    assert verify_dir(tokens) == []
+
+
+def test_tokenize_out_equal_to_or_inside_its_source_dir_is_refused(tmp_path, c4_lines, tokenizer_dir):
+    src = tmp_path / "src"
+    write(src / "c4.jsonl", c4_lines)
+    before = tree(src)
+    for out in (src, src / "tokens", tmp_path):
+        res = cli("tokenize", src, "--tokenizer", tokenizer_dir, "--out", out, "--overwrite")
+        assert res.exit_code == 2 and "the input" in res.output
+    assert tree(src) == before  # no .lock, no .stage.json, no tokens/
+
+
+def test_sources_never_include_bookkeeping_or_stage_outputs(tmp_path, c4_lines, tokenizer_dir):
+    """A directory holding documents and a stage's output (shards, manifests, a tokenizer copy):
+    only the documents are read, however often it is tokenized again."""
+    data = tmp_path / "data"
+    write(data / "c4.jsonl", c4_lines[:20])
+    tokenize([write(tmp_path / "other.jsonl", c4_lines[20:])], tokenizer_dir, data / "tokens")
+    shutil.copy(tokenizer_dir / "tokenizer.json", data / "tokens" / "tokenizer.json")
+    (data / ".hidden.jsonl").write_text(c4_lines[0])  # hidden: bookkeeping, never a source
+    for run in range(2):
+        s = tokenize([data], tokenizer_dir, tmp_path / "out")
+        assert s.docs_in == 20 and rejected(tmp_path / "out") == {}, run
+    res = cli("tokenize", data / "tokens", "--tokenizer", tokenizer_dir, "--out", tmp_path / "x")
+    assert res.exit_code == 2 and "output of an entroweight stage" in res.output
+    res = cli(
+        "tokenize",
+        data / "tokens" / "part-00000.parquet",
+        "--tokenizer",
+        tokenizer_dir,
+        "--out",
+        tmp_path / "x",
+    )
+    assert res.exit_code == 2 and not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- 3. --shard-docs
+
+
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_shard_docs_below_one_is_refused(tmp_path, c4_lines, tokenizer_dir, n):
+    src = write(tmp_path / "c4.jsonl", c4_lines)
+    res = cli("tokenize", src, "--tokenizer", tokenizer_dir, "--out", tmp_path / "out", "--shard-docs", n)
+    assert res.exit_code == 2 and "--shard-docs must be at least 1" in res.output
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- 8. bytes
+
+
+def test_invalid_utf8_in_url_rejects_only_that_document(tmp_path, c4_lines, tokenizer_dir):
+    lines = [line.encode() for line in c4_lines[:10]]
+    row = json.loads(c4_lines[3])
+    bad = (
+        json.dumps({"text": row["text"], "url": "URLMARK"}).encode().replace(b"URLMARK", b"http://x/\xff\xfe")
+    )
+    lines[3] = bad + b"\n"
+    src = tmp_path / "c4.jsonl"
+    src.write_bytes(b"".join(lines))
+    s = tokenize([src], tokenizer_dir, tmp_path / "out")
+    assert s.docs_in == 10 and rejected(tmp_path / "out") == {"invalid_utf8": 1}
+    (m,) = read_manifests(tmp_path / "out")
+    assert m.docs_out == 9
+    assert verify_dir(tmp_path / "out") == []
+
+
+def test_bom_does_not_reject_the_first_document(tmp_path, c4_lines, tokenizer_dir):
+    src = tmp_path / "c4.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + "".join(c4_lines[:5]).encode())
+    s = tokenize([src], tokenizer_dir, tmp_path / "out")
+    assert s.docs_in == 5 and rejected(tmp_path / "out") == {}
+
+
+@pytest.mark.parametrize("mode", ["gzip", "zstd"])
+def test_compressed_file_named_jsonl_is_read_by_its_magic(tmp_path, c4_lines, tokenizer_dir, mode):
+    src = write(tmp_path / "c4.jsonl", c4_lines[:12], mode)
+    s = tokenize([src], tokenizer_dir, tmp_path / "out", shard_docs=5)  # row counting reads it too
+    assert s.docs_in == 12 and rejected(tmp_path / "out") == {}
+
+
+# ---------------------------------------------------------------- 9. the text column
+
+
+def test_all_rows_missing_text_fails_naming_the_fields(tmp_path, c4_lines, tokenizer_dir):
+    rows = [json.loads(line) for line in c4_lines[:8]]
+    src = tmp_path / "c4.jsonl"
+    src.write_text("".join(json.dumps({"content": r["text"], "url": r["url"]}) + "\n" for r in rows))
+    res = cli("tokenize", src, "--tokenizer", tokenizer_dir, "--out", tmp_path / "out")
+    assert res.exit_code == 1
+    assert "content" in res.output and "--text-column" in res.output
+    s = tokenize([src], tokenizer_dir, tmp_path / "ok", text_column="content")
+    assert s.docs_in == 8 and s.rejected == {}
+
+
+def test_train_tokenizer_refuses_zero_documents_and_takes_text_column(tmp_path, c4_lines):
+    rows = [json.loads(line) for line in c4_lines]
+    src = tmp_path / "c4.jsonl"
+    src.write_text("".join(json.dumps({"body": r["text"]}) + "\n" for r in rows))
+    res = cli("train-tokenizer", src, "--vocab-size", 300, "--out", tmp_path / "tok")
+    assert res.exit_code == 2 and "body" in res.output and "--text-column" in res.output
+    assert not (tmp_path / "tok").exists()
+    res = cli("train-tokenizer", src, "--vocab-size", 300, "--text-column", "body", "--out", tmp_path / "tok")
+    assert res.exit_code == 0 and (tmp_path / "tok" / "tokenizer.json").exists()
+
+
+# ---------------------------------------------------------------- errors before any output
+
+
+def test_unwritable_out_is_refused(tmp_path, c4_lines, tokenizer_dir):
+    src = write(tmp_path / "c4.jsonl", c4_lines)
+    (tmp_path / "file").write_text("not a directory")
+    for out in (tmp_path / "file" / "out", "/sys/entroweight-test-out"):
+        res = cli("tokenize", src, "--tokenizer", tokenizer_dir, "--out", out)
+        assert res.exit_code == 2 and "cannot write to --out" in res.output
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        res = cli("tokenize", src, "--tokenizer", tokenizer_dir, "--out", ro)
+        assert res.exit_code == 2 and list(ro.iterdir()) == []
+
+
+def test_bad_ray_address_is_refused_at_once(tmp_path, c4_lines, tokenizer_dir):
+    src = write(tmp_path / "c4.jsonl", c4_lines)
+    for address in ("127.0.0.1:1", "banana"):
+        start = time.perf_counter()
+        res = cli(
+            "tokenize", src, "--tokenizer", tokenizer_dir, "--out", tmp_path / "r", "--engine", "ray",
+            "--ray-address", address,
+        )  # fmt: skip
+        assert res.exit_code == 2 and "--ray-address" in res.output
+        assert time.perf_counter() - start < 30 and not (tmp_path / "r").exists()
+
+
+def test_unreachable_hub_dataset_is_refused_and_leaves_nothing(
+    tmp_path, c4_lines, tokenizer_dir, monkeypatch
+):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    res = cli("tokenize", "hf:nobody-here/no-such-dataset", "--tokenizer", tokenizer_dir, "--out", out)
+    assert res.exit_code == 2 and "hf:nobody-here/no-such-dataset" in res.output
+    assert not out.exists()
+    # the corrected rerun (another text column, so another config) is not refused
+    rows = [json.loads(line) for line in c4_lines[:5]]
+    src = tmp_path / "c4.jsonl"
+    src.write_text("".join(json.dumps({"body": r["text"]}) + "\n" for r in rows))
+    res = cli("tokenize", src, "--tokenizer", tokenizer_dir, "--out", out, "--text-column", "body")
+    assert res.exit_code == 0, res.output
+
+
+def test_a_record_without_shards_does_not_block_another_config(tmp_path, c4_lines, tokenizer_dir):
+    src = write(tmp_path / "c4.jsonl", c4_lines[:5])
+    out = tmp_path / "out"
+    tokenize([src], tokenizer_dir, out)
+    for p in [*out.glob("part-*"), *out.glob(".part-*")]:
+        p.unlink()  # a run that stopped before its first shard
+    assert tokenize([src], tokenizer_dir, out, n_ctx=32).docs_in == 5
+    with pytest.raises(StageError, match="another config"):  # shards exist now: protected
+        tokenize([src], tokenizer_dir, out, n_ctx=48)
+
+
+def test_symlinked_subdirectory_is_followed_and_a_loop_refused(tmp_path, c4_lines, tokenizer_dir):
+    write(tmp_path / "elsewhere" / "c4.jsonl", c4_lines[:7])
+    src = tmp_path / "src"
+    write(src / "own.jsonl", c4_lines[7:10])
+    (src / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    s = tokenize([src], tokenizer_dir, tmp_path / "out")
+    assert s.docs_in == 10
+    (src / "loop").symlink_to(src, target_is_directory=True)
+    res = cli("tokenize", src, "--tokenizer", tokenizer_dir, "--out", tmp_path / "out2")
+    assert res.exit_code == 2 and "symlink loop" in res.output and not (tmp_path / "out2").exists()
+
+
+# ---------------------------------------------------------------- progress
+
+
+def test_beam_shows_shard_progress(tmp_path, c4_lines, tokenizer_dir):
+    src = write(tmp_path / "c4.jsonl", c4_lines)
+    cmd = [
+        sys.executable,
+        "-m",
+        "entroweight.workflows.cli",
+        "tokenize",
+        str(src),
+        "--tokenizer",
+        str(tokenizer_dir),
+    ]
+    cmd += ["--out", str(tmp_path / "out"), "--shard-docs", "10", "--engine", "beam"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "tokenize (beam)" in res.stderr and "3/3" in res.stderr
+
+
+def test_a_failing_shard_still_fails(tmp_path, c4_lines, tokenizer_dir):
+    """The readers' new leniency (BOM, magic bytes) does not hide a truncated file."""
+    src = write(tmp_path / "c4.jsonl", c4_lines, "gzip")
+    src.write_bytes(src.read_bytes()[:-100])
+    with pytest.raises(StageFailed, match="c4.jsonl"):
+        tokenize([src], tokenizer_dir, tmp_path / "out")
