@@ -161,13 +161,13 @@ def run_lock(out_dir: str | Path, wait: float = 0) -> FileLock:
             raise PermissionError(13, "Permission denied")
         lock = FileLock(str(out / LOCK_FILE), timeout=wait)
         lock.acquire()
-    except OSError as e:  # read-only, not a directory, full: refused before anything is written
-        raise StageError(f"cannot write to --out {out_dir}: {e.strerror or e}") from None
-    except Timeout:
+    except Timeout:  # first: filelock's Timeout is an OSError too
         raise LockHeld(
             f"another entroweight run holds {out_dir} (lock {LOCK_FILE}); wait for it to finish, "
             "or pass --wait SECONDS to queue behind it"
         ) from None
+    except OSError as e:  # read-only, not a directory, full: refused before anything is written
+        raise StageError(f"cannot write to --out {out_dir}: {e.strerror or e}") from None
     return lock
 
 
@@ -306,6 +306,7 @@ class RunSummary:
     rejected: dict[str, int]
     n_real_tokens: int
     seconds: float
+    docs_out: int = 0  # documents written (a long one may fill several rows): docs_in = docs_out + rejected
     truncated: int = 0  # documents cut to n_ctx (tokenize --overflow truncate) ...
     bytes_dropped: int = 0  # ... and the bytes of text they lost
 
@@ -320,7 +321,7 @@ class RunSummary:
         )
         return (
             f"{self.stage}: {self.shards_run} shard(s) run, {self.shards_done_before} already done; "
-            f"{self.docs_in} docs in, {self.rows_out} rows out, {rej} rejected {dict(self.rejected) if rej else ''}"
+            f"{self.docs_in} docs in, {self.docs_out} docs out in {self.rows_out} rows, {rej} rejected {dict(self.rejected) if rej else ''}"
             f"{cut}; {self.n_real_tokens} tokens in {self.seconds:.1f} s -> {self.out_dir}"
         ).replace("  ", " ")
 
@@ -341,6 +342,7 @@ def finish_run(plan: RunPlan, results: list[ShardResult], seconds: float) -> Run
         shards_run=len(results),
         docs_in=sum(m.docs_in for m in manifests),
         rows_out=sum(m.rows_out for m in manifests),
+        docs_out=sum(m.docs_out for m in manifests),
         rejected=rejected,
         n_real_tokens=sum(m.n_real_tokens for m in manifests),
         seconds=seconds,

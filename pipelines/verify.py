@@ -206,7 +206,10 @@ def _check_shard(out: Path, m: ShardManifest, record: StageRecord, problems: lis
         if not got.equals(want):
             problems.append(f"{where}: schema {_fmt(got)} is not the contract {_fmt(want)}")
         else:
-            _check_values(pf, m, meta, where, problems)
+            try:
+                _check_values(pf, m, meta, where, problems)
+            except (OSError, pa.ArrowException) as e:  # a corrupt page: report it, check the other shards
+                problems.append(f"{where}: a page does not decode ({type(e).__name__}: {e})")
     if record.stage in ("score", "weigh"):
         _check_score_input(m, where, problems)
     return meta

@@ -31,7 +31,11 @@ def _tokenize(tmp, c4_path, tokenizer_dir, skip):
     with gzip.open(src, "wt", encoding="utf-8") as f:
         f.writelines(lines)
     out = tmp / "tokens"
-    run_stage(TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=32, shard_docs=8), out, progress=False)
+    run_stage(
+        TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=32, shard_docs=8, overflow="truncate"),
+        out,
+        progress=False,
+    )
     return out
 
 

@@ -125,7 +125,7 @@ def test_two_node_ray_cluster_matches_local(tmp_path, c4_path, tokenizer_dir, tw
     cmd += ["--engine", "ray", "--ray-address", two_node_cluster, "--workers", "2"]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "12 shard(s) run" in proc.stdout and "300 docs in, 300 rows out" in proc.stdout
+    assert "12 shard(s) run" in proc.stdout and "300 docs in, 300 docs out" in proc.stdout
 
     local = {m.shard: m for m in read_manifests(tmp_path / "local")}
     remote = {m.shard: m for m in read_manifests(tmp_path / "ray")}

@@ -48,7 +48,7 @@ def inputs(tmp_path_factory, c4_path) -> Path:
 
 
 def stage_for(inputs, tokenizer_dir) -> TokenizeStage:
-    return TokenizeStage([str(inputs)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=50)
+    return TokenizeStage([str(inputs)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=50, overflow="truncate")
 
 
 @pytest.fixture(scope="module")

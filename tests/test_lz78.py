@@ -118,7 +118,9 @@ def test_cli_tokenize_stage_and_a_tiny_training_run(c4_path, tmp_path):
     assert spec["model"]["type"] == "WordPiece" and spec["model"]["continuing_subword_prefix"] == ""
 
     data = tmp_path / "tokenized"
-    run_stage(TokenizeStage([str(c4_path)], str(tok_dir), n_ctx=64, shard_docs=500), data, progress=False)
+    # one row per document (truncated), so that row i is text i
+    stage = TokenizeStage([str(c4_path)], str(tok_dir), n_ctx=64, shard_docs=500, overflow="truncate")
+    run_stage(stage, data, progress=False)
     table = pq.read_table(sorted(data.glob("*.parquet"))[0])
     texts = list(corpus_texts([str(c4_path)], 500))
     n_pad = table["n_pad"].to_pylist() if "n_pad" in table.column_names else None

@@ -47,14 +47,16 @@ def tiny_llama(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory, c4_path, tokenizer_dir):
-    """60 C4 documents, n_ctx 64, left-padded, 3 shards of 20."""
+    """60 C4 documents, n_ctx 64, left-padded, one row each (longer ones truncated), 3 shards of 20."""
     src = tmp_path_factory.mktemp("src") / "c4.jsonl.gz"
     with gzip.open(c4_path, "rt", encoding="utf-8") as f:
         lines = [next(f) for _ in range(60)]
     with gzip.open(src, "wt", encoding="utf-8") as f:
         f.writelines(lines)
     out = tmp_path_factory.mktemp("small_tokens")
-    run_stage(TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=64, shard_docs=20), out, progress=False)
+    # one row per document (the write-up's layout): the scoring tests count rows as documents
+    stage = TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=64, shard_docs=20, overflow="truncate")
+    run_stage(stage, out, progress=False)
     return out
 
 

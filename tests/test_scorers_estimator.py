@@ -76,7 +76,11 @@ def small_data(tmp_path_factory, c4_path, tokenizer_dir):
                 line = json.dumps(d) + "\n"
             f.write(line)
     out = tmp_path_factory.mktemp("est_tokens")
-    run_stage(TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=12), out, progress=False)
+    run_stage(
+        TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=12, overflow="truncate"),
+        out,
+        progress=False,
+    )
     return out
 
 

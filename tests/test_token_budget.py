@@ -52,7 +52,11 @@ def data(tmp_path_factory, c4_path, tokenizer_dir):
                 d["text"] = " ".join(d["text"].split()[: 2 + i])
             f.write(json.dumps(d) + "\n")
     out = tmp_path_factory.mktemp("tokens")
-    run_stage(TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=16), out, progress=False)
+    run_stage(
+        TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=16, overflow="truncate"),
+        out,
+        progress=False,
+    )
     return out
 
 

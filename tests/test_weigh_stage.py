@@ -33,7 +33,11 @@ def tokens(tmp_path_factory, c4_path, tokenizer_dir):
     with gzip.open(src, "wt", encoding="utf-8") as f:
         f.writelines(lines)
     out = tmp_path_factory.mktemp("tokens")
-    run_stage(TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=20), out, progress=False)
+    run_stage(
+        TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=20, overflow="truncate"),
+        out,
+        progress=False,
+    )
     return out
 
 
