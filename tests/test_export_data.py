@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
-import inspect
 import json
 import shutil
 from pathlib import Path
@@ -50,6 +49,17 @@ def score(data, model, out, **kw):
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory, small_data, tiny_llama):  # noqa: F811
     return score(small_data, tiny_llama, tmp_path_factory.mktemp("scored"))
+
+
+@pytest.fixture(scope="module")
+def scored_whole(tmp_path_factory, tokenizer_dir, tiny_llama):  # noqa: F811
+    """small_data's 60 documents in tokenize's default layout (--overflow split: no text dropped)."""
+    src = tmp_path_factory.mktemp("src_whole") / "c4.jsonl.gz"
+    with gzip.open(C4, "rt", encoding="utf-8") as f, gzip.open(src, "wt", encoding="utf-8") as out:
+        out.writelines(next(f) for _ in range(60))
+    tokens = tmp_path_factory.mktemp("tokens_whole")
+    run_stage(TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=64, shard_docs=20), tokens, progress=False)
+    return score(tokens, tiny_llama, tmp_path_factory.mktemp("scored_whole"))
 
 
 @pytest.fixture(scope="module")
@@ -113,15 +123,12 @@ def test_megatron_reader_doc_by_doc(scored, scored_split, tmp_path, layout):
     assert record["counts"] == {"shards": 3, "rows": len(rows), "documents": len(docs), "real_tokens": real}
 
 
-def test_megatron_documents_are_the_whole_texts(scored, tokenizer_dir, tmp_path):
-    """With the split-overflow layout (tokenize's `overflow`), each Megatron document is its whole
+def test_megatron_documents_are_the_whole_texts(scored_whole, tokenizer_dir, tmp_path):
+    """With the split-overflow layout (tokenize's default), each Megatron document is its whole
     text's encoding, reassembled from its rows."""
-    from entroweight.transforms.tokenize import SequenceBuilder
     from entroweight.transforms.tokenizer import load_tokenizer
 
-    if "overflow" not in inspect.signature(SequenceBuilder).parameters:
-        pytest.skip("this tokenize truncates long documents (no split-overflow layout yet)")
-    assert export(scored, tmp_path / "m", "megatron").exit_code == 0
+    assert export(scored_whole, tmp_path / "m", "megatron").exit_code == 0
     tokens, _ = megatron_docs(tmp_path / "m")
     tok = load_tokenizer(str(tokenizer_dir)).tokenizer
     with gzip.open(C4, "rt", encoding="utf-8") as f:
