@@ -70,7 +70,6 @@ def run_stage(
         raise
     try:
         plan = plan_run(stage, out_dir, overwrite=overwrite, inputs=inputs)
-        stage.carry(plan.out_dir)
         start = time.perf_counter()
         if not plan.todo:
             results = []
@@ -89,7 +88,15 @@ def run_stage(
         # A worker that died mid-shard (SIGKILL, OOM) left its temp file; we hold the lock and the
         # engine is done, so nothing else writes here: clear them now rather than at the next run.
         remove_stale_tmp(out_dir)
-        return finish_run(plan, results, time.perf_counter() - start)
+        try:  # after the shards: a full disk fails them first, each named, and a rerun writes it
+            stage.carry(plan.out_dir)
+            carry_error = None
+        except OSError as e:
+            carry_error = f"cannot write what {plan.out_dir} carries (its tokenizer): {e.strerror or e}"
+        summary = finish_run(plan, results, time.perf_counter() - start)  # raises for failed shards
+        if carry_error:
+            raise StageError(carry_error)
+        return summary
     finally:
         lock.release()
         if connected is not None:

@@ -71,7 +71,18 @@ def assert_no_partial_files(out: Path) -> None:
 
 
 def tokenize_args(inputs, tokenizer_dir, out, *extra):
-    args = ["tokenize", inputs, "--tokenizer", tokenizer_dir, "--n-ctx", N_CTX, "--shard-docs", 50]
+    args = [
+        "tokenize",
+        inputs,
+        "--tokenizer",
+        tokenizer_dir,
+        "--n-ctx",
+        N_CTX,
+        "--shard-docs",
+        50,
+        "--overflow",
+        "truncate",
+    ]
     return [str(a) for a in [*args, "--out", out, *extra]]
 
 

@@ -104,7 +104,11 @@ def write_bytes_atomic(data: bytes, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(path)
-    tmp.write_bytes(data)
+    try:
+        tmp.write_bytes(data)
+    except BaseException:  # disk full, killed: leave no half-written temp file behind
+        tmp.unlink(missing_ok=True)
+        raise
     _commit(tmp, path)
 
 
