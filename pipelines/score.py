@@ -286,21 +286,16 @@ class ScoreStage(Stage):
         seconds = time.perf_counter() - start
         from entroweight.scorers.forward import resolved_device
 
-        return ShardManifest(
-            shard=task.shard,
-            stage=self.name,
-            inputs=list(task.inputs),
-            output=output,
-            output_sha256=sha,
-            rows_out=rows,
-            docs_in=rows,
-            docs_out=rows,
-            n_tokens=rows * int(meta["n_ctx"]),
-            n_real_tokens=real,
-            n_bytes=n_bytes,
-            config_hash=self.config_hash,
-            code_version=__version__,
-            extra={
+        return row_manifest(
+            self,
+            task,
+            output,
+            sha,
+            rows,
+            int(meta["n_ctx"]),
+            real,
+            n_bytes,
+            {
                 "scorer": self.scorer.name,
                 "tokens_per_s": round(real / max(seconds, 1e-9), 1),
                 # of the row positions the forwards computed, the share that were padding (None: a
@@ -327,3 +322,33 @@ def _sequence_columns(schema: pa.Schema) -> list[str]:
 
 
 __all__ = ["ScoreStage", "ScorerError", "input_files"]
+
+
+def row_manifest(
+    stage: Stage,
+    task: ShardTask,
+    output: str,
+    sha: str,
+    rows: int,
+    n_ctx: int,
+    real: int,
+    n_bytes: int,
+    extra: dict,
+) -> ShardManifest:
+    """The manifest of a row-to-row shard (score, weigh): every input row is written, none rejected."""
+    return ShardManifest(
+        shard=task.shard,
+        stage=stage.name,
+        inputs=list(task.inputs),
+        output=output,
+        output_sha256=sha,
+        rows_out=rows,
+        docs_in=rows,
+        docs_out=rows,
+        n_tokens=rows * n_ctx,
+        n_real_tokens=real,
+        n_bytes=n_bytes,
+        config_hash=stage.config_hash,
+        code_version=__version__,
+        extra=extra,
+    )

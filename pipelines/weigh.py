@@ -30,7 +30,14 @@ from entroweight.transforms.tokenize import fixed_lists
 from entroweight.transforms.tokenizer import TokenizerError, carry_tokenizer, data_tokenizer
 from entroweight.transforms.weigh import WeighConfig, encode_weights, weigh
 
-from .score import READ_ROWS, _sequence_columns, _WeightedWriter, input_files, parquet_options
+from .score import (
+    READ_ROWS,
+    _sequence_columns,
+    _WeightedWriter,
+    input_files,
+    parquet_options,
+    row_manifest,
+)
 from .stage import ShardTask, Stage, StageError
 
 # what a scored file's metadata says about its weighting: replaced, not inherited
@@ -119,22 +126,8 @@ class WeighStage(Stage):
                 n_bytes += int(pc.sum(batch.column("n_bytes")).as_py() or 0)
             sha = writer.close()
         seconds = time.perf_counter() - start
-        return ShardManifest(
-            shard=task.shard,
-            stage=self.name,
-            inputs=list(task.inputs),
-            output=output,
-            output_sha256=sha,
-            rows_out=rows,
-            docs_in=rows,
-            docs_out=rows,
-            n_tokens=rows * int(meta["n_ctx"]),
-            n_real_tokens=real,
-            n_bytes=n_bytes,
-            config_hash=self.config_hash,
-            code_version=__version__,
-            extra={"tokens_per_s": round(real / max(seconds, 1e-9), 1)},
-        )
+        extra = {"tokens_per_s": round(real / max(seconds, 1e-9), 1)}
+        return row_manifest(self, task, output, sha, rows, int(meta["n_ctx"]), real, n_bytes, extra)
 
 
 def _check_scored(path: Path, first: dict) -> None:
