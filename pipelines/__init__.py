@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-import shutil
 import time
-from pathlib import Path
 
-from entroweight.transforms.writer import remove_stale_tmp
+from entroweight import storage
+from entroweight.storage import AnyPath, remove_stale_tmp
 
 from .stage import (
     LockHeld,
@@ -39,7 +38,7 @@ def require_engine(engine: str) -> None:
 
 def run_stage(
     stage: Stage,
-    out_dir: str | Path,
+    out_dir: AnyPath,
     engine: str = "local",
     overwrite: bool = False,
     wait: float = 0,
@@ -61,7 +60,8 @@ def run_stage(
         from .ray import start_ray
 
         connected, _ = start_ray(engine_options["address"])
-    created = not Path(out_dir).exists()
+    out_dir = storage.path(out_dir)  # a local path or a URL (s3://, gs://, memory://)
+    created = not out_dir.exists() if storage.is_local(out_dir) else not storage.listing(out_dir)
     try:
         lock = run_lock(out_dir, wait)
     except BaseException:
@@ -102,7 +102,7 @@ def run_stage(
         if connected is not None:
             connected.shutdown()
         if created and not has_shards(out_dir):  # refused before any shard: leave no directory behind
-            shutil.rmtree(out_dir, ignore_errors=True)
+            storage.remove_tree(out_dir)
 
 
 __all__ = [

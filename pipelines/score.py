@@ -8,6 +8,7 @@ not the one the scorer reads is refused before any work.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from entroweight import __version__
+from entroweight import __version__, storage
 from entroweight.schemas import (
     ShardManifest,
     read_file_metadata,
@@ -29,7 +30,13 @@ from entroweight.schemas import (
 from entroweight.schemas.manifest import ShardInput
 from entroweight.scorers import Scorer, ScorerError, make_scorer
 from entroweight.transforms.tokenize import fixed_lists
-from entroweight.transforms.tokenizer import TokenizerError, carry_tokenizer, data_tokenizer, load_tokenizer
+from entroweight.transforms.tokenizer import (
+    TokenizerError,
+    carry_tokenizer,
+    data_tokenizer,
+    load_tokenizer,
+    tokenizer_from_bytes,
+)
 from entroweight.transforms.weigh import NonFiniteScores, WeighConfig, encode_weights, weigh
 from entroweight.transforms.writer import PARQUET_OPTIONS, AtomicParquetWriter
 
@@ -53,15 +60,6 @@ def parquet_options(weight_dtype: str, with_entropy: bool) -> dict:
     return {**PARQUET_OPTIONS, "column_encoding": split} if split else dict(PARQUET_OPTIONS)
 
 
-class _WeightedWriter(AtomicParquetWriter):
-    """AtomicParquetWriter with per-column encodings (its options are fixed for every stage)."""
-
-    def __init__(self, path, schema: pa.Schema, options: dict):
-        super().__init__(path, schema)
-        self._writer.close()
-        self._writer = pq.ParquetWriter(self.tmp, schema, **options)
-
-
 def check_device(device: str) -> None:
     """Where the scorer runs (a worker, or the local engine's driver): is its device here?"""
     if device.startswith("cuda"):
@@ -71,22 +69,45 @@ def check_device(device: str) -> None:
             raise StageError(f"--device {device} but no CUDA device is visible here; use --device cpu")
 
 
-def max_id(files: list[Path]) -> tuple[int, Path | None]:
+def max_id(files: list[str]) -> tuple[int, str | None]:
     """The largest token id in the shards, and the first file holding it (one read of input_ids)."""
     top, where = -1, None
     for f in files:
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=4096, columns=["input_ids"]):
+        for batch in open_parquet(f).iter_batches(batch_size=4096, columns=["input_ids"]):
             m = pc.max(pc.list_flatten(batch.column("input_ids"))).as_py()
             if m is not None and m > top:
                 top, where = m, f
     return top, where
 
 
-def input_files(data_dir: str | Path) -> list[Path]:
-    files = sorted(Path(data_dir).glob("part-*.parquet"))
-    if not files:
-        raise StageError(f"{data_dir} holds no part-*.parquet: tokenize first (`entroweight tokenize`)")
-    return files
+def open_parquet(path: str) -> pq.ParquetFile:
+    return pq.ParquetFile(storage.open_input(path))
+
+
+def input_sizes(data_dir: str, after: str = "tokenize") -> dict[str, int]:
+    """{shard file: size} of a stage's output directory, local or a URL, from one listing."""
+    d = storage.path(data_dir)
+    sizes = {
+        storage.url(d / n): size
+        for n, size in sorted(storage.listing(d).items())
+        if n.startswith("part-") and n.endswith(".parquet")
+    }
+    if not sizes:
+        raise StageError(f"{data_dir} holds no part-*.parquet: {after} first (`entroweight {after}`)")
+    return sizes
+
+
+def input_files(data_dir: str, after: str = "tokenize") -> list[str]:
+    return list(input_sizes(data_dir, after))
+
+
+def plan_part_inputs(data_dir: str, fmt: str) -> list[ShardInput]:
+    """One shard per input part file, keyed by its size (and local mtime): a changed file recomputes."""
+    out = []
+    for f, size in input_sizes(data_dir).items():
+        mtime_ns = os.stat(f).st_mtime_ns if storage.is_local(f) else None
+        out.append(ShardInput(uri=f, fmt=fmt, size=size, mtime_ns=mtime_ns))
+    return out
 
 
 class ScoreStage(Stage):
@@ -114,7 +135,7 @@ class ScoreStage(Stage):
             raise StageError(f"--batch-tokens must be at least 1, not {batch_tokens}")
         #: token budget per forward (rows × width); None: the scorer's batch_size rows. Speed, not values
         self.batch_tokens = batch_tokens
-        self.data_dir = str(Path(data_dir).resolve())
+        self.data_dir = storage.key(data_dir)
         self.weighting = weighting or WeighConfig()
         self.with_entropy = with_entropy
         files = input_files(data_dir)
@@ -125,7 +146,9 @@ class ScoreStage(Stage):
             path = data_tokenizer(data_dir, sha, tokenizer)
         except TokenizerError as e:
             raise StageError(str(e)) from None
-        self.tokenizer_path = str(path.resolve()) if path else None  # carried forward into --out
+        self.tokenizer_path = storage.key(path) if path else None  # carried forward into --out
+        # its bytes travel with the stage: workers may share no disk with the driver
+        self.tokenizer_json = path.read_bytes() if path else None
         self.scorer = scorer if isinstance(scorer, Scorer) else make_scorer(scorer, **(scorer_options or {}))
         self._tok = load_tokenizer(path) if path and (tokenizer or self.scorer.needs_data_tokenizer) else None
         if self.scorer.needs_data_tokenizer and self._tok is None:
@@ -136,7 +159,7 @@ class ScoreStage(Stage):
         self.scorer.check_data_tokenizer(sha, self._tok)
         self._check_vocab(files)
 
-    def _check_vocab(self, files: list[Path]) -> None:
+    def _check_vocab(self, files: list[str]) -> None:
         """A model must have a row for every id of the data: refused here, not as an IndexError per shard.
         The data's ids are below its tokenizer's size, so the scan runs only when the model is smaller."""
         model_vocab = self.scorer.vocab_size()
@@ -150,9 +173,9 @@ class ScoreStage(Stage):
                 f"({self.input_meta['vocab_size']} ids)"
             )
 
-    def _check_inputs(self, files: list[Path]) -> None:
+    def _check_inputs(self, files: list[str]) -> None:
         meta = self.input_meta
-        if not meta or "input_ids" not in pq.read_schema(files[0]).names:
+        if not meta or "input_ids" not in open_parquet(files[0]).schema_arrow.names:
             raise StageError(f"{files[0]} is not a tokenized shard (no entroweight metadata or input_ids)")
         if meta.get("padding_side", "left") != "left":
             raise StageError(f"{files[0]} is {meta['padding_side']}-padded; the scorers read left padding")
@@ -167,11 +190,11 @@ class ScoreStage(Stage):
         check_device(self.scorer.device)
         if getattr(self, "_tok", None) is None:
             self._tok = None
-        if self._tok is None and self.tokenizer_path is not None:
-            self._tok = load_tokenizer(self.tokenizer_path)
+        if self._tok is None and self.tokenizer_json is not None:
+            self._tok = tokenizer_from_bytes(self.tokenizer_json, self.tokenizer_path)
         self.scorer.setup(self._tok)
 
-    def carry(self, out_dir: Path) -> None:
+    def carry(self, out_dir) -> None:
         if self.tokenizer_path is not None:  # the weighted data stays self-describing
             carry_tokenizer(self.tokenizer_path, out_dir)
 
@@ -194,11 +217,7 @@ class ScoreStage(Stage):
         }
 
     def plan_inputs(self) -> list[ShardInput]:
-        out = []
-        for f in input_files(self.data_dir):
-            st = f.stat()
-            out.append(ShardInput(uri=str(f), fmt="sequences", size=st.st_size, mtime_ns=st.st_mtime_ns))
-        return out
+        return plan_part_inputs(self.data_dir, "sequences")
 
     def file_metadata(self) -> dict[str, Any]:
         cfg = self.scorer.config()
@@ -216,14 +235,14 @@ class ScoreStage(Stage):
 
     def process(self, task: ShardTask) -> ShardManifest:
         (inp,) = task.inputs
-        source = pq.ParquetFile(inp.uri)
+        source = open_parquet(inp.uri)
         meta = self.input_meta
         schema = weighted_sequence_schema(
             meta["vocab_size"], meta.get("packed", False), self.weighting.dtype, self.with_entropy
         )
         schema = with_file_metadata(schema, self.file_metadata())
         weight_type = schema.field("weight").type.value_type
-        output = Path(inp.uri).name  # the input's part name
+        output = inp.uri.rsplit("/", 1)[-1]  # the input's part name
         self.scorer.reset_report()
         self.scorer.reset_padding_counts()
         n_bytes = 0
@@ -264,8 +283,8 @@ class ScoreStage(Stage):
         bar = tqdm(
             total=rows, unit="row", desc=output, leave=False, mininterval=0, disable=not self.row_progress
         )
-        path = Path(task.out_dir) / output
-        with bar, _WeightedWriter(path, schema, options) as writer, ThreadPoolExecutor(1) as pool:
+        path = storage.path(task.out_dir) / output
+        with bar, AtomicParquetWriter(path, schema, options=options) as writer, ThreadPoolExecutor(1) as pool:
             self.scorer.set_batching(self.batch_tokens, bar.update)
             pending = None  # the previous segment's write: at most one in flight, in shard order
             step = self._segment_rows()

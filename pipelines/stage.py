@@ -13,15 +13,12 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from filelock import FileLock, Timeout
-
-from entroweight import __version__
+from entroweight import __version__, storage
 from entroweight.schemas import ShardManifest, StageRecord, config_hash
 from entroweight.schemas.manifest import ShardInput
-from entroweight.transforms.writer import remove_stale_tmp, write_json_atomic
+from entroweight.storage import AnyPath, remove_stale_tmp, write_json_atomic
 
 # Everything that is not data starts with a dot: `datasets.load_dataset("parquet", data_dir=OUT)` reads
 # every .json and .parquet it finds, and skips hidden files and directories.
@@ -52,7 +49,7 @@ class StageFailed(RuntimeError):
 class ShardTask:
     shard: str  # part-NNNNN
     inputs: tuple[ShardInput, ...]
-    out_dir: str
+    out_dir: str  # a local path or a URL (s3://...): every worker reaches it through entroweight.storage
 
 
 @dataclass
@@ -88,21 +85,25 @@ class Stage(ABC):
     def process(self, task: ShardTask) -> ShardManifest:
         """Read the shard's input, write its parquet atomically, return its manifest (not yet written)."""
 
-    def carry(self, out_dir: Path) -> None:  # noqa: B027 - optional hook
+    def carry(self, out_dir: AnyPath) -> None:  # noqa: B027 - optional hook
         """Write what the output directory carries besides shards (its tokenizer); driver side, each run."""
 
-    def input_paths(self) -> list[Path]:
-        """The local files and directories this stage reads: its --out may be none of them, nor hold
-        or lie inside one. Default: each input file, and the directory of one that is another
-        stage's output (score reads a tokenized directory)."""
-        paths = []
+    def input_paths(self) -> list[str]:
+        """The files and directories (local or URLs) this stage reads: its --out may be none of them,
+        nor hold or lie inside one. Default: each input file, and the directory of one that is another
+        stage's output (score reads a tokenized directory). One listing per distinct directory."""
+        paths: list[str] = []
+        is_stage_dir: dict[str, bool] = {}
         for inp in self.plan_inputs():
-            p = Path(inp.uri)
-            if p.exists():
-                paths.append(p)
-                if (p.parent / STAGE_FILE).exists():
-                    paths.append(p.parent)
-        return paths
+            if inp.fmt == "hub":
+                continue
+            paths.append(inp.uri)
+            parent = inp.uri.rstrip("/").rsplit("/", 1)[0]
+            if parent not in is_stage_dir:
+                is_stage_dir[parent] = STAGE_FILE in storage.listing(parent)
+            if is_stage_dir[parent]:
+                paths.append(parent)
+        return list(dict.fromkeys(paths))
 
     def resources(self) -> dict[str, float]:
         """What one worker needs (Ray: num_cpus / num_gpus)."""
@@ -119,30 +120,39 @@ class Stage(ABC):
         return config_hash({"stage": self.name, **self.config()})
 
 
-def manifest_path(out_dir: str | Path, shard: str) -> Path:
-    return Path(out_dir) / f".{shard}.manifest.json"
+def manifest_path(out_dir: AnyPath, shard: str) -> AnyPath:
+    return storage.path(out_dir) / manifest_name(shard)
 
 
-def read_manifests(out_dir: str | Path) -> list[ShardManifest]:
-    return [
-        ShardManifest.model_validate_json(p.read_text())
-        for p in sorted(Path(out_dir).glob(".part-*.manifest.json"))
-    ]
+def manifest_name(shard: str) -> str:
+    return f".{shard}.manifest.json"
 
 
-def check_out_dir(stage: Stage, out_dir: str | Path) -> None:
+def is_manifest(name: str) -> bool:
+    return name.startswith(".part-") and name.endswith(".manifest.json")
+
+
+def read_manifests(out_dir: AnyPath, names: dict[str, int] | None = None) -> list[ShardManifest]:
+    """Every shard manifest of `out_dir`: one listing (or the one given), then the files in parallel."""
+    names = storage.listing(out_dir) if names is None else names
+    out = storage.path(out_dir)
+    paths = [out / n for n in sorted(n for n in names if is_manifest(n))]
+    return [ShardManifest.model_validate_json(b) for b in storage.read_many(paths)]
+
+
+def check_out_dir(stage: Stage, out_dir: AnyPath) -> None:
     """Refuse an --out that is, holds or lies inside one of the stage's inputs: with --overwrite its
     shards would be deleted, and a rerun would read its own output as input."""
-    out = Path(out_dir).resolve()
+    out, out_parents = storage.key(out_dir), storage.parents(out_dir)
     for path in stage.input_paths():
-        src = Path(path).resolve()
+        src = storage.key(path)
         how = (
             "is"
             if out == src
             else "holds"
-            if out in src.parents
+            if out in storage.parents(path)
             else "lies inside"
-            if src in out.parents
+            if src in out_parents
             else ""
         )
         if how:
@@ -152,64 +162,67 @@ def check_out_dir(stage: Stage, out_dir: str | Path) -> None:
             )
 
 
-def run_lock(out_dir: str | Path, wait: float = 0) -> FileLock:
-    """Held by the driver for a whole run, so two overlapping runs cannot interleave shards."""
-    out = Path(out_dir)
+def run_lock(out_dir: AnyPath, wait: float = 0):
+    """Held by the driver for a whole run, so two overlapping runs cannot interleave shards: a file
+    lock on a local --out, a lease object on an object store (entroweight.storage.lock)."""
+    out = storage.path(out_dir)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        if not os.access(out, os.W_OK | os.X_OK):
-            raise PermissionError(13, "Permission denied")
-        lock = FileLock(str(out / LOCK_FILE), timeout=wait)
-        lock.acquire()
-    except Timeout:  # first: filelock's Timeout is an OSError too
+        storage.check_writable(out)
+        return storage.lock(out / LOCK_FILE, wait)
+    except storage.LockBusy as e:
         raise LockHeld(
-            f"another entroweight run holds {out_dir} (lock {LOCK_FILE}); wait for it to finish, "
+            f"another entroweight run holds {out_dir} (lock {LOCK_FILE}, {e}); wait for it to finish, "
             "or pass --wait SECONDS to queue behind it"
         ) from None
-    except OSError as e:  # read-only, not a directory, full: refused before anything is written
+    except OSError as e:  # read-only, not a directory, full, no bucket: refused before anything is written
         raise StageError(f"cannot write to --out {out_dir}: {e.strerror or e}") from None
-    return lock
 
 
 @dataclass
 class RunPlan:
     stage: Stage
-    out_dir: Path
+    out_dir: AnyPath
     todo: list[ShardTask]
     done: list[ShardManifest]
     stale: list[str] = field(default_factory=list)  # shards whose input changed: recomputed
 
 
 def plan_run(
-    stage: Stage, out_dir: str | Path, overwrite: bool = False, inputs: list[ShardInput] | None = None
+    stage: Stage, out_dir: AnyPath, overwrite: bool = False, inputs: list[ShardInput] | None = None
 ) -> RunPlan:
-    """Which shards are done (manifest matches config and input), which to run; refuses mixed configs."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """Which shards are done (manifest matches config and input, and its parquet is there with the
+    recorded size), which to run; refuses mixed configs. It lists --out once and reads the manifests
+    in parallel: no per-shard round trip, whatever the store."""
+    out = storage.path(out_dir)
+    storage.mkdir(out)
     if inputs is None:  # first: a missing source is the error to report, not a config clash
         inputs = stage.plan_inputs()
     record = StageRecord(
         stage=stage.name, config=stage.config(), config_hash=stage.config_hash, code_version=__version__
     )
+    names = storage.listing(out)
     stage_file = out / STAGE_FILE
-    if stage_file.exists():
-        old = StageRecord.model_validate_json(stage_file.read_text())
+    if STAGE_FILE in names:
+        old = StageRecord.model_validate_json(stage_file.read_bytes())
         if old.config_hash != record.config_hash or old.stage != record.stage:
             # a record without any shard (a run that failed to start) protects nothing: replace it
-            if not overwrite and has_shards(out):
+            if not overwrite and has_shards(out, names):
                 raise StageError(_mismatch_message(out, old, record))
-            for p in [*out.glob("part-*"), *out.glob(".part-*"), out / SHARDS_FILE]:
-                p.unlink(missing_ok=True)
-            for p in (out / REJECTS_DIR).glob("part-*"):
-                p.unlink()
+            for n in names:
+                if n.startswith(("part-", ".part-")) or n == SHARDS_FILE:
+                    storage.remove(out / n)
+            for n in storage.listing(out / REJECTS_DIR):
+                if n.startswith("part-"):
+                    storage.remove(out / REJECTS_DIR / n)
+            names = storage.listing(out)
     remove_stale_tmp(out)
     write_json_atomic(json.loads(record.model_dump_json()), stage_file)
 
     # Shard numbers are fixed when an input is first planned (.shards.json), so a crash, a rerun
     # or a new input file never renumbers what exists.
     registry_file = out / SHARDS_FILE
-    registry: dict[str, str] = json.loads(registry_file.read_text()) if registry_file.exists() else {}
-    manifests = {m.shard: m for m in read_manifests(out)}
+    registry: dict[str, str] = json.loads(registry_file.read_bytes()) if SHARDS_FILE in names else {}
+    manifests = {m.shard: m for m in read_manifests(out, names)}
     next_no = max((int(s.split("-")[1]) for s in registry.values()), default=-1) + 1
     todo, done, stale = [], [], []
     for inp in inputs:
@@ -218,25 +231,33 @@ def plan_run(
             shard = registry[inp.key] = f"part-{next_no:05d}"
             next_no += 1
         m = manifests.get(shard)
-        if m is not None and m.config_hash == record.config_hash and (out / m.output).exists():
+        if m is not None and m.config_hash == record.config_hash and _output_present(m, names):
             if list(m.inputs) == [inp]:
                 done.append(m)
                 continue
             stale.append(shard)  # the input file changed since: recompute
-        todo.append(ShardTask(shard=shard, inputs=(inp,), out_dir=str(out.resolve())))
+        todo.append(ShardTask(shard=shard, inputs=(inp,), out_dir=storage.key(out)))
     write_json_atomic(registry, registry_file)
-    # output of a shard killed after its rename but before its manifest: redo it from scratch
+    # output of a shard killed after its parquet but before its manifest: redo it from scratch
     for task in todo:
-        manifest_path(out, task.shard).unlink(missing_ok=True)
+        if manifest_name(task.shard) in names:
+            storage.remove(manifest_path(out, task.shard))
     return RunPlan(stage=stage, out_dir=out, todo=todo, done=done, stale=stale)
 
 
-def has_shards(out: str | Path) -> bool:
+def _output_present(m: ShardManifest, names: dict[str, int]) -> bool:
+    """The manifest's parquet is listed, with the size the manifest recorded (manifests written before
+    sizes were recorded: presence alone). `verify` checks the sha256."""
+    return m.output in names and (m.output_bytes is None or names[m.output] == m.output_bytes)
+
+
+def has_shards(out: AnyPath, names: dict[str, int] | None = None) -> bool:
     """Whether `out` holds any shard or shard manifest (what a failed start must never delete)."""
-    return any(Path(out).glob("part-*")) or any(Path(out).glob(".part-*"))
+    names = storage.listing(out) if names is None else names
+    return any(n.startswith(("part-", ".part-")) for n in names)
 
 
-def _mismatch_message(out: Path, old: StageRecord, new: StageRecord) -> str:
+def _mismatch_message(out: AnyPath, old: StageRecord, new: StageRecord) -> str:
     keys = sorted(set(old.config) | set(new.config))
     diff = [
         f"{k}: {old.config.get(k)!r} -> {new.config.get(k)!r}"
@@ -256,6 +277,7 @@ def run_task(stage: Stage, task: ShardTask) -> ShardResult:
     try:
         manifest = stage.process(task)
         manifest.seconds = round(time.perf_counter() - start, 3)
+        manifest.output_bytes = storage.size(storage.path(task.out_dir) / manifest.output)
         _test_delay()
         write_json_atomic(json.loads(manifest.model_dump_json()), manifest_path(task.out_dir, task.shard))
         return ShardResult(shard=task.shard, manifest=json.loads(manifest.model_dump_json()))
@@ -283,10 +305,15 @@ def reconcile_results(plan: RunPlan, results: list[ShardResult], missing_reason:
     for task in plan.todo:
         result = by_shard.get(task.shard)
         if result is None:
-            path = manifest_path(task.out_dir, task.shard)
-            manifest = ShardManifest.model_validate_json(path.read_text()) if path.exists() else None
+            try:
+                manifest = ShardManifest.model_validate_json(
+                    manifest_path(task.out_dir, task.shard).read_bytes()
+                )
+            except FileNotFoundError:
+                manifest = None
             if manifest is not None and manifest.config_hash == plan.stage.config_hash:
-                if list(manifest.inputs) == list(task.inputs) and (plan.out_dir / manifest.output).exists():
+                names = storage.listing(plan.out_dir)
+                if list(manifest.inputs) == list(task.inputs) and _output_present(manifest, names):
                     result = ShardResult(task.shard, manifest=json.loads(manifest.model_dump_json()))
             if result is None:
                 inputs = ", ".join(i.key for i in task.inputs)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import collections
-from pathlib import Path
 
 import pyarrow as pa
 
-from entroweight import __version__
+from entroweight import __version__, storage
 from entroweight.schemas import FileMetadata, ShardManifest, with_file_metadata
 from entroweight.transforms.prefetch import prefetch
 from entroweight.transforms.sources import DocumentReader, expand_sources, plan_inputs
 from entroweight.transforms.tokenize import OVERFLOW, SequenceBuilder
-from entroweight.transforms.tokenizer import LoadedTokenizer, carry_tokenizer, load_tokenizer
+from entroweight.transforms.tokenizer import (
+    LoadedTokenizer,
+    carry_tokenizer,
+    load_tokenizer,
+    tokenizer_from_bytes,
+)
 from entroweight.transforms.writer import AtomicParquetWriter, write_table_atomic
 
 from .stage import REJECTS_DIR, ShardTask, Stage
@@ -43,8 +47,10 @@ class TokenizeStage(Stage):
             raise ValueError("--overflow truncate does not apply to --pack (packing cuts no document)")
         self.sources, self.n_ctx, self.pack, self.overflow = list(sources), n_ctx, pack, overflow
         self.shard_docs, self.text_column, self.reject_duplicates = shard_docs, text_column, reject_duplicates
-        self.tokenizer_path = str(Path(tokenizer).resolve())  # workers may run elsewhere
         self._tok: LoadedTokenizer | None = load_tokenizer(tokenizer)  # fail early on a bad file
+        self.tokenizer_path = str(self._tok.path)
+        # its bytes travel with the stage: workers may share no disk with the driver (a Ray cluster)
+        self.tokenizer_json = storage.path(self._tok.path).read_bytes()
         self.tokenizer_sha256 = self._tok.sha256
         if self._tok.pad_id is None:
             raise ValueError(
@@ -64,11 +70,7 @@ class TokenizeStage(Stage):
 
     def setup(self) -> None:
         if getattr(self, "_tok", None) is None:
-            self._tok = load_tokenizer(self.tokenizer_path)
-            if self._tok.sha256 != self.tokenizer_sha256:
-                raise ValueError(
-                    f"{self.tokenizer_path} changed since the run was planned; rerun the command"
-                )
+            self._tok = tokenizer_from_bytes(self.tokenizer_json, self.tokenizer_path)
 
     def config(self) -> dict:
         # Paths are not part of the config: the same tokenizer bytes anywhere give the same shards.
@@ -85,17 +87,17 @@ class TokenizeStage(Stage):
     def plan_inputs(self):
         return plan_inputs(self.sources, self.shard_docs)
 
-    def input_paths(self) -> list[Path]:
+    def input_paths(self) -> list[str]:
         # the sources as named (a directory, not only its files: --out may not lie inside it)
         named = [s for s in self.sources if not s.startswith("hf:") and not any(c in s for c in "*?[")]
         globbed = [s for s in expand_sources(self.sources) if not s.startswith("hf:")]
-        return [Path(p) for p in [*named, *globbed]]
+        return [*named, *globbed]
 
     def file_metadata(self) -> dict:
         tok = self.tok
         return FileMetadata(
             stage=self.name,
-            tokenizer=Path(self.tokenizer_path).name,
+            tokenizer=self.tokenizer_path.rsplit("/", 1)[-1],
             tokenizer_sha256=tok.sha256,
             vocab_size=tok.vocab_size,
             n_ctx=self.n_ctx,
@@ -107,11 +109,11 @@ class TokenizeStage(Stage):
             code_version=__version__,
         ).model_dump()
 
-    def carry(self, out_dir: Path) -> None:
+    def carry(self, out_dir) -> None:
         carry_tokenizer(self.tok.path, out_dir)  # score, train, eval-bpb then need no --tokenizer
 
     def process(self, task: ShardTask) -> ShardManifest:
-        out = Path(task.out_dir)
+        out = storage.path(task.out_dir)
         builder = SequenceBuilder(self.tok, self.n_ctx, self.pack, task.shard, self.overflow)
         schema = with_file_metadata(builder.schema, self.file_metadata())
         output = f"{task.shard}.parquet"

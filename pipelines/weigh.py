@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from entroweight import __version__
+from entroweight import __version__, storage
 from entroweight.schemas import (
     ShardManifest,
     read_file_metadata,
@@ -29,13 +29,15 @@ from entroweight.schemas.manifest import ShardInput
 from entroweight.transforms.tokenize import fixed_lists
 from entroweight.transforms.tokenizer import TokenizerError, carry_tokenizer, data_tokenizer
 from entroweight.transforms.weigh import WeighConfig, encode_weights, weigh
+from entroweight.transforms.writer import AtomicParquetWriter
 
 from .score import (
     READ_ROWS,
     _sequence_columns,
-    _WeightedWriter,
     input_files,
+    open_parquet,
     parquet_options,
+    plan_part_inputs,
     row_manifest,
 )
 from .stage import ShardTask, Stage, StageError
@@ -48,11 +50,9 @@ class WeighStage(Stage):
     name = "weigh"
 
     def __init__(self, scored_dir: str | Path, weighting: WeighConfig, with_entropy: bool = True):
-        self.data_dir = str(Path(scored_dir).resolve())
+        self.data_dir = storage.key(scored_dir)
         self.weighting, self.with_entropy = weighting, with_entropy
-        files = sorted(Path(scored_dir).glob("part-*.parquet"))
-        if not files:
-            raise StageError(f"{scored_dir} holds no part-*.parquet: score first (`entroweight score`)")
+        files = input_files(scored_dir, after="score")
         self.input_meta = read_file_metadata(files[0])
         for f in files:
             _check_scored(f, self.input_meta)
@@ -60,7 +60,7 @@ class WeighStage(Stage):
             path = data_tokenizer(scored_dir, self.input_meta["tokenizer_sha256"])
         except TokenizerError as e:
             raise StageError(str(e)) from None
-        self.tokenizer_path = str(path.resolve()) if path else None
+        self.tokenizer_path = storage.key(path) if path else None
 
     def config(self) -> dict[str, Any]:
         # the input's config hash names its scorer and tokenizer; a re-scored input is another config
@@ -71,13 +71,9 @@ class WeighStage(Stage):
         }
 
     def plan_inputs(self) -> list[ShardInput]:
-        out = []
-        for f in input_files(self.data_dir):
-            st = f.stat()
-            out.append(ShardInput(uri=str(f), fmt="scored", size=st.st_size, mtime_ns=st.st_mtime_ns))
-        return out
+        return plan_part_inputs(self.data_dir, "scored")
 
-    def carry(self, out_dir: Path) -> None:
+    def carry(self, out_dir) -> None:
         if self.tokenizer_path is not None:
             carry_tokenizer(self.tokenizer_path, out_dir)
 
@@ -95,7 +91,7 @@ class WeighStage(Stage):
 
     def process(self, task: ShardTask) -> ShardManifest:
         (inp,) = task.inputs
-        source = pq.ParquetFile(inp.uri)
+        source = open_parquet(inp.uri)
         meta = self.input_meta
         dtype = self.weighting.dtype
         schema = weighted_sequence_schema(
@@ -103,11 +99,11 @@ class WeighStage(Stage):
         )
         schema = with_file_metadata(schema, self.file_metadata())
         weight_type = schema.field("weight").type.value_type
-        output = Path(inp.uri).name
+        output = inp.uri.rsplit("/", 1)[-1]
         rows = real = n_bytes = 0
         start = time.perf_counter()
         options = parquet_options(dtype, self.with_entropy)
-        with _WeightedWriter(Path(task.out_dir) / output, schema, options) as writer:
+        with AtomicParquetWriter(storage.path(task.out_dir) / output, schema, options=options) as writer:
             for batch in source.iter_batches(batch_size=READ_ROWS):
                 n = batch.num_rows
                 n_pad = batch.column("n_pad").to_numpy().astype(np.int64)
@@ -130,7 +126,7 @@ class WeighStage(Stage):
         return row_manifest(self, task, output, sha, rows, int(meta["n_ctx"]), real, n_bytes, extra)
 
 
-def _check_scored(path: Path, first: dict) -> None:
+def _check_scored(path: str, first: dict) -> None:
     """A shard the stage can re-weigh: scored, with its raw entropies, of the directory's tokenizer."""
     meta = read_file_metadata(path)
     names = pq.read_schema(path).names

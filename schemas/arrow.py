@@ -7,6 +7,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from entroweight import storage
+
 # The one key-value entry every output parquet file carries: JSON of FileMetadata.
 METADATA_KEY = b"entroweight"
 
@@ -75,7 +77,8 @@ def with_file_metadata(schema: pa.Schema, metadata: dict) -> pa.Schema:
 
 
 def read_file_metadata(path) -> dict:
-    """The `entroweight` metadata of a parquet file, or {} when it has none."""
-    kv = pq.read_schema(path).metadata or {}
+    """The `entroweight` metadata of a parquet file (local or a URL), or {} when it has none."""
+    with storage.open_input(path) as f:
+        kv = pq.read_schema(f).metadata or {}
     raw = kv.get(METADATA_KEY)
     return json.loads(raw) if raw else {}

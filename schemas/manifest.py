@@ -61,6 +61,7 @@ class ShardManifest(BaseModel):
     inputs: list[ShardInput]
     output: str  # file name of the parquet, relative to the output directory
     output_sha256: str
+    output_bytes: int | None = None  # its size: planning checks it against one listing of --out
     rows_out: int
     docs_in: int
     docs_out: int  # distinct documents with at least one row

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from entroweight import storage
+
 TOKENIZER_FILE = "tokenizer.json"
 # a data directory's copy of its tokenizer: hidden, like every other file that is not data
 CARRIED_TOKENIZER = Path(".tokenizer") / TOKENIZER_FILE
@@ -21,7 +23,7 @@ class TokenizerError(ValueError):
     """A tokenizer file that cannot be used or found; the message says what to do."""
 
 
-def _in_dir(d: Path) -> Path | None:
+def _in_dir(d) -> Path | None:
     return next((p for p in (d / TOKENIZER_FILE, d / CARRIED_TOKENIZER) if p.is_file()), None)
 
 
@@ -34,12 +36,13 @@ def resolve_tokenizer_path(
     carried `.tokenizer/` copy), else the one carried by the first of `beside` (data directories or
     files, checkpoints) that has one. None when nothing is found and not `required`."""
     if given is not None:
-        p = Path(given)
+        p = storage.path(given)  # local, or a URL (s3://...)
         found = _in_dir(p) if p.is_dir() else (p if p.is_file() else None)
         if found is None:
             raise TokenizerError(f"no tokenizer at {given}: give a tokenizer.json or a directory holding one")
         return found
-    places = [Path(beside)] if isinstance(beside, (str, Path)) else [Path(b) for b in beside]
+    places = [beside] if isinstance(beside, (str, Path)) or hasattr(beside, "protocol") else list(beside)
+    places = [storage.path(b) for b in places]
     for place in places:
         found = _in_dir(place if place.is_dir() else place.parent)
         if found is not None:

@@ -62,3 +62,20 @@ def tokenized_dir(tmp_path_factory, tokenizer_dir) -> Path:
         progress=False,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3-protocol server on 127.0.0.1 (tests/s3server.py) for the whole session."""
+    from s3server import s3_server
+
+    with s3_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint) -> str:
+    """A fresh, empty bucket on the loopback S3 server: s3://NAME."""
+    from s3server import new_bucket
+
+    return new_bucket()

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
+from entroweight import storage
 from entroweight.schemas import DOCUMENT_SCHEMA, REJECT_SCHEMA
 from entroweight.schemas.manifest import ShardInput
 
@@ -83,7 +84,51 @@ STAGE_MARKER = ".stage.json"
 
 def is_stage_output(path: str | Path) -> bool:
     """A file of a stage's output directory (its shards, a copy of its tokenizer, ...)."""
-    return (Path(path).parent / STAGE_MARKER).exists()
+    return (storage.path(path).parent / STAGE_MARKER).exists()
+
+
+def _expand_url(spec: str) -> list[str]:
+    """The data files a URL names (s3://bucket/prefix/*.jsonl.gz, a prefix, an object): one listing,
+    hidden files and stage outputs skipped as for local directories."""
+    fs, inner = storage.filesystem(spec)
+    proto = spec.split("://", 1)[0]
+    if any(ch in spec for ch in "*?["):
+        found = sorted(fs.glob(inner))
+        if not found:
+            raise SourceError(f"the glob {spec!r} matches no file")
+    elif fs.isdir(inner):
+        if fs.exists(f"{inner.rstrip('/')}/{STAGE_MARKER}"):
+            raise SourceError(
+                f"{spec} is the output of an entroweight stage ({STAGE_MARKER}), not documents; "
+                "name the documents it was made from"
+            )
+        found = sorted(fs.find(inner))
+        root = inner.rstrip("/") + "/"
+        stage_dirs = {f.rsplit("/", 1)[0] for f in found if f.endswith("/" + STAGE_MARKER)}
+        found = [
+            f
+            for f in found
+            if not any(part.startswith(".") for part in f[len(root) :].split("/"))
+            and not any(f.startswith(d + "/") for d in stage_dirs)
+        ]
+        if not any(file_format(f) for f in found):
+            raise SourceError(f"the directory {spec} holds no {', '.join(sorted(SUFFIXES))} file")
+    elif fs.isfile(inner):
+        found = [inner]
+    else:
+        raise SourceError(f"no such file, directory or hub id: {spec}")
+    files = [f"{proto}://{f}" for f in found if file_format(f)]
+    listings: dict[str, dict[str, int]] = {}  # one listing per directory, not one request per file
+    for f in files:
+        parent = f.rsplit("/", 1)[0]
+        if STAGE_MARKER in listings.setdefault(parent, storage.listing(parent)):
+            raise SourceError(
+                f"{f} belongs to the output of an entroweight stage ({STAGE_MARKER} beside it), "
+                "not documents; name the documents it was made from"
+            )
+    if not files:
+        raise SourceError(f"{spec!r} names no readable input (suffixes: {', '.join(sorted(SUFFIXES))})")
+    return files
 
 
 def _walk(root: str) -> list[str]:
@@ -112,6 +157,9 @@ def expand_sources(specs: list[str]) -> list[str]:
         if spec.startswith("hf:"):
             parse_hub_id(spec)
             out.append(spec)
+            continue
+        if storage.is_url(spec):
+            out.extend(_expand_url(spec))
             continue
         if any(ch in spec for ch in "*?["):
             matches = sorted(glob.glob(spec, recursive=True))
@@ -147,10 +195,10 @@ def expand_sources(specs: list[str]) -> list[str]:
 
 
 def _open_binary(path: str, fmt: str):
-    if os.path.getsize(path) == 0:
+    if storage.size(path) == 0:
         # not even a valid empty .gz/.zst/.parquet: an interrupted download or copy, never "no documents"
         raise SourceError(f"{path} is empty (0 bytes): an interrupted download or copy? replace or remove it")
-    raw = open(path, "rb")
+    raw = storage.open_input(path)
     if fmt != "parquet":  # JSON lines: trust the bytes, not the name (a gzip saved as .jsonl)
         head = raw.read(4)
         raw.seek(0)
@@ -204,7 +252,8 @@ class _ZstdFrames(io.RawIOBase):
 
 def _count_rows(path: str, fmt: str) -> int:
     if fmt == "parquet":
-        return pq.ParquetFile(path).metadata.num_rows
+        with storage.open_input(path) as f:
+            return pq.ParquetFile(f).metadata.num_rows
     n, last = 0, b"\n"
     with _open_binary(path, fmt) as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -225,8 +274,8 @@ def plan_inputs(specs: list[str], shard_docs: int | None = None) -> list[ShardIn
             shards += [ShardInput(uri=hub.uri, fmt="hub", start=i, stop=i + 1) for i in range(n)]
             continue
         fmt = file_format(spec)
-        st = os.stat(spec)
-        common = dict(uri=spec, fmt=fmt, size=st.st_size, mtime_ns=st.st_mtime_ns)
+        size, mtime_ns = storage.stat(spec)
+        common = dict(uri=spec, fmt=fmt, size=size, mtime_ns=mtime_ns)
         if shard_docs is None:
             shards.append(ShardInput(**common))
             continue
@@ -260,7 +309,7 @@ class DocumentReader:
         self.shard = shard
         self.text_column = text_column
         self.batch_docs = batch_docs
-        self.source = Path(shard.uri).name if shard.fmt != "hub" else shard.uri
+        self.source = shard.uri.rsplit("/", 1)[-1] if shard.fmt != "hub" else shard.uri
         self.rejects: list[dict] = []
         self.docs_in = 0
 
@@ -391,7 +440,7 @@ class DocumentReader:
 
     def _parquet_rows(self) -> Iterator[tuple[int, dict | None, str | None]]:
         s = self.shard
-        pf = pq.ParquetFile(s.uri)
+        pf = pq.ParquetFile(storage.open_input(s.uri))  # local or remote: only the row groups needed are read
         names = pf.schema_arrow.names
         if self.text_column not in names:
             raise SourceError(

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from entroweight import storage
 from entroweight.schemas.tokenizer import (
     CARRIED_TOKENIZER,
     TokenizerError,
@@ -102,8 +103,15 @@ def _find(vocab: dict[str, int], candidates) -> int | None:
 
 
 def load_tokenizer(path: str | Path) -> LoadedTokenizer:
+    """The tokenizer at `path` (a tokenizer.json, or a directory carrying one; local or a URL)."""
     p = resolve_tokenizer_path(path)
-    raw = p.read_bytes()
+    return tokenizer_from_bytes(p.read_bytes(), p)
+
+
+def tokenizer_from_bytes(raw: bytes, p) -> LoadedTokenizer:
+    """A tokenizer from its JSON bytes (`p` names where they came from): stages carry the bytes to their
+    workers, which may share no disk with the driver."""
+    p = storage.path(p)
     try:
         tok = Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as e:  # the Rust error is terse; say which file and what to do
@@ -117,7 +125,7 @@ def load_tokenizer(path: str | Path) -> LoadedTokenizer:
     check_vocab(vocab, p)  # a corrupt file is refused here, before any stage claims its --out
     specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
     return LoadedTokenizer(
-        path=p.resolve(),
+        path=p.resolve() if storage.is_local(p) else p,
         tokenizer=tok,
         sha256=hashlib.sha256(raw).hexdigest(),
         pad_id=_find(vocab, PAD_CANDIDATES),
@@ -144,8 +152,8 @@ def data_tokenizer(data_dir: str | Path, sha256: str, given: str | Path | None =
 def carry_tokenizer(path: str | Path, out_dir: str | Path) -> Path:
     """Copy a tokenizer into an output directory (`.tokenizer/tokenizer.json`), atomically, unless the
     same bytes are there already: the directory then needs no --tokenizer downstream."""
-    dest = Path(out_dir) / CARRIED_TOKENIZER
-    raw = Path(path).read_bytes()
+    dest = storage.path(out_dir) / str(CARRIED_TOKENIZER)
+    raw = storage.path(path).read_bytes()
     if not dest.is_file() or dest.read_bytes() != raw:
         write_bytes_atomic(raw, dest)
     return dest

@@ -1,0 +1,434 @@
+"""One storage layer: local paths and URLs (s3://, gs://, hf://, memory://) through fsspec.
+
+Every stage, reader, writer, manifest, lock and checkpoint goes through here. A local path stays a
+`pathlib.Path` (POSIX gives atomic rename and file locks); a URL becomes a universal-pathlib `UPath`
+over fsspec, the layer `datasets`, datatrove and Ray Data build on. Credentials and endpoints come from
+each store's own variables and files (S3: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_PROFILE, ~/.aws; GCS: GOOGLE_APPLICATION_CREDENTIALS), never from flags that land in logs.
+
+The commit protocol (docs/reliability.md): a file appears under its final name whole or not at all.
+Locally a temp file is renamed into place; on an object store the upload is held back
+(`autocommit=False`) and completed in one call, so a killed writer leaves nothing visible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import hashlib
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+from typing import IO, Union
+
+from filelock import FileLock, Timeout
+
+try:  # a UPath for URLs; local paths never need it
+    from upath import UPath
+except ImportError:  # pragma: no cover - a declared dependency
+    UPath = None
+
+AnyPath = Union[Path, "UPath"]  # noqa: UP007 - UPath may be absent at import
+TMP_MARK = ".tmp-"
+# The stores whose drivers are extras, and the extra that installs each.
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+
+class StorageError(OSError):
+    """A location that cannot be used (no driver, no bucket, no credentials); the message says why."""
+
+
+def is_url(location: str | os.PathLike) -> bool:
+    """Whether `location` names an object store (or any fsspec protocol) rather than a local path."""
+    s = str(location)
+    return "://" in s and not s.startswith("file://")
+
+
+def path(location: str | os.PathLike) -> AnyPath:
+    """A `Path` for a local path (or file:// URL), a `UPath` for a URL. Refuses a store whose driver
+    is not installed with the pip command that installs it."""
+    if isinstance(location, Path) or (UPath is not None and isinstance(location, UPath)):
+        return location
+    s = str(location)
+    if s.startswith("file://"):
+        return Path(s[len("file://") :])
+    if not is_url(s):
+        return Path(s)
+    protocol = s.split("://", 1)[0]
+    try:
+        # no listings cache: other processes (workers, a concurrent run) write the same prefixes
+        return UPath(s, use_listings_cache=False)
+    except (ImportError, ValueError) as e:
+        extra = EXTRAS.get(protocol)
+        hint = f": pip install 'entroweight[{extra}]'" if extra else ""
+        raise StorageError(f"cannot open {s} ({e}){hint}") from None
+
+
+def is_local(p: str | os.PathLike) -> bool:
+    if isinstance(p, str):
+        return not is_url(p)
+    return not (UPath is not None and isinstance(p, UPath) and p.protocol not in ("", "file", "local"))
+
+
+def url(p: AnyPath) -> str:
+    """The string a user would type for `p`: a local path, or protocol://bucket/key."""
+    return str(p)
+
+
+def same(a: AnyPath, b: AnyPath) -> bool:
+    return key(a) == key(b)
+
+
+def key(p: AnyPath) -> str:
+    """A canonical form for comparing locations: the resolved local path, or the URL without a trailing /."""
+    p = path(p)
+    if is_local(p):
+        return str(Path(p).resolve())
+    return str(p).rstrip("/")
+
+
+def parents(p: AnyPath) -> list[str]:
+    """The canonical keys of every directory above `p` (for 'is --out inside an input?')."""
+    k = key(p)
+    if is_local(path(p)):
+        return [str(q) for q in Path(k).parents]
+    proto, rest = k.split("://", 1)
+    return [f"{proto}://{q}" for q in PurePosixPath(rest).parents if str(q) != "."]
+
+
+def filesystem(p: AnyPath):
+    """The fsspec filesystem and the path inside it (for pyarrow and bulk calls)."""
+    p = path(p)
+    if is_local(p):
+        import fsspec
+
+        return fsspec.filesystem("file"), str(Path(p).absolute())
+    return p.fs, p.path
+
+
+# ------------------------------------------------------------------ reading
+
+
+def open_input(p: AnyPath) -> IO[bytes]:
+    """A binary file object for reading, local or remote (pyarrow and the JSON readers take it)."""
+    p = path(p)
+    if is_local(p):
+        return open(p, "rb")
+    fs, inner = filesystem(p)
+    return fs.open(inner, "rb")
+
+
+def size(p: AnyPath) -> int:
+    p = path(p)
+    if is_local(p):
+        return os.path.getsize(p)
+    fs, inner = filesystem(p)
+    return int(fs.size(inner))
+
+
+def stat(p: AnyPath) -> tuple[int, int | None]:
+    """(size, mtime in ns or None): what marks a source file as changed since it was planned. Object
+    stores have no stable mtime across listings, so their size plus the sha of the plan stands alone."""
+    p = path(p)
+    if is_local(p):
+        st = os.stat(p)
+        return st.st_size, st.st_mtime_ns
+    return size(p), None
+
+
+def sha256(p: AnyPath, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open_input(p) as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def listing(directory: AnyPath) -> dict[str, int]:
+    """{file name: size} of the files directly in `directory`, in one call (one LIST on an object store,
+    however many shards it holds); {} when it does not exist."""
+    d = path(directory)
+    if is_local(d):
+        try:
+            with os.scandir(d) as it:
+                return {e.name: e.stat().st_size for e in it if e.is_file()}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+    fs, inner = filesystem(d)
+    try:
+        entries = fs.ls(inner, detail=True, refresh=True)
+    except FileNotFoundError:
+        return {}
+    return {
+        e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+        for e in entries
+        if e.get("type") == "file"
+    }
+
+
+def read_many(paths: list[AnyPath], threads: int = 32) -> list[bytes]:
+    """The bytes of many small files (manifests), fetched in parallel on an object store."""
+    if not paths:
+        return []
+    ps = [path(p) for p in paths]
+    if all(is_local(p) for p in ps):
+        return [Path(p).read_bytes() for p in ps]
+    fs, _ = filesystem(ps[0])
+    inner = [filesystem(p)[1] for p in ps]
+    if getattr(fs, "async_impl", False):  # s3fs, gcsfs: one batch of concurrent GETs
+        got = fs.cat(inner, on_error="raise")
+        return [got[i] for i in inner]
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(fs.cat_file, inner))
+
+
+# ------------------------------------------------------------------ writing
+
+
+def mkdir(p: AnyPath) -> None:
+    """Create a local directory; object stores have no directories (a key's prefix is enough)."""
+    p = path(p)
+    if is_local(p):
+        p.mkdir(parents=True, exist_ok=True)
+
+
+def check_writable(directory: AnyPath) -> None:
+    """Refuse an --out that cannot be written before any work: read-only, not a directory, no bucket,
+    no credentials. On an object store this writes and deletes one small probe object."""
+    d = path(directory)
+    if is_local(d):
+        d.mkdir(parents=True, exist_ok=True)
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+        return
+    probe = d / f"{TMP_MARK}probe-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except Exception as e:  # botocore's NoCredentialsError, ClientError(NoSuchBucket), ...
+        raise StorageError(f"{type(e).__name__}: {e}") from None
+
+
+class AtomicFile:
+    """A binary sink that becomes visible under its final name on `commit()`, never before; `discard()`
+    leaves nothing. Local: a temp file beside it, fsynced and renamed. Remote: an upload held back
+    (fsspec's autocommit=False) and completed, or aborted, in one call."""
+
+    def __init__(self, p: AnyPath):
+        self.path = path(p)
+        if is_local(self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp: Path | None = self.path.with_name(f"{self.path.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
+            self.file = open(self.tmp, "wb")
+        else:
+            fs, inner = filesystem(self.path)
+            self.tmp = None
+            self.file = fs.open(inner, "wb", autocommit=False)
+        self._sha = hashlib.sha256()  # hashed as written: the file is never read back
+        self.size = 0
+
+    def write(self, data) -> int:
+        self._sha.update(data)
+        self.size += len(memoryview(data).cast("B"))
+        return self.file.write(data)
+
+    @property
+    def sha256(self) -> str:
+        return self._sha.hexdigest()
+
+    # what pyarrow asks of a Python file object it writes to
+    closed = property(lambda self: self.file.closed)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass  # flushed once, on commit
+
+    def writable(self) -> bool:
+        return True
+
+    def commit(self) -> None:
+        if self.tmp is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.path)  # atomic on POSIX within one filesystem
+        else:
+            self.file.close()
+            if hasattr(self.file, "commit"):  # the memory store has no held-back uploads
+                self.file.commit()
+
+    def discard(self) -> None:
+        if self.tmp is not None:
+            with contextlib.suppress(OSError):
+                self.file.close()
+            self.tmp.unlink(missing_ok=True)
+        else:
+            with contextlib.suppress(Exception):
+                if hasattr(self.file, "discard"):
+                    self.file.discard()
+                self.file.closed = True  # already aborted: closing again would upload
+
+    def __enter__(self) -> AtomicFile:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.discard()
+
+
+def write_bytes_atomic(data: bytes, p: AnyPath) -> None:
+    with AtomicFile(p) as f:
+        f.write(data)
+
+
+def write_text_atomic(text: str, p: AnyPath) -> None:
+    write_bytes_atomic(text.encode("utf-8"), p)
+
+
+def write_json_atomic(obj: dict, p: AnyPath) -> None:
+    write_text_atomic(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", p)
+
+
+def remove_stale_tmp(directory: AnyPath) -> int:
+    """Delete the temp files a killed run left behind locally; returns how many. Object stores have
+    none: an upload that was never completed is invisible (and the store expires it)."""
+    d = path(directory)
+    if not is_local(d):
+        return 0
+    n = 0
+    for p in Path(d).rglob(f"*{TMP_MARK}*"):
+        p.unlink(missing_ok=True)
+        n += 1
+    return n
+
+
+def remove(p: AnyPath) -> None:
+    p = path(p)
+    with contextlib.suppress(FileNotFoundError):
+        p.unlink()
+
+
+def remove_tree(directory: AnyPath) -> None:
+    d = path(directory)
+    if is_local(d):
+        shutil.rmtree(d, ignore_errors=True)
+    else:
+        fs, inner = filesystem(d)
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(inner, recursive=True)
+
+
+# ------------------------------------------------------------------ locks
+
+
+class LockBusy(Exception):
+    """Another holder has the lock (its description in the message)."""
+
+
+class Lease:
+    """A lock on an object store: an object created only if absent (a conditional put, `If-None-Match: *`,
+    which S3 and GCS honour), naming its holder and when it expires. A heartbeat renews it while held;
+    a holder that died stops renewing, and once its lease expires the next run takes it over."""
+
+    def __init__(self, p: AnyPath, ttl: float = 120.0):
+        self.path = path(p)
+        self.ttl = ttl
+        self.holder = f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        return json.dumps({"holder": self.holder, "expires": time.time() + self.ttl}).encode()
+
+    def _try_create(self) -> bool:
+        fs, inner = filesystem(self.path)
+        try:
+            with fs.open(inner, "xb") as f:
+                f.write(self._record())
+            return True
+        except FileExistsError:
+            return False
+
+    def _current(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except ValueError:  # a torn or foreign object: treat as expired
+            return {"holder": "?", "expires": 0}
+
+    def acquire(self, wait: float = 0) -> None:
+        deadline = time.monotonic() + wait
+        while True:
+            if self._try_create():
+                break
+            current = self._current()
+            if current is not None and current.get("expires", 0) < time.time():
+                remove(self.path)  # its holder stopped renewing: dead; the conditional put decides the race
+                continue
+            if time.monotonic() >= deadline:
+                who = (current or {}).get("holder", "?")
+                raise LockBusy(f"held by {who}")
+            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+        self._beat = threading.Thread(target=self._renew, daemon=True, name="entroweight-lease")
+        self._beat.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            with contextlib.suppress(Exception):
+                self.path.write_bytes(self._record())
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+        current = self._current()
+        if current is not None and current.get("holder") == self.holder:
+            remove(self.path)
+
+
+class _FileLockAdapter:
+    def __init__(self, p: Path):
+        self.lock = FileLock(str(p))
+
+    def acquire(self, wait: float = 0) -> None:
+        try:
+            self.lock.acquire(timeout=wait)
+        except Timeout:
+            raise LockBusy(f"lock file {self.lock.lock_file}") from None
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def lock(p: AnyPath, wait: float = 0, ttl: float | None = None):
+    """Acquire and return a lock at `p` (`.release()` it): a file lock locally, a lease on an object
+    store. Raises LockBusy when another holder keeps it past `wait` seconds."""
+    p = path(p)
+    if is_local(p):
+        held = _FileLockAdapter(Path(p))
+    else:
+        ttl = ttl if ttl is not None else float(os.environ.get("ENTROWEIGHT_LEASE_TTL", "120"))
+        held = Lease(p, ttl=ttl)
+    held.acquire(wait)
+    return held
+
+
+@contextlib.contextmanager
+def locked(p: AnyPath, wait: float = 0) -> Iterator[None]:
+    held = lock(p, wait)
+    try:
+        yield
+    finally:
+        held.release()
