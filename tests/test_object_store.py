@@ -189,3 +189,54 @@ def test_no_bucket_or_no_driver_is_a_clean_refusal(tmp_path, s3_endpoint, source
     )
     assert cli.returncode == 2, cli.stderr
     assert "Traceback" not in cli.stderr and "no-such-bucket-ew" in cli.stderr
+
+
+def test_the_cli_reads_and_writes_s3(tmp_path, s3_bucket, source, tokenizer_dir, model):
+    s3fs().put(str(source), f"{s3_bucket}/raw/c4.jsonl.gz")
+
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "entroweight.workflows.cli", *args],
+            capture_output=True,
+            text=True,
+            env=os.environ.copy(),
+        )
+
+    tok = cli(
+        "tokenize",
+        f"{s3_bucket}/raw/*.jsonl.gz",
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--out",
+        f"{s3_bucket}/tokens",
+        "--n-ctx",
+        str(N_CTX),
+        "--shard-docs",
+        "20",
+    )
+    assert tok.returncode == 0, tok.stderr
+    assert "60 docs in" in tok.stdout
+    scored = cli(
+        "score",
+        f"{s3_bucket}/tokens",
+        "--scorer",
+        "causal_loss",
+        "--model",
+        str(model),
+        "--dtype",
+        "fp32",
+        "--out",
+        f"{s3_bucket}/scored",
+    )
+    assert scored.returncode == 0, scored.stderr
+    missing = cli(
+        "score",
+        f"{s3_bucket}/nothing-here",
+        "--scorer",
+        "causal_loss",
+        "--model",
+        str(model),
+        "--out",
+        f"{s3_bucket}/x",
+    )
+    assert missing.returncode == 2 and "does not exist" in missing.stderr

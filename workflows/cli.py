@@ -13,7 +13,7 @@ import click
 
 from entroweight import __version__
 
-from .cli_common import _fail, engine_options, run_stage_cli
+from .cli_common import Location, _fail, engine_options, run_stage_cli
 
 # Command modules added by other areas; each exports COMMANDS, a list of click commands.
 COMMAND_MODULES = (
@@ -52,7 +52,7 @@ def main():
     "(a related-work baseline; --base is not used, pieces are GPT-2 pre-tokens). See docs/baselines.md.",
 )
 @click.option("--text-column", default="text", show_default=True, help="The field that holds the text.")
-@click.option("--out", required=True, type=click.Path(file_okay=False))
+@click.option("--out", required=True, type=Location(file_okay=False))
 def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_column, out):
     """Train a tokenizer of VOCAB_SIZE tokens (pad/bos/eos reserved) on SOURCES: BPE or LZ78."""
     from entroweight.transforms.sources import SourceError
@@ -74,7 +74,7 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
 @click.option(
     "--pack", is_flag=True, help="Pack documents into n_ctx windows (eos between) instead of one per row."
 )
-@click.option("--out", required=True, type=click.Path(file_okay=False))
+@click.option("--out", required=True, type=Location(file_okay=False))
 @click.option("--shard-docs", type=int, default=None, help="Documents per shard (splits big files).")
 @click.option("--text-column", default="text", show_default=True)
 @click.option(
@@ -111,7 +111,7 @@ def tokenize(
 
 
 @main.command()
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=Location(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def inspect(path, as_json):
     """Schema, provenance metadata, row/token counts and id/weight statistics of PATH."""

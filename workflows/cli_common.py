@@ -21,6 +21,31 @@ def _fail(message: str, code: int = EXIT_REFUSED):
     sys.exit(code)
 
 
+class Location(click.ParamType):
+    """A local path (checked as click.Path checks it) or a URL (s3://, gs://, hf://, memory://) reached
+    through entroweight.storage; `exists=True` checks that the object or prefix is there."""
+
+    name = "path"
+
+    def __init__(self, exists: bool = False, file_okay: bool = True, dir_okay: bool = True):
+        self.exists = exists
+        self.local = click.Path(exists=exists, file_okay=file_okay, dir_okay=dir_okay)
+
+    def convert(self, value, param, ctx):
+        from entroweight import storage
+
+        if not storage.is_url(value):
+            return self.local.convert(value, param, ctx)
+        if self.exists:
+            try:
+                found = storage.path(value).exists()
+            except Exception as e:  # no driver, no credentials, no bucket: say which
+                self.fail(f"cannot reach {value}: {type(e).__name__}: {e}", param, ctx)
+            if not found:
+                self.fail(f"{value} does not exist.", param, ctx)
+        return value
+
+
 def engine_options(f):
     """--engine and the options each engine takes; shared by every stage command."""
     f = click.option(

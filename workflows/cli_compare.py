@@ -6,12 +6,12 @@ import json
 
 import click
 
-from .cli_common import _fail
+from .cli_common import Location, _fail
 
 
 @click.command("compare")
-@click.argument("scored_dir_a", type=click.Path(exists=True, file_okay=False))
-@click.argument("scored_dir_b", type=click.Path(exists=True, file_okay=False))
+@click.argument("scored_dir_a", type=Location(exists=True, file_okay=False))
+@click.argument("scored_dir_b", type=Location(exists=True, file_okay=False))
 @click.option("--column", type=click.Choice(["entropy", "weight"]), default="entropy", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def compare_cmd(scored_dir_a, scored_dir_b, column, as_json):

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import click
 
-from .cli_common import _fail
+from .cli_common import Location, _fail
 
 
 @click.command("export-data")
-@click.argument("scored", type=click.Path(exists=True, file_okay=False))
+@click.argument("scored", type=Location(exists=True, file_okay=False))
 @click.option(
     "--format",
     "fmt",
@@ -20,7 +20,7 @@ from .cli_common import _fail
     help="megatron: Megatron-LM/NeMo .bin/.idx + a weight sidecar; litdata: LitData chunks; "
     "hf: parquet + dataset card for datasets.load_dataset / push_to_hub. See docs/export.md.",
 )
-@click.option("--out", required=True, type=click.Path(file_okay=False))
+@click.option("--out", required=True, type=Location(file_okay=False))
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty --out.")
 def export_data_cmd(scored, fmt, out, overwrite):
     """Write the scored shards of SCORED (tokens + per-token weights) in a trainer's own format."""

@@ -7,7 +7,7 @@ import json
 
 import click
 
-from .cli_common import _fail
+from .cli_common import Location, _fail
 
 DEFAULT_FORMATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
 
@@ -37,7 +37,7 @@ def token_batches(files, pad_id: int, batch_size: int, max_sequences: int | None
 
 
 @click.command("eval-quant")
-@click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("ckpt_dir", type=Location(exists=True, file_okay=False))
 @click.option(
     "--data", "data", multiple=True, required=True, help="Token parquet (dirs or files); repeatable."
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .cli_common import _fail, engine_options, run_stage_cli
+from .cli_common import Location, _fail, engine_options, run_stage_cli
 
 # the dedicated flags that are scorer options: aliases of `--option KEY=VALUE`, validated by the scorer
 SCORER_FLAGS = (
@@ -44,7 +44,7 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
 
 
 @click.command()
-@click.argument("data_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("data_dir", type=Location(exists=True, file_okay=False))
 @click.option(
     "--scorer",
     required=True,
@@ -56,7 +56,7 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
     default=None,
     help="HF causal LM: hub id (meta-llama/Llama-3.2-1B), directory, or .gguf file.",
 )
-@click.option("--checkpoint", default=None, type=click.Path(exists=True), help="One of our checkpoints.")
+@click.option("--checkpoint", default=None, type=Location(exists=True), help="One of our checkpoints.")
 @click.option(
     "--tokenizer",
     default=None,
@@ -79,7 +79,7 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
 @click.option(
     "--quantiles-from",
     default=None,
-    type=click.Path(exists=True),
+    type=Location(exists=True),
     help="--weighting quantile/topk: a scored directory whose entropy quantiles set the global scale.",
 )
 @click.option("--keep", type=float, default=None, help="--weighting topk: the fraction of tokens kept (0.6).")
@@ -88,7 +88,7 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
 @click.option("--invert", is_flag=True, help="w = e instead of 1 - e (Rho-1: keep the high-excess tokens).")
 @click.option("--weight-dtype", type=click.Choice(["float16", "uint8"]), default="float16", show_default=True)
 @click.option("--drop-entropy", is_flag=True, help="Do not store the raw `entropy` column.")
-@click.option("--out", required=True, type=click.Path(file_okay=False))
+@click.option("--out", required=True, type=Location(file_okay=False))
 @click.option("--batch-size", type=int, default=None, help="Rows per forward pass (default: the scorer's).")
 @click.option(
     "--batch-tokens",
@@ -134,7 +134,7 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
 @click.option(
     "--checkpoint-short",
     default=None,
-    type=click.Path(exists=True),
+    type=Location(exists=True),
     help="two_model: the checkpoint of context N-1 (--checkpoint is the one of context N).",
 )
 @click.option(

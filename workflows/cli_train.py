@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import EXIT_FAILED_SHARDS, _fail
+from .cli_common import EXIT_FAILED_SHARDS, Location, _fail
 
 ALLOW_PICKLE_HELP = (
     "Load a checkpoint's .pt/.bin/.pth weights where it has no model.safetensors (torch.load with "
@@ -46,7 +46,7 @@ def _read_model_config(path: str | None) -> dict:
     default="ce",
     show_default=True,
 )
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory.")
+@click.option("--out", required=True, type=Location(file_okay=False), help="Checkpoint directory.")
 @click.option("--steps", type=int, default=1000, show_default=True)
 @click.option(
     "--batch-size", type=int, default=32, show_default=True, help="Sequences per micro-batch per rank."
@@ -117,7 +117,7 @@ def train_cmd(data, model, model_config, loss, out, compile_, allow_config_chang
 
 
 @click.command("eval-bpb")
-@click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("ckpt_dir", type=Location(exists=True, file_okay=False))
 @click.option(
     "--text", "text_path", default=None, help="UTF-8 text file (default: the bundled WikiText-2 test set)."
 )
@@ -172,8 +172,8 @@ def eval_bpb_cmd(ckpt_dir, unigram_data, as_json, **kw):
 
 
 @click.command("export-hf")
-@click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--out", required=True, type=click.Path(file_okay=False))
+@click.argument("ckpt_dir", type=Location(exists=True, file_okay=False))
+@click.option("--out", required=True, type=Location(file_okay=False))
 @click.option("--tokenizer", default=None, help="Default: the tokenizer.json the checkpoint stores.")
 @click.option("--allow-pickle", is_flag=True, help=ALLOW_PICKLE_HELP)
 def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle):

@@ -6,11 +6,11 @@ import json
 
 import click
 
-from .cli_common import EXIT_FAILED_SHARDS
+from .cli_common import EXIT_FAILED_SHARDS, Location
 
 
 @click.command("verify")
-@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.argument("directory", type=Location(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print {directory, ok, problems} as JSON.")
 def verify_cmd(directory, as_json):
     """Re-check every shard of DIRECTORY (tokenized or scored) against its manifest and contracts."""

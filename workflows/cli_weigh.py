@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import _fail, engine_options, run_stage_cli
+from .cli_common import Location, _fail, engine_options, run_stage_cli
 
 
 def _option(text: str) -> tuple[str, object]:
@@ -22,8 +22,8 @@ def _option(text: str) -> tuple[str, object]:
 
 
 @click.command("weigh")
-@click.argument("scored_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--out", required=True, type=click.Path(file_okay=False))
+@click.argument("scored_dir", type=Location(exists=True, file_okay=False))
+@click.option("--out", required=True, type=Location(file_okay=False))
 @click.option(
     "--weighting",
     default="minmax",
@@ -33,7 +33,7 @@ def _option(text: str) -> tuple[str, object]:
 @click.option(
     "--quantiles-from",
     default=None,
-    type=click.Path(exists=True),
+    type=Location(exists=True),
     help="Weightings on one global scale (quantile, ...): the scored directory whose entropy quantiles "
     "set it. Default: SCORED_DIR itself.",
 )
