@@ -182,9 +182,17 @@ def read_many(paths: list[AnyPath], threads: int = 32) -> list[bytes]:
         return [Path(p).read_bytes() for p in ps]
     fs, _ = filesystem(ps[0])
     inner = [filesystem(p)[1] for p in ps]
-    if getattr(fs, "async_impl", False):  # s3fs, gcsfs: one batch of concurrent GETs
-        got = fs.cat(inner, on_error="raise")
-        return [got[i] for i in inner]
+    if getattr(fs, "async_impl", False):  # s3fs, gcsfs: concurrent GETs on the filesystem's own loop
+        from fsspec.asyn import _run_coros_in_chunks, sync
+
+        import inspect
+
+        # not fs.cat(list): it expands each path first; nor s3fs's chunked read: a HEAD per file
+        one = (
+            {"max_concurrency": 1} if "max_concurrency" in inspect.signature(fs._cat_file).parameters else {}
+        )
+        coros = [fs._cat_file(p, **one) for p in inner]
+        return sync(fs.loop, _run_coros_in_chunks, coros, batch_size=threads * 4)
     with ThreadPoolExecutor(threads) as pool:
         return list(pool.map(fs.cat_file, inner))
 
