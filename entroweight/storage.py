@@ -183,9 +183,9 @@ def read_many(paths: list[AnyPath], threads: int = 32) -> list[bytes]:
     fs, _ = filesystem(ps[0])
     inner = [filesystem(p)[1] for p in ps]
     if getattr(fs, "async_impl", False):  # s3fs, gcsfs: concurrent GETs on the filesystem's own loop
-        from fsspec.asyn import _run_coros_in_chunks, sync
-
         import inspect
+
+        from fsspec.asyn import _run_coros_in_chunks, sync
 
         # not fs.cat(list): it expands each path first; nor s3fs's chunked read: a HEAD per file
         one = (
