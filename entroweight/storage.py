@@ -173,6 +173,27 @@ def listing(directory: AnyPath) -> dict[str, int]:
     }
 
 
+def walk(directory: AnyPath) -> dict[str, int]:
+    """{path relative to `directory` (with /): size} of every file under it, recursively, in one
+    listing on an object store (local: os.walk). Directories themselves are not listed."""
+    d = path(directory)
+    if is_local(d):
+        out = {}
+        for root, _, files in os.walk(d):
+            for f in files:
+                full = os.path.join(root, f)
+                with contextlib.suppress(FileNotFoundError):
+                    out[os.path.relpath(full, d).replace(os.sep, "/")] = os.path.getsize(full)
+        return out
+    fs, inner = filesystem(d)
+    root = inner.rstrip("/") + "/"
+    try:
+        found = fs.find(inner, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {k[len(root) :]: int(v.get("size") or 0) for k, v in found.items() if k.startswith(root)}
+
+
 def read_many(paths: list[AnyPath], threads: int = 32) -> list[bytes]:
     """The bytes of many small files (manifests), fetched in parallel on an object store."""
     if not paths:

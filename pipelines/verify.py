@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from entroweight import storage
 from entroweight.schemas import (
     ShardManifest,
     StageRecord,
@@ -46,9 +47,11 @@ _ROWS = 1024  # rows read at a time: bounded memory on large shards
 
 
 def verify_dir(path: str | Path) -> list[str]:
-    """Problems found in the stage output directory `path`; [] when every shard checks out."""
-    out = Path(path)
-    if not out.is_dir():
+    """Problems found in the stage output directory `path` (local or a URL: s3://, gs://); [] when
+    every shard checks out."""
+    out = storage.path(path)
+    files = storage.walk(out)  # one recursive listing: manifests, shards, strays
+    if not files and not (storage.is_local(out) and out.is_dir()):
         return [f"{out} is not a directory"]
     problems: list[str] = []
     record = _read_json_model(out / STAGE_FILE, StageRecord, problems)
@@ -58,7 +61,10 @@ def verify_dir(path: str | Path) -> list[str]:
         return problems
     registry = _read_registry(out, problems)
     manifests: dict[str, ShardManifest] = {}
-    for p in sorted(out.glob(".part-*.manifest.json")):
+    for name in sorted(
+        n for n in files if "/" not in n and n.startswith(".part-") and n.endswith(".manifest.json")
+    ):
+        p = out / name
         m = _read_json_model(p, ShardManifest, problems)
         if m is not None:
             manifests[m.shard] = m
@@ -81,7 +87,7 @@ def verify_dir(path: str | Path) -> list[str]:
             if registry is not None and registry.get(inp.key) != shard:
                 problems.append(f"{shard}: its input {inp.key} is not registered to it in {SHARDS_FILE}")
 
-    _check_files_present(out, manifests, problems)
+    _check_files_present(files, manifests, problems)
     first_meta: tuple[str, dict] | None = None
     totals = {"docs_in": 0, "docs_out": 0, "rejected": 0}
     for shard in sorted(manifests):
@@ -113,7 +119,7 @@ def _read_json_model(path: Path, model, problems: list[str]):
     if not path.exists():
         return None
     try:
-        return model.model_validate_json(path.read_text())
+        return model.model_validate_json(path.read_bytes())
     except (ValueError, OSError) as e:
         problems.append(f"{path.name} does not parse ({type(e).__name__}); rerun the stage to rewrite it")
         return None
@@ -125,7 +131,7 @@ def _read_registry(out: Path, problems: list[str]) -> dict[str, str] | None:
         problems.append(f"{out} has no {SHARDS_FILE}: the shard registry is gone; rerun the stage")
         return None
     try:
-        registry = json.loads(path.read_text())
+        registry = json.loads(path.read_bytes())
         if not isinstance(registry, dict):
             raise ValueError("not a mapping")
         return {str(k): str(v) for k, v in registry.items()}
@@ -134,22 +140,21 @@ def _read_registry(out: Path, problems: list[str]) -> dict[str, str] | None:
         return None
 
 
-def _check_files_present(out: Path, manifests: dict[str, ShardManifest], problems: list[str]) -> None:
+def _check_files_present(
+    files: dict[str, int], manifests: dict[str, ShardManifest], problems: list[str]
+) -> None:
     """Stray files: data nobody accounts for (a shard with no manifest, a copy, a temp file)."""
     outputs = {m.output for m in manifests.values()}
     rejects = {m.rejects_file for m in manifests.values() if m.rejects_file}
-    for p in sorted(out.rglob("*")):
-        rel = p.relative_to(out).as_posix()
-        if TMP_MARK in p.name:
+    for rel in sorted(files):
+        if TMP_MARK in rel.rsplit("/", 1)[-1]:
             problems.append(f"{rel} is a temp file of a killed run; rerun the stage (it cleans them up)")
-        elif p.is_dir():
-            continue
         elif rel.startswith(f"{REJECTS_DIR}/"):
             if rel not in rejects:
                 problems.append(
                     f"{rel} is a rejects file no manifest accounts for; delete it or rerun the stage"
                 )
-        elif not any(part.startswith(".") for part in p.relative_to(out).parts):
+        elif not any(part.startswith(".") for part in rel.split("/")):
             if rel not in outputs:
                 problems.append(
                     f"{rel} is not a shard of this directory (no manifest names it): datasets would load it; "
@@ -181,7 +186,7 @@ def _check_shard(out: Path, m: ShardManifest, record: StageRecord, problems: lis
             f"{where}: sha256 differs from its manifest (changed or corrupt); rerun with --overwrite"
         )
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(storage.open_input(path))
     except Exception as e:  # truncated or not parquet at all
         problems.append(f"{where}: not a readable parquet file ({type(e).__name__}: {e})")
         return None
@@ -224,7 +229,7 @@ def _check_rejects(out: Path, m: ShardManifest, problems: list[str]) -> None:
     if m.rejects_sha256 and sha256_file(path) != m.rejects_sha256:
         problems.append(f"{where}: sha256 differs from its manifest (changed or corrupt)")
     try:
-        table = pq.read_table(path, columns=["reason"])
+        table = pq.read_table(storage.open_input(path), columns=["reason"])
     except Exception as e:
         problems.append(f"{where}: not a readable parquet file ({type(e).__name__})")
         return
@@ -305,13 +310,11 @@ def _matrix(col: pa.ListArray, rows: int, n_ctx: int) -> np.ndarray:
 def _check_score_input(m: ShardManifest, where: str, problems: list[str]) -> None:
     """A scored shard scores every row of its input shard (when the input directory is still there)."""
     for inp in m.inputs:
-        src = Path(inp.uri)
+        src = storage.path(inp.uri)
         manifest = manifest_path(src.parent, src.stem)
-        if not manifest.is_file():
-            continue
         try:
-            rows = ShardManifest.model_validate_json(manifest.read_text()).rows_out
-        except ValueError:
+            rows = ShardManifest.model_validate_json(manifest.read_bytes()).rows_out
+        except (ValueError, OSError):  # the input directory is gone or was edited: nothing to compare
             continue
         if rows != m.docs_in:
             problems.append(f"{where}: scored {m.docs_in} rows, its input {src} has {rows}")

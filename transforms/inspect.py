@@ -9,14 +9,17 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from entroweight import storage
 from entroweight.schemas import read_file_metadata
 
 
-def parquet_files(path: str | Path) -> list[Path]:
-    p = Path(path)
-    if p.is_file():
+def parquet_files(path: str | Path) -> list:
+    """The shards of a stage's output directory (local or a URL), from one listing; or the one file."""
+    p = storage.path(path)
+    names = storage.listing(p)
+    if not names and p.is_file():
         return [p]
-    files = sorted(f for f in p.glob("part-*.parquet"))
+    files = [p / n for n in sorted(names) if n.startswith("part-") and n.endswith(".parquet")]
     if not files:
         raise FileNotFoundError(f"{path} holds no part-*.parquet file")
     return files
@@ -25,14 +28,14 @@ def parquet_files(path: str | Path) -> list[Path]:
 def summarize(path: str | Path) -> dict:
     files = parquet_files(path)
     meta = read_file_metadata(files[0])
-    schema = pq.read_schema(files[0])
+    schema = pq.read_schema(storage.open_input(files[0]))
     rows = real = total = n_bytes = 0
     per_doc: list[int] = []
     weights: list[np.ndarray] = []
     entropies: list[np.ndarray] = []
     ids_min, ids_max = None, 0
     for f in files:
-        table = pq.read_table(f)
+        table = pq.read_table(storage.open_input(f))
         rows += table.num_rows
         if table.num_rows == 0:
             continue
@@ -66,7 +69,7 @@ def summarize(path: str | Path) -> dict:
         "pad_fraction": round(1 - real / total, 4) if total else 0.0,
         "tokens_per_row": _stats(np.asarray(per_doc, dtype=np.float64)),
         "bytes_of_text": n_bytes,
-        "bytes_on_disk": sum(f.stat().st_size for f in files),
+        "bytes_on_disk": sum(storage.size(f) for f in files),
         "id_range": [ids_min, ids_max],
     }
     if real:
@@ -76,9 +79,13 @@ def summarize(path: str | Path) -> dict:
     if entropies:
         out["entropy"] = _stats(np.concatenate(entropies))
     manifest_dir = files[0].parent
-    manifests = sorted(manifest_dir.glob(".part-*.manifest.json"))
-    if manifests and Path(path).is_dir():
-        ms = [json.loads(m.read_text()) for m in manifests]
+    manifests = [
+        manifest_dir / n
+        for n in sorted(storage.listing(manifest_dir))
+        if n.startswith(".part-") and n.endswith(".manifest.json")
+    ]
+    if manifests and storage.key(files[0]) != storage.key(path):  # a directory, not one file
+        ms = [json.loads(b) for b in storage.read_many(manifests)]
         rejected: dict[str, int] = {}
         for m in ms:
             for k, v in m.get("rejected", {}).items():

@@ -139,6 +139,7 @@ def _check_inspectable(path: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from entroweight import storage
     from entroweight.transforms.inspect import parquet_files
 
     try:
@@ -147,7 +148,8 @@ def _check_inspectable(path: str) -> None:
         _fail(str(e))
     for f in files:
         try:
-            names = set(pq.read_schema(f).names)
+            with storage.open_input(f) as fh:
+                names = set(pq.read_schema(fh).names)
         except (pa.ArrowException, OSError) as e:
             _fail(f"{f} is not a readable parquet file ({e})")
         if missing := sorted({"input_ids", "n_pad", "n_bytes"} - names):
