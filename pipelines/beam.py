@@ -1,14 +1,15 @@
 """The Beam engine: shards as elements of a real Beam pipeline, on any runner.
 
-    ReadFromText(tasks.jsonl) | Reshuffle | ParDo(RunShard) | WriteToText(results)
+    Create([tasks file]) | FlatMap(its lines) | Reshuffle | ParDo(RunShard)
 
 `RunShard.setup()` calls `stage.setup()` once per worker (the tokenizer or model stays loaded
 across shards), `process` calls `run_task`, which never raises: a failing shard becomes a failed
 ShardResult, so one bad input file cannot abort the other shards. Every result (errors included)
-goes through Beam's own file IO to a results directory the driver reads back after the run, so
-the driver knows each shard's outcome on every runner (Dataflow workers cannot call back).
-The tasks go in through a file too, not `beam.Create`: 100k shards pickled into the pipeline
-graph would pass Dataflow's job-request size limit.
+is written, one small file per shard, to this run's own directory, which the driver reads back
+after the run, so it knows each shard's outcome on every runner (Dataflow workers cannot call
+back). The tasks go in through a file too, not as elements of `beam.Create`: 100k shards pickled
+into the pipeline graph would pass Dataflow's job-request size limit. Both files go through
+entroweight.storage, so a run on gs:// or s3:// needs no mount and no Beam filesystem plugin.
 
 Embedded default: the in-process Python FnApiRunner (the DirectRunner may try to download the
 Prism binary, which fails offline); `workers > 1` runs it as that many SDK worker processes.
@@ -22,7 +23,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
 import threading
 import uuid
@@ -30,11 +30,13 @@ from dataclasses import asdict
 
 from tqdm.auto import tqdm
 
+from entroweight import storage
 from entroweight.schemas.manifest import ShardInput
 
-from .stage import RunPlan, ShardResult, ShardTask, Stage, manifest_path, reconcile_results, run_task
+from .stage import RunPlan, ShardResult, ShardTask, Stage, manifest_name, reconcile_results, run_task
 
-# per-run results under the output directory (or temp_location), deleted after; hidden: datasets skips it
+# per-run directories under the output directory (or temp_location), each deleted by its own run;
+# hidden: datasets skips it
 RESULTS_DIR = ".engine"
 EMBEDDED = ("fnapirunner", "fnapi", "embedded")
 
@@ -77,8 +79,11 @@ def _dofn():
             self.stage.setup()
             return self.stage
 
-        def process(self, line: str):
-            yield json.dumps(asdict(run_task(self.stage, task_from_json(line))))
+        def process(self, element):
+            line, results = element
+            result = run_task(self.stage, task_from_json(line))
+            storage.write_json_atomic(asdict(result), f"{results}/{result.shard}.json")
+            yield result.shard
 
     return RunShardFn
 
@@ -140,15 +145,22 @@ def with_hints(transform, stage: Stage, accelerator: str):
 def results_root(plan: RunPlan, options: dict) -> str:
     """Where workers write results: the run's temp_location if given (gs://...), else the output dir."""
     temp = (options or {}).get("temp_location") or (options or {}).get("temp-location")
-    base = temp.rstrip("/") if temp else str(plan.out_dir)
+    base = temp.rstrip("/") if temp else storage.key(plan.out_dir)
     return f"{base}/{RESULTS_DIR}"
+
+
+def _read_lines(element):
+    """The tasks file's lines, paired with where their results go (a worker reads it from the store)."""
+    tasks_file, results = element
+    for line in storage.path(tasks_file).read_bytes().decode().splitlines():
+        if line:
+            yield line, results
 
 
 def run_beam(
     plan: RunPlan, options: dict | None = None, workers: int | None = None, progress: bool = True
 ) -> list[ShardResult]:
     beam = _import_beam()
-    from apache_beam.io.filesystems import FileSystems
     from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
     _quiet_beam()
@@ -156,11 +168,14 @@ def run_beam(
     accelerator = options.pop("accelerator", DEFAULT_ACCELERATOR)
     runner, pipeline_options, threads = build_runner(options, workers)
     root = results_root(plan, options)
-    _remove_tree(root)  # a killed run's leftovers; the driver holds the directory's lock
-    run_dir = f"{root}/beam-{uuid.uuid4().hex[:8]}"
-    prefix, tasks_file = f"{run_dir}/results", f"{run_dir}/tasks.jsonl"
+    in_out = root == f"{storage.key(plan.out_dir)}/{RESULTS_DIR}"  # --out's own, under the driver's lock
+    if in_out:
+        storage.remove_tree(root)  # a killed run's leftovers
+    # this run's own directory: a temp_location shared by other runs is never listed or cleared
+    run_dir = f"{root}/beam-{uuid.uuid4().hex}"
+    results, tasks_file = f"{run_dir}/results", f"{run_dir}/tasks.jsonl"
     tasks = list(plan.todo)
-    _write_tasks(tasks_file, tasks)
+    storage.write_text_atomic("".join(task_to_json(t) + "\n" for t in tasks), tasks_file)
     if progress:  # the runner reports nothing until the end: say what started where
         mode = pipeline_options.get_all_options().get("direct_running_mode")
         where = type(runner).__name__ + (f" ({mode})" if isinstance(runner, FnApiRunner) else "")
@@ -171,38 +186,46 @@ def run_beam(
         with quiet, _progress(plan, progress), beam.Pipeline(runner=runner, options=pipeline_options) as p:
             _ = (
                 p
-                | "Shards" >> beam.io.ReadFromText(tasks_file)
+                | "TasksFile" >> beam.Create([(tasks_file, results)])
+                | "Shards" >> beam.FlatMap(_read_lines)
                 | "Spread" >> beam.Reshuffle()
                 | "RunShard" >> with_hints(beam.ParDo(_dofn()(plan.stage, threads)), plan.stage, accelerator)
-                | "Results" >> beam.io.WriteToText(prefix, file_name_suffix=".jsonl")
             )
     except Exception as e:  # the runner itself failed: shards without a manifest are reported failed
         error = f"the Beam pipeline failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    results = []
+    found = []
     if error is None:
-        for meta in FileSystems.match([prefix + "*"])[0].metadata_list:
-            with FileSystems.open(meta.path) as f:
-                results += [
-                    ShardResult(**json.loads(line)) for line in f.read().decode().splitlines() if line
-                ]
-    _remove_tree(root)
-    return reconcile_results(plan, results, error or "no result came back from the Beam workers")
+        paths = [storage.path(results) / n for n in sorted(storage.listing(results)) if n.endswith(".json")]
+        found = [ShardResult(**json.loads(b)) for b in storage.read_many(paths)]
+    storage.remove_tree(root if in_out else run_dir)
+    if storage.is_local(root):  # an empty local .engine/ left in a shared temp_location: gone too
+        with contextlib.suppress(OSError):  # not empty: another run's directory is in it
+            os.rmdir(root)
+    return reconcile_results(plan, found, error or "no result came back from the Beam workers")
 
 
 @contextlib.contextmanager
 def _progress(plan: RunPlan, enabled: bool, every: float = 0.5):
     """A shard progress bar like the other engines': Beam reports nothing until the pipeline ends,
-    so a thread counts the shard manifests as workers write them (local output directories)."""
-    if not enabled or "://" in str(plan.out_dir):
+    so a thread counts the shard manifests as workers write them (one listing of --out a tick)."""
+    if not enabled:
         yield
         return
-    paths = [manifest_path(t.out_dir, t.shard) for t in plan.todo]
+    names = {manifest_name(t.shard) for t in plan.todo}
+    every = every if storage.is_local(plan.out_dir) else max(every, 5.0)  # a LIST is not free
+
+    def done() -> int:
+        try:
+            return len(names & set(storage.listing(plan.out_dir)))
+        except OSError:
+            return 0
+
     stop = threading.Event()
-    with tqdm(total=len(paths), unit="shard", desc=f"{plan.stage.name} (beam)") as bar:
+    with tqdm(total=len(names), unit="shard", desc=f"{plan.stage.name} (beam)") as bar:
 
         def watch():
             while not stop.wait(every):
-                bar.update(sum(p.exists() for p in paths) - bar.n)
+                bar.update(done() - bar.n)
 
         thread = threading.Thread(target=watch, daemon=True)
         thread.start()
@@ -211,7 +234,7 @@ def _progress(plan: RunPlan, enabled: bool, every: float = 0.5):
         finally:
             stop.set()
             thread.join()
-            bar.update(sum(p.exists() for p in paths) - bar.n)
+            bar.update(done() - bar.n)
 
 
 def task_to_json(task: ShardTask) -> str:
@@ -223,25 +246,6 @@ def task_to_json(task: ShardTask) -> str:
 def task_from_json(line: str) -> ShardTask:
     d = json.loads(line)
     return ShardTask(d["shard"], tuple(ShardInput.model_validate(i) for i in d["inputs"]), d["out_dir"])
-
-
-def _write_tasks(path: str, tasks: list[ShardTask]) -> None:
-    from apache_beam.io.filesystems import FileSystems
-
-    if "://" not in path:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    with FileSystems.create(path) as f:
-        f.write("".join(task_to_json(t) + "\n" for t in tasks).encode())
-
-
-def _remove_tree(path: str) -> None:
-    if "://" in path:
-        from apache_beam.io.filesystems import FileSystems
-
-        if FileSystems.exists(path + "/"):
-            FileSystems.delete([path + "/"])
-    else:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _quiet_beam() -> None:
