@@ -79,3 +79,16 @@ def s3_bucket(s3_endpoint) -> str:
     from s3server import new_bucket
 
     return new_bucket()
+
+
+@pytest.fixture(scope="session")
+def c4_60(tmp_path_factory) -> Path:
+    """The first 60 documents of the C4 sample, gzip jsonl: a small real source of three 20-doc shards."""
+    import gzip
+
+    src = tmp_path_factory.mktemp("c4_60") / "c4.jsonl.gz"
+    with gzip.open(C4, "rt", encoding="utf-8") as f:
+        lines = [next(f) for _ in range(60)]
+    with gzip.open(src, "wt", encoding="utf-8") as f:
+        f.writelines(lines)
+    return src

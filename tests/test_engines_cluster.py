@@ -34,7 +34,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_node(*args) -> subprocess.Popen:
+def start_node(*args, cwd=None, env=None) -> subprocess.Popen:
+    """A `ray start --block` node; `cwd`: its own working directory (nodes that share no disk)."""
     return subprocess.Popen(
         [
             RAY,
@@ -47,7 +48,8 @@ def start_node(*args) -> subprocess.Popen:
             "--disable-usage-stats",
             *args,
         ],
-        env=ENV,
+        env=env or ENV,
+        cwd=cwd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

@@ -7,7 +7,6 @@ The same run on s3:// and on local disk gives byte-identical parquet; the object
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import subprocess
@@ -39,16 +38,6 @@ def parquet_bytes(location) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory, c4_path):
-    src = tmp_path_factory.mktemp("src") / "c4.jsonl.gz"
-    with gzip.open(c4_path, "rt", encoding="utf-8") as f:
-        lines = [next(f) for _ in range(60)]
-    with gzip.open(src, "wb") as f:  # mtime 0 in the header is not needed: the bytes are uploaded as is
-        f.write("".join(lines).encode())
-    return src
-
-
-@pytest.fixture(scope="module")
 def model(tmp_path_factory, tokenizer_dir):
     return tiny_llama_dir(tmp_path_factory.mktemp("tiny"), tokenizer_dir / "tokenizer.json")
 
@@ -63,13 +52,13 @@ def score(data, model, out):
     return run_stage(ScoreStage(str(data), "causal_loss", opts), out, progress=False)
 
 
-def test_tokenize_score_weigh_on_s3_match_local_disk(tmp_path, s3_bucket, source, tokenizer_dir, model):
+def test_tokenize_score_weigh_on_s3_match_local_disk(tmp_path, s3_bucket, c4_60, tokenizer_dir, model):
     # everything on the object store: the documents, the tokenizer, every output
     s3 = s3fs()
-    s3.put(str(source), f"{s3_bucket}/raw/c4.jsonl.gz")
+    s3.put(str(c4_60), f"{s3_bucket}/raw/c4.jsonl.gz")
     s3.put(str(tokenizer_dir / "tokenizer.json"), f"{s3_bucket}/tok/tokenizer.json")
 
-    local = tokenize(source, tokenizer_dir, tmp_path / "tok")
+    local = tokenize(c4_60, tokenizer_dir, tmp_path / "tok")
     remote = run_stage(
         TokenizeStage(
             [f"{s3_bucket}/raw/"],
@@ -102,31 +91,31 @@ def test_tokenize_score_weigh_on_s3_match_local_disk(tmp_path, s3_bucket, source
     assert again.shards_run == 0 and again.shards_done_before == 3
 
 
-def test_a_shard_without_its_manifest_is_redone_and_a_wrong_size_too(s3_bucket, source, tokenizer_dir):
+def test_a_shard_without_its_manifest_is_redone_and_a_wrong_size_too(s3_bucket, c4_60, tokenizer_dir):
     out = f"{s3_bucket}/tokens"
-    tokenize(source, tokenizer_dir, out)
+    tokenize(c4_60, tokenizer_dir, out)
     reference = parquet_bytes(out)
     s3, root = s3fs(), out.removeprefix("s3://")
     s3.rm(f"{root}/.part-00001.manifest.json")  # killed between the parquet and its manifest
     s3.pipe(f"{root}/part-00002.parquet", b"PAR1 stale")  # an object that is not what its manifest says
-    summary = tokenize(source, tokenizer_dir, out)
+    summary = tokenize(c4_60, tokenizer_dir, out)
     assert summary.shards_run == 2 and summary.shards_done_before == 1
     assert parquet_bytes(out) == reference
 
 
-def test_second_run_on_a_leased_out_exits_3(s3_bucket, source, tokenizer_dir):
+def test_second_run_on_a_leased_out_exits_3(s3_bucket, c4_60, tokenizer_dir):
     out = f"{s3_bucket}/tokens"
     held = storage.lock(f"{out}/.lock")  # another run's lease
     try:
         with pytest.raises(LockHeld, match="another entroweight run holds"):
-            tokenize(source, tokenizer_dir, out)
+            tokenize(c4_60, tokenizer_dir, out)
         cli = subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "entroweight.workflows.cli",
                 "tokenize",
-                str(source),
+                str(c4_60),
                 "--tokenizer",
                 str(tokenizer_dir),
                 "--out",
@@ -142,7 +131,7 @@ def test_second_run_on_a_leased_out_exits_3(s3_bucket, source, tokenizer_dir):
         assert "Traceback" not in cli.stderr
     finally:
         held.release()
-    assert tokenize(source, tokenizer_dir, out).shards_run == 3  # released: the next run goes ahead
+    assert tokenize(c4_60, tokenizer_dir, out).shards_run == 3  # released: the next run goes ahead
 
 
 def test_an_expired_lease_is_taken_over(s3_bucket):
@@ -170,14 +159,14 @@ def test_an_aborted_upload_leaves_nothing(s3_bucket):
     assert storage.path(target).read_bytes() == b"whole"
 
 
-def test_no_bucket_or_no_driver_is_a_clean_refusal(tmp_path, s3_endpoint, source, tokenizer_dir):
+def test_no_bucket_or_no_driver_is_a_clean_refusal(tmp_path, s3_endpoint, c4_60, tokenizer_dir):
     cli = subprocess.run(
         [
             sys.executable,
             "-m",
             "entroweight.workflows.cli",
             "tokenize",
-            str(source),
+            str(c4_60),
             "--tokenizer",
             str(tokenizer_dir),
             "--out",
@@ -191,8 +180,8 @@ def test_no_bucket_or_no_driver_is_a_clean_refusal(tmp_path, s3_endpoint, source
     assert "Traceback" not in cli.stderr and "no-such-bucket-ew" in cli.stderr
 
 
-def test_the_cli_reads_and_writes_s3(tmp_path, s3_bucket, source, tokenizer_dir, model):
-    s3fs().put(str(source), f"{s3_bucket}/raw/c4.jsonl.gz")
+def test_the_cli_reads_and_writes_s3(tmp_path, s3_bucket, c4_60, tokenizer_dir, model):
+    s3fs().put(str(c4_60), f"{s3_bucket}/raw/c4.jsonl.gz")
 
     def cli(*args):
         return subprocess.run(
@@ -242,13 +231,13 @@ def test_the_cli_reads_and_writes_s3(tmp_path, s3_bucket, source, tokenizer_dir,
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
-def test_verify_and_inspect_read_s3_and_catch_tampering(tmp_path, s3_bucket, source, tokenizer_dir):
+def test_verify_and_inspect_read_s3_and_catch_tampering(tmp_path, s3_bucket, c4_60, tokenizer_dir):
     from entroweight.pipelines.verify import verify_dir
     from entroweight.transforms.inspect import summarize
 
     out = f"{s3_bucket}/tokens"
-    tokenize(source, tokenizer_dir, out)
-    tokenize(source, tokenizer_dir, tmp_path / "tok")
+    tokenize(c4_60, tokenizer_dir, out)
+    tokenize(c4_60, tokenizer_dir, tmp_path / "tok")
     assert verify_dir(out) == []
     remote, local = summarize(out), summarize(tmp_path / "tok")
     assert remote == local  # the same summary, wherever the data lives
