@@ -403,12 +403,13 @@ class Lease:
             if self._try_create():
                 break
             current = self._current()
-            if current is not None and current.get("expires", 0) < time.time():
+            if current is not None and (current.get("expires", 0) < time.time() or _dead_here(current)):
                 remove(self.path)  # its holder stopped renewing: dead; the conditional put decides the race
                 continue
             if time.monotonic() >= deadline:
                 who = (current or {}).get("holder", "?")
-                raise LockBusy(f"held by {who}")
+                until = time.strftime("%H:%M:%S", time.localtime((current or {}).get("expires", 0)))
+                raise LockBusy(f"lease held by {who} until {until}, renewed while it runs")
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         self._beat = threading.Thread(target=self._renew, daemon=True, name="entroweight-lease")
         self._beat.start()
@@ -425,6 +426,21 @@ class Lease:
         current = self._current()
         if current is not None and current.get("holder") == self.holder:
             remove(self.path)
+
+
+def _dead_here(lease: dict) -> bool:
+    """Whether the lease's holder was a process of this machine that no longer runs (a killed run's
+    lease is then taken over at once, not after its TTL)."""
+    try:
+        host, pid = str(lease.get("holder", "")).split("@", 1)[1].split(":")[:2]
+        if host != socket.gethostname():
+            return False
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, IndexError, PermissionError, OSError):
+        return False
+    return False
 
 
 class _FileLockAdapter:

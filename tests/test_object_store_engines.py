@@ -109,3 +109,57 @@ def test_two_node_ray_cluster_with_no_shared_disk_matches_local(tmp_path, s3_buc
         shutil.rmtree(temp, ignore_errors=True)
     for d in dirs:  # nothing was written to any node's or the driver's working directory
         assert not any(d.iterdir()), list(d.iterdir())
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_on_s3_then_rerun_gives_the_same_rows(tmp_path, s3_bucket, c4_60, tokenizer_dir):
+    """Killed between a shard's parquet and its manifest, with another worker's multipart upload left
+    open: the rerun redoes what has no manifest, and the output is the local run's, row for row."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from entroweight.pipelines.stage import read_manifests
+    from entroweight.pipelines.verify import verify_dir
+
+    tokenize(c4_60, tokenizer_dir, tmp_path / "local")
+    out = f"{s3_bucket}/tokens"
+    args = [
+        sys.executable,
+        "-m",
+        "entroweight.workflows.cli",
+        "tokenize",
+        str(c4_60),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--n-ctx",
+        "64",
+        "--shard-docs",
+        "20",
+        "--overflow",
+        "truncate",
+        "--out",
+        out,
+    ]
+    env = {**os.environ, "ENTROWEIGHT_TEST_SHARD_DELAY": "1.0"}
+    proc = subprocess.Popen(
+        args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "part-00000.parquet" not in storage.listing(out):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the parquet is there, its manifest not yet
+    proc.wait()
+    assert len(read_manifests(out)) < 3
+    partial = storage.AtomicFile(f"{out}/part-00002.parquet")  # a dead worker's open multipart upload
+    partial.write(b"x" * (6 << 20))
+    partial.file.flush()
+    assert "part-00002.parquet" not in storage.listing(out)  # invisible until completed
+
+    rerun = subprocess.run(args, capture_output=True, text=True, env=os.environ.copy())
+    assert rerun.returncode == 0, rerun.stderr
+    assert parquet_bytes(out) == parquet_bytes(tmp_path / "local")
+    assert verify_dir(out) == []
+    assert sum(m.docs_in for m in read_manifests(out)) == 60
