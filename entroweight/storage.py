@@ -166,10 +166,11 @@ def listing(directory: AnyPath) -> dict[str, int]:
         entries = fs.ls(inner, detail=True, refresh=True)
     except FileNotFoundError:
         return {}
-    return {
+    own = inner.rstrip("/")
+    return {  # ls of a file lists the file itself: that is no directory's content
         e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
         for e in entries
-        if e.get("type") == "file"
+        if e.get("type") == "file" and e["name"].rstrip("/") != own
     }
 
 
@@ -216,6 +217,46 @@ def read_many(paths: list[AnyPath], threads: int = 32) -> list[bytes]:
         return sync(fs.loop, _run_coros_in_chunks, coros, batch_size=threads * 4)
     with ThreadPoolExecutor(threads) as pool:
         return list(pool.map(fs.cat_file, inner))
+
+
+@contextlib.contextmanager
+def local_copy(location: AnyPath) -> Iterator[Path]:
+    """A local directory holding `location`'s files: the path itself when local; for a URL, its
+    files (recursively) downloaded to a temp directory that is removed afterwards (a checkpoint to
+    load, where the loaders want files)."""
+    p = path(location)
+    if is_local(p):
+        yield Path(p)
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="entroweight-copy-") as tmp:
+        if not download_dir(p, Path(tmp)):
+            raise FileNotFoundError(f"{location} holds no file")
+        yield Path(tmp)
+
+
+def download_dir(location: AnyPath, local: Path) -> int:
+    """Copy every file under `location` (a URL) into the local directory `local`; returns how many."""
+    fs, inner = filesystem(location)
+    files = walk(location)
+    for rel in files:
+        dest = Path(local) / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(f"{inner.rstrip('/')}/{rel}", str(dest))
+    return len(files)
+
+
+def upload_dir(local: Path, location: AnyPath, last: tuple[str, ...] = ()) -> None:
+    """Copy a local directory's files to `location` (a URL), each atomically; the names in `last` go
+    after all the others, in that order (the file that commits a checkpoint comes last)."""
+    root = Path(local)
+    rels = sorted(str(f.relative_to(root)) for f in root.rglob("*") if f.is_file() and TMP_MARK not in f.name)
+    ordered = [r for r in rels if r not in last] + [r for r in last if r in rels]
+    for rel in ordered:
+        with open(root / rel, "rb") as src, AtomicFile(path(location) / rel) as dst:
+            for block in iter(lambda: src.read(1 << 24), b""):  # noqa: B023 - read in this loop
+                dst.write(block)
 
 
 # ------------------------------------------------------------------ writing

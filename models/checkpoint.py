@@ -9,13 +9,15 @@ trainer's business and lives beside these files.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from entroweight import storage
+from entroweight.storage import sha256 as sha256_file
 
 from . import build_model
 
@@ -67,28 +69,24 @@ def _umask() -> int:
         return mask
 
 
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def read_checkpoint_config(ckpt_dir: str | Path) -> dict:
-    path = Path(ckpt_dir) / CONFIG
+    path = storage.path(ckpt_dir) / CONFIG  # local, or a URL (s3://...)
     if not path.is_file():
         raise CheckpointError(
             f"{ckpt_dir} is not an entroweight checkpoint (no {CONFIG}); train one with `entroweight train`"
         )
-    return json.loads(path.read_text())
+    return json.loads(path.read_bytes())
 
 
 def load_checkpoint(
     ckpt_dir: str | Path, map_location: str = "cpu", verify: bool = True, allow_pickle: bool = False
 ):
     """(model in eval mode, config dict). Refuses weights whose sha256 differs from the recorded one,
-    and pickle weights unless `allow_pickle` (then read with weights_only=True)."""
+    and pickle weights unless `allow_pickle` (then read with weights_only=True). A checkpoint at a
+    URL (s3://, gs://) is downloaded to a temp directory first, and checked the same way."""
+    if storage.is_url(ckpt_dir):
+        with storage.local_copy(ckpt_dir) as local:
+            return load_checkpoint(local, map_location, verify, allow_pickle)
     ckpt = Path(ckpt_dir)
     config = read_checkpoint_config(ckpt)
     weights = ckpt / WEIGHTS

@@ -15,7 +15,10 @@ then reads one block and drops its first rows.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +29,8 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from entroweight.schemas import read_file_metadata
+from entroweight import storage
+from entroweight.schemas import METADATA_KEY
 
 
 class DataError(ValueError):
@@ -46,15 +50,19 @@ class Unit:
 
 
 def parquet_files(paths) -> list[Path]:
-    """Parquet files of `paths` (files, or directories whose *.parquet are read, sorted)."""
+    """Parquet files of `paths` (files, or directories whose *.parquet are read, sorted); local paths
+    or URLs (s3://, gs://): a directory costs one listing."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            files += sorted(f for f in p.glob("*.parquet") if not f.name.startswith((".", "_")))
+    files: list = []
+    for p in map(storage.path, paths):
+        names = storage.listing(p)
+        if names:
+            files += [p / n for n in sorted(names) if n.endswith(".parquet") and not n.startswith((".", "_"))]
         elif p.is_file():
             files.append(p)
+        elif storage.is_local(p) and p.is_dir():
+            continue
         else:
             raise DataError(f"no such data file or directory: {p}")
     if not files:
@@ -71,6 +79,7 @@ class DataInfo:
     pad_id: int | None
     columns: set[str]
     metadata: dict
+    footers: list = dataclasses.field(default_factory=list, repr=False)  # read once, at the check
 
 
 def inspect_data(
@@ -79,8 +88,9 @@ def inspect_data(
     """Check every file's schema and provenance before any training; raise DataError saying what to do."""
     files = parquet_files(paths)
     metas, common = [], None
-    for f in files:
-        schema = pq.read_schema(f)
+    read = footers(files)
+    for f, footer in zip(files, read, strict=True):
+        schema = footer.schema.to_arrow_schema()
         names = set(schema.names)
         if "input_ids" not in names:
             raise DataError(f"{f} has no input_ids column: it is not token data; give tokenized parquet")
@@ -93,7 +103,8 @@ def inspect_data(
                 )
                 raise DataError(f"{f} has no {col!r} column, which the loss needs; {hint}")
         common = names if common is None else common & names
-        metas.append(read_file_metadata(f))
+        raw = (footer.metadata or {}).get(METADATA_KEY)
+        metas.append(json.loads(raw) if raw else {})
     shas = {m.get("tokenizer_sha256") for m in metas}
     if len(shas) > 1:
         raise DataError(
@@ -124,6 +135,7 @@ def inspect_data(
         pad_id=pads.pop() if len(pads) == 1 else None,
         columns=common or set(),
         metadata=metas[0],
+        footers=read,
     )
 
 
@@ -132,7 +144,7 @@ def value_problems(files, columns) -> list[tuple[Path, str]]:
     hold NaN or ±inf, or weights outside [0, 1]: one vectorised pass over those columns only."""
     found = []
     for f in files:
-        pf = pq.ParquetFile(f)
+        pf = pq.ParquetFile(storage.open_input(f))
         cols = [c for c in columns if c in pf.schema_arrow.names]
         counts: dict[str, int] = {}
         for rg in range(pf.num_row_groups) if cols else ():
@@ -158,10 +170,24 @@ def value_problems(files, columns) -> list[tuple[Path, str]]:
     return found
 
 
-def make_units(files: list[Path], n_streams: int) -> list[Unit]:
+def _footer(f: str) -> pq.FileMetaData:
+    with storage.open_input(f) as fh:
+        return pq.read_metadata(fh)
+
+
+def footers(files) -> list[pq.FileMetaData]:
+    """Each file's parquet footer (schema, provenance, row groups), in parallel on an object store,
+    where each is a round trip. inspect_data reads them once; the reader's plan reuses them."""
+    names = [str(f) for f in files]
+    if all(storage.is_local(n) for n in names):
+        return [_footer(n) for n in names]
+    with ThreadPoolExecutor(32) as pool:
+        return list(pool.map(_footer, names))
+
+
+def make_units(files: list[Path], n_streams: int, metas: list | None = None) -> list[Unit]:
     units = []
-    for f in files:
-        md = pq.ParquetFile(f).metadata
+    for f, md in zip(files, metas or footers(files), strict=True):
         for rg in range(md.num_row_groups):
             n = md.row_group(rg).num_rows
             if n:
@@ -231,7 +257,7 @@ class WeightedTokens(IterableDataset):
     # -- the deterministic plan
     def _units(self, n_streams: int) -> list[Unit]:
         if n_streams not in self._units_cache:
-            self._units_cache[n_streams] = make_units(self.info.files, n_streams)
+            self._units_cache[n_streams] = make_units(self.info.files, n_streams, self.info.footers)
         return self._units_cache[n_streams]
 
     def _blocks(self, epoch: int, stream: int, n_streams: int) -> list[list[Unit]]:
@@ -253,7 +279,8 @@ class WeightedTokens(IterableDataset):
         cols = ["input_ids", *self.columns]
         parts = []
         for u in block:
-            t = pq.ParquetFile(u.path).read_row_group(u.row_group, columns=cols)
+            with storage.open_input(u.path) as fh:
+                t = pq.ParquetFile(fh).read_row_group(u.row_group, columns=cols)
             parts.append(self._to_numpy(t.slice(u.start, u.rows), u))
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 

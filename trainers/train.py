@@ -15,12 +15,14 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 
+from entroweight import storage
 from entroweight.models import build_model, model_class
 from entroweight.models.checkpoint import read_checkpoint_config
 from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path
@@ -181,6 +183,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> TrainResult:
     each config with the step it took effect."""
     if allow_config_change and not cfg.resume:
         raise TrainError("--allow-config-change applies only with --resume")
+    if storage.is_url(cfg.out):
+        return _train_to_store(cfg, allow_config_change)
     rank, world, device, own_group = _setup_dist(cfg.device)
     try:
         return _train(cfg, rank, world, device, allow_config_change)
@@ -189,10 +193,33 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> TrainResult:
             torch.distributed.destroy_process_group()
 
 
+def _train_to_store(cfg: TrainConfig, allow_config_change: bool) -> TrainResult:
+    """Train with --out on an object store: the run works in a local directory (a resume downloads
+    the checkpoint into it first) and each checkpoint is uploaded as it is saved, trainer_state.json
+    last, which commits it (a resume checks the other files against its sha256s). metrics.jsonl is
+    uploaded whole with each checkpoint: an object store cannot append."""
+    url = cfg.out.rstrip("/")
+    if not cfg.resume and storage.path(f"{url}/config.json").exists() and not cfg.overwrite:
+        raise TrainError(f"{url} already holds a checkpoint; pass --resume to continue it, or another --out")
+    with tempfile.TemporaryDirectory(prefix="entroweight-train-") as local:
+        if cfg.resume and not storage.download_dir(url, Path(local)):
+            raise TrainError(f"nothing to resume in {url} (no {STATE}); drop --resume to start a new run")
+        rank, world, device, own_group = _setup_dist(cfg.device)
+        publish = (lambda: storage.upload_dir(Path(local), url, last=(STATE,))) if rank == 0 else None
+        try:
+            result = _train(
+                dataclasses.replace(cfg, out=local), rank, world, device, allow_config_change, publish
+            )
+        finally:
+            if own_group:
+                torch.distributed.destroy_process_group()
+    return dataclasses.replace(result, out=url, metrics=f"{url}/{METRICS}")
+
+
 def _settings(cfg: TrainConfig) -> dict:
     """The train config as stored in config.json: JSON types, data paths absolute."""
     data = [cfg.data] if isinstance(cfg.data, (str, os.PathLike)) else cfg.data
-    d = {**dataclasses.asdict(cfg), "data": [str(Path(p).resolve()) for p in data]}
+    d = {**dataclasses.asdict(cfg), "data": [storage.key(p) for p in data]}
     return json.loads(json.dumps(d))
 
 
@@ -203,7 +230,7 @@ def _config_history(prev: dict, new: dict, step: int, allow: bool) -> list[dict]
     history = prev.get("train_history") or ([{"step": 0, "train": old}] if old else [])
     if old is None:
         return history
-    old = {**old, "data": [str(Path(p).resolve()) for p in _as_list(old.get("data", []))]}
+    old = {**old, "data": [storage.key(p) for p in _as_list(old.get("data", []))]}
     skip = set(RUN_ONLY) | set(CHECKED_APART)
     # keys of one side only come from another version of TrainConfig: their default kept the behaviour
     changed = sorted(k for k in new.keys() & old.keys() if k not in skip and old[k] != new[k])
@@ -223,7 +250,10 @@ def _as_list(x) -> list:
     return [x] if isinstance(x, str) else list(x)
 
 
-def _train(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool) -> TrainResult:
+def _train(
+    cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool, publish=None
+) -> TrainResult:
+    """`publish`: called on rank 0 after each checkpoint is saved (the upload of an object-store --out)."""
     out = Path(cfg.out)
     log = (lambda *a: None) if (cfg.quiet or rank) else (lambda *a: print(*a, flush=True))
     try:  # --tokenizer, else the copy the data carries (checked against the data's sha256 below)
@@ -340,7 +370,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device, allow_config_change:
     if rank == 0:
         try:
             out.mkdir(parents=True, exist_ok=True)
-            if tok_path is not None and tok_path.resolve() != (out / TOKENIZER).resolve():
+            if tok_path is not None and not storage.is_local(tok_path):  # the data's copy on a store
+                (out / TOKENIZER).write_bytes(tok_path.read_bytes())
+            elif tok_path is not None and tok_path.resolve() != (out / TOKENIZER).resolve():
                 shutil.copyfile(tok_path, out / TOKENIZER)
             _trim_metrics(out / METRICS, step)
         except OSError as e:
@@ -371,6 +403,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device, allow_config_change:
             }
             with _failing(f"cannot save the checkpoint at step {step}", out, saved):
                 save_training_checkpoint(out, raw_model, cfg.model, optimizer, st, {**meta, "step": step})
+                if publish is not None:
+                    publish()
         if world > 1:
             torch.distributed.barrier()
         saved = step

@@ -1,0 +1,67 @@
+# ruff: noqa: F811 - pytest fixtures imported from test_trainer_fixtures
+"""The trainer on object storage (issue 16): weighted data read from s3://, checkpoints written to and
+resumed from s3://, a tampered checkpoint refused, eval-bpb and scoring from an S3 checkpoint; on the
+loopback S3 server (tests/s3server.py). Same losses and weights bytes as on local disk."""
+
+from __future__ import annotations
+
+import json
+
+import fsspec
+import pytest
+from test_trainer import cfg, metrics
+from test_trainer_fixtures import one_thread, weighted_dir  # noqa: F401 - fixtures
+
+from entroweight import storage
+from entroweight.models.checkpoint import CheckpointError, load_checkpoint
+from entroweight.trainers import TrainError, train
+from entroweight.trainers.bpb import eval_bpb
+
+
+def upload(local, url) -> str:
+    fsspec.filesystem("s3").put(str(local), url.removeprefix("s3://"), recursive=True)
+    return url
+
+
+def remote_metrics(url) -> list[dict]:
+    return [json.loads(line) for line in storage.path(f"{url}/metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_and_resume_on_s3_match_local_disk(weighted_dir, tokenizer_dir, tmp_path, s3_bucket):
+    data = upload(weighted_dir, f"{s3_bucket}/weighted")
+    # the local reference: 6 steps, then resumed to 12
+    local = tmp_path / "run"
+    train(cfg(weighted_dir, local, log_every=3, shuffle_buffer=100, stop_at=6, tokenizer=str(tokenizer_dir)))
+    train(cfg(weighted_dir, local, log_every=3, shuffle_buffer=100, resume=True))
+
+    out = f"{s3_bucket}/runs/tiny"
+    first = train(cfg(data, out, log_every=3, shuffle_buffer=100, stop_at=6, tokenizer=str(tokenizer_dir)))
+    assert first.out == out and first.step == 6
+    assert json.loads(storage.path(f"{out}/trainer_state.json").read_bytes())["step"] == 6
+    with pytest.raises(TrainError, match="already holds a checkpoint"):
+        train(cfg(data, out, log_every=3, shuffle_buffer=100))
+    train(cfg(data, out, log_every=3, shuffle_buffer=100, resume=True))
+
+    strip = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed_s")} for r in metrics(local)]
+    assert [
+        {k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed_s")} for r in remote_metrics(out)
+    ] == strip
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert storage.path(f"{out}/{name}").read_bytes() == (local / name).read_bytes()
+
+    model, config = load_checkpoint(out)  # scorers, eval-bpb and export load it from the URL
+    assert config["step"] == 12
+    bpb_remote = eval_bpb(out, max_bytes=2000)
+    assert bpb_remote["bpb"] == eval_bpb(str(local), max_bytes=2000)["bpb"]
+
+
+def test_a_tampered_checkpoint_on_s3_is_refused(weighted_dir, tmp_path, s3_bucket):
+    local = tmp_path / "run"
+    train(cfg(weighted_dir, local, steps=3, log_every=3))
+    out = upload(local, f"{s3_bucket}/ckpt")
+    weights = storage.path(f"{out}/model.safetensors")
+    body = bytearray(weights.read_bytes())
+    body[-1] ^= 0xFF
+    weights.write_bytes(bytes(body))
+    with pytest.raises(CheckpointError, match="sha256"):
+        load_checkpoint(out)
