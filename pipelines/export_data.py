@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
-from entroweight import __version__
+from entroweight import __version__, storage
 from entroweight.schemas import read_file_metadata
 from entroweight.schemas.exports import EXPORT_RECORD, MEGATRON_PREFIX, megatron_weight_prefix
 from entroweight.transforms.writer import write_json_atomic
@@ -86,29 +87,32 @@ class Source:
 
 def open_scored(src: str | Path) -> Source:
     """The scored shards of `src` in shard order; refuses anything else, and an incomplete run."""
-    path = Path(src)
+    path = storage.path(src)  # local, or a URL (s3://, gs://)
     hint = "run `entroweight score` on tokenized data first"
-    manifests = read_manifests(path) if path.is_dir() else []
+    names = storage.listing(path)
+    manifests = read_manifests(path, names) if names else []
     if not manifests:
         raise ExportError(f"{src} is not a scored directory (no shard manifests); {hint}")
     files = [path / m.output for m in manifests]
     registry = path / SHARDS_FILE
-    planned = set(json.loads(registry.read_text()).values()) if registry.exists() else set()
-    missing = sorted(planned - {m.shard for m in manifests}) + [f.name for f in files if not f.exists()]
+    planned = set(json.loads(registry.read_bytes()).values()) if SHARDS_FILE in names else set()
+    missing = sorted(planned - {m.shard for m in manifests}) + [
+        m.output for m in manifests if m.output not in names
+    ]
     if missing:
         raise ExportError(
             f"{src} is incomplete ({', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
             "not done): rerun its score command, so that no document is left out"
         )
     meta = read_file_metadata(files[0])
-    if meta.get("stage") != "score" or "weight" not in pq.read_schema(files[0]).names:
+    if meta.get("stage") != "score" or "weight" not in pq.read_schema(storage.open_input(files[0])).names:
         raise ExportError(f"{src} is not scored (its shards have no weight column); {hint}")
     return Source(path, files, meta)
 
 
 def read_rows(path: Path, packed: bool) -> Rows:
     cols = ["doc_id", "input_ids", "n_pad", "weight"] + (["doc_ids"] if packed else [])
-    t = pq.read_table(path, columns=cols)
+    t = pq.read_table(storage.open_input(path), columns=cols)
     lengths = pc.list_value_length(t.column("input_ids")).to_numpy()
     n_pad = t.column("n_pad").to_numpy()
     ids = pc.list_flatten(t.column("input_ids")).to_numpy()
@@ -282,12 +286,16 @@ def check_request(src: str | Path, out: str | Path, fmt: str, overwrite: bool) -
         raise ExportError(UNSUPPORTED[fmt])
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
-    src_r, out_r = Path(src).resolve(), Path(out).resolve()
-    if out_r == src_r or src_r in out_r.parents:
+    src_k, out_k = storage.key(src), storage.key(out)
+    if out_k == src_k or src_k in storage.parents(out):
         raise ExportError(f"--out {out} is inside the input {src}; write the export elsewhere")
-    if out_r in src_r.parents:
+    if out_k in storage.parents(src):
         raise ExportError(f"--out {out} holds the input {src}; write the export elsewhere")
-    if out_r.exists() and (not out_r.is_dir() or (any(out_r.iterdir()) and not overwrite)):
+    if storage.is_local(out):
+        out_r = Path(out_k)
+        if out_r.exists() and (not out_r.is_dir() or (any(out_r.iterdir()) and not overwrite)):
+            raise ExportError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+    elif storage.walk(out) and not overwrite:
         raise ExportError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
     if EXTRAS[fmt]:
         try:
@@ -304,10 +312,18 @@ def export_data(
     """Write `src`'s scored shards to `out` in `fmt`; returns the record also written to export.json.
 
     Written into a temporary sibling of `out` and renamed into place: a refusal or a crash leaves
-    `out` as it was. `bpb`: rows {run, seed, loss, bpb} of the workflow that made the data, for the card.
+    `out` as it was. An `out` on an object store is written locally first, then uploaded with
+    export.json last: an export without its export.json is incomplete. `bpb`: rows {run, seed, loss,
+    bpb} of the workflow that made the data, for the card.
     """
     check_request(src, out, fmt, overwrite)
     source = open_scored(src)
+    if storage.is_url(out):
+        with tempfile.TemporaryDirectory(prefix="entroweight-export-") as local:
+            record = export_data(src, Path(local) / "export", fmt, overwrite, bpb)
+            storage.remove_tree(out)  # --overwrite (checked above): the old export goes first
+            storage.upload_dir(Path(local) / "export", out, last=(EXPORT_RECORD,))
+        return record
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-tmp"
@@ -316,7 +332,7 @@ def export_data(
     try:
         record = {
             "format": fmt,
-            "source": str(source.path.resolve()),
+            "source": storage.key(source.path),
             "code_version": __version__,
             "metadata": source.meta,
             "counts": {},  # filled as the writer reads

@@ -65,3 +65,39 @@ def test_a_tampered_checkpoint_on_s3_is_refused(weighted_dir, tmp_path, s3_bucke
     weights.write_bytes(bytes(body))
     with pytest.raises(CheckpointError, match="sha256"):
         load_checkpoint(out)
+
+
+@pytest.mark.filterwarnings("ignore:Transformer Engine:UserWarning")
+@pytest.mark.parametrize("fmt", ["megatron", "hf"])
+def test_export_data_reads_and_writes_s3_like_local_disk(tmp_path, s3_bucket, c4_60, tokenizer_dir, fmt):
+    from test_score_stage import tiny_llama_dir
+
+    from entroweight.pipelines import run_stage
+    from entroweight.pipelines.export_data import ExportError, export_data
+    from entroweight.pipelines.score import ScoreStage
+    from entroweight.pipelines.tokenize import TokenizeStage
+
+    model = tiny_llama_dir(tmp_path / "model", tokenizer_dir / "tokenizer.json")
+    opts = {"model": str(model), "dtype": "fp32", "batch_size": 8}
+    run_stage(
+        TokenizeStage([str(c4_60)], str(tokenizer_dir), n_ctx=64, shard_docs=20),
+        tmp_path / "tok",
+        progress=False,
+    )
+    run_stage(ScoreStage(str(tmp_path / "tok"), "causal_loss", opts), tmp_path / "scored", progress=False)
+    scored = upload(tmp_path / "scored", f"{s3_bucket}/scored")
+
+    local = export_data(str(tmp_path / "scored"), str(tmp_path / "export"), fmt)
+    remote = export_data(scored, f"{s3_bucket}/export", fmt)
+    assert remote["counts"] == local["counts"] and remote["bytes"] == local["bytes"]
+    got = storage.walk(f"{s3_bucket}/export")
+    want = {str(p.relative_to(tmp_path / "export")) for p in (tmp_path / "export").rglob("*") if p.is_file()}
+    assert set(got) == want
+    for rel in want - {"export.json"}:  # the record names its source
+        assert (
+            storage.path(f"{s3_bucket}/export/{rel}").read_bytes() == (tmp_path / "export" / rel).read_bytes()
+        )
+    with pytest.raises(ExportError, match="not empty"):
+        export_data(scored, f"{s3_bucket}/export", fmt)
+    with pytest.raises(ExportError, match="inside the input"):
+        export_data(scored, f"{scored}/export", fmt)
