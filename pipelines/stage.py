@@ -95,7 +95,7 @@ class Stage(ABC):
         paths: list[str] = []
         is_stage_dir: dict[str, bool] = {}
         for inp in self.plan_inputs():
-            if inp.fmt == "hub":
+            if inp.uri.startswith("hf://"):  # read-only hub files: no --out can be among them
                 continue
             paths.append(inp.uri)
             parent = inp.uri.rstrip("/").rsplit("/", 1)[0]

@@ -9,7 +9,7 @@ import pyarrow as pa
 from entroweight import __version__, storage
 from entroweight.schemas import FileMetadata, ShardManifest, with_file_metadata
 from entroweight.transforms.prefetch import prefetch
-from entroweight.transforms.sources import DocumentReader, expand_sources, plan_inputs
+from entroweight.transforms.sources import DocumentReader, expand_sources, plan_inputs, resolve_hub
 from entroweight.transforms.tokenize import OVERFLOW, SequenceBuilder
 from entroweight.transforms.tokenizer import (
     LoadedTokenizer,
@@ -36,6 +36,7 @@ class TokenizeStage(Stage):
         text_column: str = "text",
         reject_duplicates: bool = False,
         overflow: str = "split",
+        revision: str | None = None,
     ):
         if n_ctx < 2:
             raise ValueError(f"--n-ctx must be at least 2, not {n_ctx}")
@@ -47,6 +48,8 @@ class TokenizeStage(Stage):
             raise ValueError("--overflow truncate does not apply to --pack (packing cuts no document)")
         self.sources, self.n_ctx, self.pack, self.overflow = list(sources), n_ctx, pack, overflow
         self.shard_docs, self.text_column, self.reject_duplicates = shard_docs, text_column, reject_duplicates
+        # hub datasets: one revision (commit sha) each, resolved once here, recorded in the config
+        self.hub = resolve_hub(self.sources, revision)
         self._tok: LoadedTokenizer | None = load_tokenizer(tokenizer)  # fail early on a bad file
         self.tokenizer_path = str(self._tok.path)
         # its bytes travel with the stage: workers may share no disk with the driver (a Ray cluster)
@@ -82,10 +85,12 @@ class TokenizeStage(Stage):
             "text_column": self.text_column,
             "reject_duplicates": self.reject_duplicates,
             **({} if self.pack else {"overflow": self.overflow}),  # packing splits by nature
+            # another upstream revision is another config: refused on the same --out (pin with --revision)
+            **({"hub_revisions": {s: h.revision for s, h in self.hub.items()}} if self.hub else {}),
         }
 
     def plan_inputs(self):
-        return plan_inputs(self.sources, self.shard_docs)
+        return plan_inputs(self.sources, self.shard_docs, self.hub)
 
     def input_paths(self) -> list[str]:
         # the sources as named (a directory, not only its files: --out may not lie inside it)

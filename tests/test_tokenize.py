@@ -136,28 +136,6 @@ def test_bad_hub_ids_are_refused(bad):
         parse_hub_id(bad)
 
 
-def test_hub_source_streams_with_datasets_and_shards(tmp_path, monkeypatch, c4_path):
-    """The hub path runs for real through `datasets` streaming, on local parquet instead of the network."""
-    import datasets
-
-    rows = c4_rows(c4_path, 40)
-    for i in range(2):
-        pq.write_table(pa.Table.from_pylist(rows[i * 20 : (i + 1) * 20]), tmp_path / f"train-{i}.parquet")
-    calls = []
-
-    def local_stream(hub):
-        calls.append(hub)
-        files = sorted(str(p) for p in tmp_path.glob("train-*.parquet"))
-        return datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
-
-    monkeypatch.setattr(sources, "load_hub_stream", local_stream)
-    shards = plan_inputs(["hf:allenai/c4:en"])
-    assert [s.fmt for s in shards] == ["hub", "hub"]
-    texts = [t for s in shards for b in DocumentReader(s) for t in b.column("text").to_pylist()]
-    assert texts == [r["text"] for r in rows]
-    assert calls[0].repo == "allenai/c4" and calls[0].config == "en"
-
-
 # ---------------------------------------------------------------- tokenizer
 
 

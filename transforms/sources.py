@@ -1,7 +1,8 @@
 """Sources -> documents: find input files (or hub shards), split them into shards, read them as Arrow.
 
 A SOURCE is a file, a directory, a glob of `.parquet`, `.jsonl`, `.json.gz`/`.jsonl.gz`,
-`.jsonl.zst`, or a hub dataset `hf:REPO[:CONFIG[:SPLIT]]` streamed with `datasets`.
+`.jsonl.zst` (local or a URL: s3://, gs://), or a hub dataset `hf:REPO[:CONFIG[:SPLIT]]`, whose
+revision is resolved once at planning and whose parquet files are sharded by row group.
 Reading yields DOCUMENT_SCHEMA batches and, separately, the rows rejected with a reason.
 """
 
@@ -53,10 +54,6 @@ class HubId:
     repo: str
     config: str | None
     split: str
-
-    @property
-    def uri(self) -> str:
-        return f"hf:{self.repo}:{self.config or ''}:{self.split}"
 
 
 def parse_hub_id(spec: str) -> HubId:
@@ -262,16 +259,18 @@ def _count_rows(path: str, fmt: str) -> int:
     return n + (last != b"\n")  # a last line without a newline still counts
 
 
-def plan_inputs(specs: list[str], shard_docs: int | None = None) -> list[ShardInput]:
-    """One ShardInput per shard: a file, a range of its rows (`shard_docs` per shard), or a hub shard."""
+def plan_inputs(
+    specs: list[str], shard_docs: int | None = None, hub: dict[str, HubFiles] | None = None
+) -> list[ShardInput]:
+    """One ShardInput per shard: a file, a range of its rows (`shard_docs` per shard), or for a hub
+    dataset a run of its parquet row groups. `hub`: the hub sources already resolved (resolve_hub)."""
     if shard_docs is not None and shard_docs < 1:  # 0 or -1 once dropped every document, exit 0
         raise SourceError(f"--shard-docs must be at least 1, not {shard_docs}")
     shards: list[ShardInput] = []
     for spec in expand_sources(specs):
         if spec.startswith("hf:"):
-            hub = parse_hub_id(spec)
-            n = _hub_num_shards(hub)
-            shards += [ShardInput(uri=hub.uri, fmt="hub", start=i, stop=i + 1) for i in range(n)]
+            resolved = (hub or {}).get(spec) or resolve_hub([spec])[spec]
+            shards += hub_shards(resolved, shard_docs)
             continue
         fmt = file_format(spec)
         size, mtime_ns = storage.stat(spec)
@@ -309,7 +308,7 @@ class DocumentReader:
         self.shard = shard
         self.text_column = text_column
         self.batch_docs = batch_docs
-        self.source = shard.uri.rsplit("/", 1)[-1] if shard.fmt != "hub" else shard.uri
+        self.source = shard.uri.rsplit("/", 1)[-1]
         self.rejects: list[dict] = []
         self.docs_in = 0
 
@@ -398,8 +397,6 @@ class DocumentReader:
         try:
             if s.fmt == "parquet":
                 yield from self._documents(self._parquet_rows())
-            elif s.fmt == "hub":
-                yield from self._documents(self._hub_rows())
             else:
                 yield from self._documents(self._json_rows())
         except SourceError:
@@ -462,13 +459,6 @@ class DocumentReader:
             if first >= stop:
                 break
 
-    def _hub_rows(self) -> Iterator[tuple[int, dict | None, str | None]]:
-        hub = _hub_from_uri(self.shard.uri)
-        ds = load_hub_stream(hub)
-        ds = ds.shard(num_shards=ds.num_shards, index=self.shard.start)
-        for rowno, row in enumerate(ds):
-            yield rowno, row, None
-
 
 _MISSING = object()
 
@@ -483,26 +473,77 @@ def _is_utf8(value: str) -> bool:
     return True
 
 
-def _hub_from_uri(uri: str) -> HubId:
-    _, rest = uri.split(":", 1)
-    repo, config, split = rest.split(":")
-    return HubId(repo, config or None, split)
+# ---------------------------------------------------------------- hub datasets
 
 
-def load_hub_stream(hub: HubId):
-    """Stream a hub dataset with `datasets` (network needed; tests patch this to local parquet).
-    A dataset that cannot be reached is a SourceError: refused before any output is written."""
+@dataclass(frozen=True)
+class HubFiles:
+    """A hub dataset resolved at planning: its commit sha and its data files (hf:// URLs at that sha)."""
+
+    spec: str
+    revision: str
+    files: tuple[str, ...]
+
+
+def hub_files(hub: HubId, revision: str | None = None) -> tuple[str, list[str]]:
+    """(commit sha, data files of hub.config / hub.split as hf:// URLs pinned to that sha): the one
+    function that talks to the hub (the tests replace it). `revision`: a sha, branch or tag to pin;
+    else the dataset's current main, resolved here once."""
     import datasets
+    from huggingface_hub import HfApi
 
     try:
-        return datasets.load_dataset(hub.repo, name=hub.config, split=hub.split, streaming=True)
-    except (OSError, ValueError, ImportError) as e:  # ConnectionError, DatasetNotFoundError, bad split
+        sha = HfApi().dataset_info(hub.repo, revision=revision).sha
+        builder = datasets.load_dataset_builder(hub.repo, name=hub.config, revision=sha)
+        files = builder.config.data_files[hub.split]
+    except KeyError:
+        splits = ", ".join(builder.config.data_files or {}) or "none"
+        raise SourceError(f"hf:{hub.repo} has no split {hub.split!r} (splits: {splits})") from None
+    except (OSError, ValueError, ImportError) as e:  # ConnectionError, DatasetNotFoundError, offline
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise SourceError(
             f"cannot open the hub dataset hf:{hub.repo} ({type(e).__name__}: {first}); check its name, "
-            "config and split, the network, and HF_HUB_OFFLINE / HF_TOKEN"
+            "config, split and --revision, the network, and HF_HUB_OFFLINE / HF_TOKEN"
         ) from None
+    return sha, [str(f) for f in files]
 
 
-def _hub_num_shards(hub: HubId) -> int:
-    return load_hub_stream(hub).num_shards
+def resolve_hub(specs: list[str], revision: str | None = None) -> dict[str, HubFiles]:
+    """The hub sources among `specs`, each resolved to one revision and its files (once, at planning)."""
+    out = {}
+    for spec in specs:
+        if spec.startswith("hf:"):
+            sha, files = hub_files(parse_hub_id(spec), revision)
+            if not files:
+                raise SourceError(f"{spec} at revision {sha} has no data files")
+            out[spec] = HubFiles(spec, sha, tuple(files))
+    return out
+
+
+def hub_shards(hub: HubFiles, shard_docs: int | None = None) -> list[ShardInput]:
+    """Shards of a hub dataset: parquet files by row group (several consecutive ones up to
+    `shard_docs` rows), so a worker opens only the row groups of its shard; other files whole.
+    The footers are read in parallel, each one ranged request."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def footer(url: str):
+        with storage.open_input(url) as f:
+            return pq.read_metadata(f)
+
+    parquet = [u for u in hub.files if file_format(u) == "parquet"]
+    with ThreadPoolExecutor(16) as pool:
+        footers = dict(zip(parquet, pool.map(footer, parquet), strict=True))
+    shards: list[ShardInput] = []
+    for url in hub.files:
+        fmt = file_format(url) or "parquet"
+        if url not in footers:
+            shards.append(ShardInput(uri=url, fmt=fmt))
+            continue
+        md, start, rows = footers[url], 0, 0
+        for rg in range(md.num_row_groups):
+            rows += md.row_group(rg).num_rows
+            last = rg == md.num_row_groups - 1
+            if rows and (last or shard_docs is None or rows >= shard_docs):
+                shards.append(ShardInput(uri=url, fmt=fmt, start=start, stop=start + rows))
+                start, rows = start + rows, 0
+    return shards

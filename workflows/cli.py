@@ -88,9 +88,26 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
     help="A document longer than --n-ctx: split continues it in the next rows (no text lost); "
     "truncate keeps its first n_ctx tokens (counted in the summary).",
 )
+@click.option(
+    "--revision",
+    default=None,
+    help="hf: sources: the dataset revision (commit sha, branch or tag) to read. Default: its main "
+    "branch, resolved once and recorded; a later run on the same --out that finds another revision "
+    "is refused, so pin the recorded one here or write a new --out.",
+)
 @engine_options
 def tokenize(
-    sources, tokenizer, n_ctx, pack, out, shard_docs, text_column, reject_duplicates, overflow, **eng
+    sources,
+    tokenizer,
+    n_ctx,
+    pack,
+    out,
+    shard_docs,
+    text_column,
+    reject_duplicates,
+    overflow,
+    revision,
+    **eng,
 ):
     """Tokenize SOURCES into left-padded (or packed) sequences as zstd parquet shards."""
     from entroweight.pipelines.tokenize import TokenizeStage
@@ -100,7 +117,15 @@ def tokenize(
     try:
         expand_sources(list(sources))  # cheap (no file is read): refuse before --out is created
         stage = TokenizeStage(
-            list(sources), tokenizer, n_ctx, pack, shard_docs, text_column, reject_duplicates, overflow
+            list(sources),
+            tokenizer,
+            n_ctx,
+            pack,
+            shard_docs,
+            text_column,
+            reject_duplicates,
+            overflow,
+            revision,
         )
     except (SourceError, TokenizerError, ValueError) as e:
         _fail(str(e))
