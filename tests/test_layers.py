@@ -44,3 +44,8 @@ def test_imports_flow_one_way(layer):
         for other in imported_layers(path) - ALLOWED[layer] - {layer}:
             bad.append(f"{path.relative_to(ROOT)} imports entroweight.{other}")
     assert not bad, "imports reaching up the layers:\n" + "\n".join(bad)
+
+
+def test_the_storage_layer_is_below_every_layer():
+    """entroweight/storage.py serves every layer (schemas included), so it imports none of them."""
+    assert imported_layers(ROOT / "entroweight" / "storage.py") == set()

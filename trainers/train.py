@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -125,10 +124,6 @@ def _setup_dist(device_pref: str):
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
         own_group = True
     return rank, world, device, own_group
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _check_nats(files) -> None:
@@ -260,7 +255,7 @@ def _train(
         tok_path = resolve_tokenizer_path(cfg.tokenizer, cfg.data, required=False)
     except TokenizerError as e:
         raise TrainError(str(e)) from None
-    tok_sha = _sha256(tok_path) if tok_path else None
+    tok_sha = storage.sha256(tok_path) if tok_path else None
 
     # -- resume or start
     state, optim_sd, base_model_cfg, history = None, None, {}, None

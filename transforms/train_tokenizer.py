@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Iterable, Iterator
 from importlib.resources import files
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from entroweight import storage
 
 from .sources import DocumentReader, SourceError, plan_inputs
 from .tokenizer import BOS, EOS, PAD, resolve_tokenizer_path
@@ -96,6 +97,6 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> tuple[Path, str]:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "tokenizer.json"
     tok.save(str(path))
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    sha = storage.sha256(path)
     (out / "tokenizer.sha256").write_text(f"{sha}  tokenizer.json\n")
     return path, sha
