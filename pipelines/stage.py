@@ -15,14 +15,15 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from entroweight import __version__, storage
 from entroweight.schemas import ShardManifest, StageRecord, config_hash
-from entroweight.schemas.manifest import ShardInput
+from entroweight.schemas.manifest import STAGE_FILE, ShardInput, is_manifest, manifest_name
 from entroweight.storage import AnyPath, remove_stale_tmp, write_json_atomic
 
 # Everything that is not data starts with a dot: `datasets.load_dataset("parquet", data_dir=OUT)` reads
 # every .json and .parquet it finds, and skips hidden files and directories.
-STAGE_FILE = ".stage.json"
 SHARDS_FILE = ".shards.json"
 REJECTS_DIR = ".rejects"
 LOCK_FILE = ".lock"
@@ -122,14 +123,6 @@ class Stage(ABC):
 
 def manifest_path(out_dir: AnyPath, shard: str) -> AnyPath:
     return storage.path(out_dir) / manifest_name(shard)
-
-
-def manifest_name(shard: str) -> str:
-    return f".{shard}.manifest.json"
-
-
-def is_manifest(name: str) -> bool:
-    return name.startswith(".part-") and name.endswith(".manifest.json")
 
 
 def read_manifests(out_dir: AnyPath, names: dict[str, int] | None = None) -> list[ShardManifest]:
@@ -277,7 +270,11 @@ def run_task(stage: Stage, task: ShardTask) -> ShardResult:
     try:
         manifest = stage.process(task)
         manifest.seconds = round(time.perf_counter() - start, 3)
-        manifest.output_bytes = storage.size(storage.path(task.out_dir) / manifest.output)
+        output = storage.path(task.out_dir) / manifest.output
+        manifest.output_bytes = storage.size(output)
+        with storage.open_input(output) as f:  # its footer, once, here: readers then need none
+            footer = pq.read_metadata(f)
+        manifest.output_row_groups = [footer.row_group(i).num_rows for i in range(footer.num_row_groups)]
         _test_delay()
         write_json_atomic(json.loads(manifest.model_dump_json()), manifest_path(task.out_dir, task.shard))
         return ShardResult(shard=task.shard, manifest=json.loads(manifest.model_dump_json()))

@@ -62,6 +62,8 @@ class ShardManifest(BaseModel):
     output: str  # file name of the parquet, relative to the output directory
     output_sha256: str
     output_bytes: int | None = None  # its size: planning checks it against one listing of --out
+    # rows per parquet row group: the trainer plans its reading from the manifests, opening no footer
+    output_row_groups: list[int] | None = None
     rows_out: int
     docs_in: int
     docs_out: int  # distinct documents with at least one row
@@ -79,6 +81,19 @@ class ShardManifest(BaseModel):
     @property
     def n_rejected(self) -> int:
         return sum(self.rejected.values())
+
+
+# the StageRecord's file at the root of a stage's output directory: what marks a directory as one
+STAGE_FILE = ".stage.json"
+
+
+def manifest_name(shard: str) -> str:
+    """The file name of a shard's manifest: hidden, beside `part-NNNNN.parquet`."""
+    return f".{shard}.manifest.json"
+
+
+def is_manifest(name: str) -> bool:
+    return name.startswith(".part-") and name.endswith(".manifest.json")
 
 
 class StageRecord(BaseModel):

@@ -101,3 +101,32 @@ def test_export_data_reads_and_writes_s3_like_local_disk(tmp_path, s3_bucket, c4
         export_data(scored, f"{s3_bucket}/export", fmt)
     with pytest.raises(ExportError, match="inside the input"):
         export_data(scored, f"{scored}/export", fmt)
+
+
+def test_the_reader_plans_from_manifests_not_footers(tokenized_dir, tmp_path, s3_bucket, monkeypatch):
+    """Stage output: one listing, the manifests, and one parquet footer per directory, whatever the
+    number of files; data without manifests falls back to every file's footer. Same plan both ways."""
+    import shutil
+
+    from entroweight.trainers import data
+
+    opened = []
+    footer = data._footer
+    monkeypatch.setattr(data, "_footer", lambda f: opened.append(f) or footer(f))
+    remote = upload(tokenized_dir, f"{s3_bucket}/tokens")
+    for where in (str(tokenized_dir), remote):
+        opened.clear()
+        ds = data.WeightedTokens(where, batch_size=4)
+        units = ds._units(2)
+        assert len(ds.info.files) == 4 and len(opened) == 1, opened
+
+    bare = tmp_path / "bare"  # the same parquet without the stage's bookkeeping
+    bare.mkdir()
+    for f in tokenized_dir.glob("part-*.parquet"):
+        shutil.copy(f, bare / f.name)
+    opened.clear()
+    ds = data.WeightedTokens(str(bare), batch_size=4)
+    assert len(opened) == 4
+    assert [(u.row_group, u.start, u.stop) for u in ds._units(2)] == [
+        (u.row_group, u.start, u.stop) for u in units
+    ]

@@ -30,7 +30,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from entroweight import storage
-from entroweight.schemas import METADATA_KEY
+from entroweight.schemas import METADATA_KEY, ShardManifest
+from entroweight.schemas.manifest import STAGE_FILE, is_manifest
 
 
 class DataError(ValueError):
@@ -79,7 +80,7 @@ class DataInfo:
     pad_id: int | None
     columns: set[str]
     metadata: dict
-    footers: list = dataclasses.field(default_factory=list, repr=False)  # read once, at the check
+    row_groups: list[list[int]] = dataclasses.field(default_factory=list, repr=False)  # per file
 
 
 def inspect_data(
@@ -88,7 +89,16 @@ def inspect_data(
     """Check every file's schema and provenance before any training; raise DataError saying what to do."""
     files = parquet_files(paths)
     metas, common = [], None
-    read = footers(files)
+    groups = manifest_row_groups(files)
+    if groups is None:  # not all of them stage output with manifests: every file's footer
+        read = footers(files)
+        groups = [[md.row_group(i).num_rows for i in range(md.num_row_groups)] for md in read]
+    else:  # one config per stage directory (verify checks it): one footer per directory
+        firsts = {}
+        for f in files:
+            firsts.setdefault(str(f).rsplit("/", 1)[0], f)
+        by_dir = dict(zip(firsts, footers(list(firsts.values())), strict=True))
+        read = [by_dir[str(f).rsplit("/", 1)[0]] for f in files]
     for f, footer in zip(files, read, strict=True):
         schema = footer.schema.to_arrow_schema()
         names = set(schema.names)
@@ -135,7 +145,7 @@ def inspect_data(
         pad_id=pads.pop() if len(pads) == 1 else None,
         columns=common or set(),
         metadata=metas[0],
-        footers=read,
+        row_groups=groups,
     )
 
 
@@ -164,9 +174,7 @@ def value_problems(files, columns) -> list[tuple[Path, str]]:
         if bad:
             what = ", ".join(f"{n:,} {k}" for k, n in bad.items())
             stage = "scoring" if any(k.startswith("entropy") for k in bad) else "scoring (or weigh)"
-            found.append(
-                (Path(f), f"{f}: {what}; re-run the {stage} stage for this file, or train without it")
-            )
+            found.append((f, f"{f}: {what}; re-run the {stage} stage for this file, or train without it"))
     return found
 
 
@@ -185,11 +193,31 @@ def footers(files) -> list[pq.FileMetaData]:
         return list(pool.map(_footer, names))
 
 
-def make_units(files: list[Path], n_streams: int, metas: list | None = None) -> list[Unit]:
+def manifest_row_groups(files) -> list[list[int]] | None:
+    """Each file's rows per row group, from the manifests of the stage directories holding them (one
+    listing and one small read per manifest, in parallel: no parquet footer opened), or None when a
+    file has no manifest recording them (data written elsewhere, or before manifests recorded them)."""
+    dirs = dict.fromkeys(str(f).rsplit("/", 1)[0] for f in files)
+    found: dict[str, list[int]] = {}
+    for d in dirs:
+        listed = storage.listing(d)
+        if STAGE_FILE not in listed:
+            return None
+        paths = [storage.path(d) / n for n in sorted(listed) if is_manifest(n)]
+        for raw in storage.read_many(paths):
+            m = ShardManifest.model_validate_json(raw)
+            if m.output_row_groups is not None and listed.get(m.output) == m.output_bytes:
+                found[f"{d}/{m.output}"] = m.output_row_groups
+    keys = [str(f) for f in files]
+    return [found[k] for k in keys] if all(k in found for k in keys) else None
+
+
+def make_units(files: list[Path], n_streams: int, row_groups: list | None = None) -> list[Unit]:
+    if row_groups is None:
+        row_groups = [[md.row_group(i).num_rows for i in range(md.num_row_groups)] for md in footers(files)]
     units = []
-    for f, md in zip(files, metas or footers(files), strict=True):
-        for rg in range(md.num_row_groups):
-            n = md.row_group(rg).num_rows
+    for f, groups in zip(files, row_groups, strict=True):
+        for rg, n in enumerate(groups):
             if n:
                 units.append(Unit(str(f), rg, 0, n))
     total = sum(u.rows for u in units)
@@ -257,7 +285,7 @@ class WeightedTokens(IterableDataset):
     # -- the deterministic plan
     def _units(self, n_streams: int) -> list[Unit]:
         if n_streams not in self._units_cache:
-            self._units_cache[n_streams] = make_units(self.info.files, n_streams, self.info.footers)
+            self._units_cache[n_streams] = make_units(self.info.files, n_streams, self.info.row_groups)
         return self._units_cache[n_streams]
 
     def _blocks(self, epoch: int, stream: int, n_streams: int) -> list[list[Unit]]:

@@ -26,7 +26,7 @@ import zstandard
 
 from entroweight import storage
 from entroweight.schemas import DOCUMENT_SCHEMA, REJECT_SCHEMA
-from entroweight.schemas.manifest import ShardInput
+from entroweight.schemas.manifest import STAGE_FILE, ShardInput
 
 SUFFIXES = {
     ".parquet": "parquet",
@@ -74,9 +74,8 @@ def file_format(path: str | Path) -> str | None:
     return None
 
 
-# What marks a directory as a stage's output (pipelines/stage.py writes it; named here because
-# transforms sit below pipelines): its files are data this project wrote, never source documents.
-STAGE_MARKER = ".stage.json"
+# What marks a directory as a stage's output: its files are data this project wrote, never documents.
+STAGE_MARKER = STAGE_FILE
 
 
 def is_stage_output(path: str | Path) -> bool:
