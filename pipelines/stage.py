@@ -271,9 +271,9 @@ def run_task(stage: Stage, task: ShardTask) -> ShardResult:
         manifest = stage.process(task)
         manifest.seconds = round(time.perf_counter() - start, 3)
         output = storage.path(task.out_dir) / manifest.output
-        manifest.output_bytes = storage.size(output)
-        with storage.open_input(output) as f:  # its footer, once, here: readers then need none
+        with storage.open_input(output) as f:  # its size and footer, once, here: readers need no footer
             footer = pq.read_metadata(f)
+            manifest.output_bytes = f.size if hasattr(f, "size") else os.fstat(f.fileno()).st_size
         manifest.output_row_groups = [footer.row_group(i).num_rows for i in range(footer.num_row_groups)]
         _test_delay()
         write_json_atomic(json.loads(manifest.model_dump_json()), manifest_path(task.out_dir, task.shard))
