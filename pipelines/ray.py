@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from .stage import RunPlan, ShardResult, Stage, StageError, reconcile_results, run_task
 
 IN_FLIGHT_PER_ACTOR = 2  # one running, one queued: no idle gap between shards, little memory
+GROW_EVERY = 10.0  # seconds between looks at the cluster for nodes that joined
 # an actor lost with its node (preemption) restarts elsewhere and its shard runs again: shard outputs
 # are written atomically, so a retried shard is the same shard; -1 would retry forever
 MAX_RESTARTS = 3
@@ -113,8 +114,39 @@ def _machine_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def pool_size(ray, resources: dict[str, float], workers: int | None, n_tasks: int) -> int:
-    """`workers`, or as many actors as the cluster's resources fit; never more than fit, or than there are shards."""
+def pool_size(
+    ray,
+    resources: dict[str, float],
+    workers: int | None,
+    n_tasks: int,
+    wait_nodes: float = 0,
+    poll: float = 2,
+) -> int:
+    """`workers`, or as many actors as the cluster's resources fit; never more than fit, or than there
+    are shards. A cluster without room for one actor (its GPU nodes still starting) is polled for up
+    to `wait_nodes` seconds, then refused: an actor that can never be placed would hang the run."""
+    deadline = time.monotonic() + wait_nodes
+    while True:
+        fits, short = _fits(ray, resources)
+        if not short:
+            break
+        if time.monotonic() >= deadline:
+            waited = (
+                f" (waited {wait_nodes:g} s for them)"
+                if wait_nodes
+                else "; or pass --ray-wait-nodes SECONDS to wait for nodes that are starting"
+            )
+            raise StageError(
+                f"each worker of this stage needs {', '.join(short)}; add such nodes to the Ray cluster, "
+                f"or run the stage on a device that is there (e.g. CPU){waited}"
+            )
+        time.sleep(max(0.0, min(poll, deadline - time.monotonic())))
+    most = min(fits.values(), default=n_tasks)
+    return max(1, min(workers or most, most, n_tasks))
+
+
+def _fits(ray, resources: dict[str, float]) -> tuple[dict[str, int], list[str]]:
+    """How many actors each resource of the cluster fits now, and what it lacks for even one."""
     total = ray.cluster_resources()
     names = {"num_cpus": "CPU", "num_gpus": "GPU"}
     fits = {k: int(total.get(names.get(k, k), 0) // v) for k, v in resources.items() if v}
@@ -123,13 +155,7 @@ def pool_size(ray, resources: dict[str, float], workers: int | None, n_tasks: in
         for k, n in fits.items()
         if n == 0
     ]
-    if short:  # an actor that can never be placed would hang the run
-        raise StageError(
-            f"each worker of this stage needs {', '.join(short)}; add such nodes to the Ray cluster, "
-            "or run the stage on a device that is there (e.g. CPU)"
-        )
-    most = min(fits.values(), default=n_tasks)
-    return max(1, min(workers or most, most, n_tasks))
+    return fits, short
 
 
 def actor_env(resources: dict[str, float]) -> dict[str, str]:
@@ -143,20 +169,28 @@ def actor_env(resources: dict[str, float]) -> dict[str, str]:
 
 
 def run_ray(
-    plan: RunPlan, address: str | None = None, workers: int | None = None, progress: bool = True
+    plan: RunPlan,
+    address: str | None = None,
+    workers: int | None = None,
+    progress: bool = True,
+    wait_nodes: float = 0,
 ) -> list[ShardResult]:
     ray, started = start_ray(address)
     try:
-        return _run(ray, plan, workers, progress, embedded=not address)
+        return _run(ray, plan, workers, progress, embedded=not address, wait_nodes=wait_nodes)
     finally:
         if started:
             ray.shutdown()
 
 
-def _run(ray, plan: RunPlan, workers: int | None, progress: bool, embedded: bool) -> list[ShardResult]:
+def _run(
+    ray, plan: RunPlan, workers: int | None, progress: bool, embedded: bool, wait_nodes: float = 0
+) -> list[ShardResult]:
     stage = plan.stage
     resources = {k: v for k, v in stage.resources().items() if v}
-    n = pool_size(ray, resources, workers, len(plan.todo))
+    n = pool_size(ray, resources, workers, len(plan.todo), wait_nodes)
+    # a cluster's pool grows as nodes join (unless --workers fixes it); our own Ray never changes
+    grows = workers is None and not embedded
     if embedded and workers:
         # our own Ray on this machine: the actors share its cores (a stage's thread pools use them)
         resources["num_cpus"] = max(resources.get("num_cpus", 1), _machine_cpus() // n)
@@ -168,7 +202,7 @@ def _run(ray, plan: RunPlan, workers: int | None, progress: bool, embedded: bool
     in_flight: dict = {}  # ObjectRef -> (task, actor)
     results: list[ShardResult] = []
     idle = [a for a in actors for _ in range(IN_FLIGHT_PER_ACTOR)]
-    start, docs, tokens = time.perf_counter(), 0, 0
+    start, docs, tokens, looked = time.perf_counter(), 0, 0, time.monotonic()
     with tqdm(
         total=len(plan.todo), unit="shard", desc=f"{stage.name} (ray x{n})", disable=not progress
     ) as bar:
@@ -176,7 +210,19 @@ def _run(ray, plan: RunPlan, workers: int | None, progress: bool, embedded: bool
             while pending and idle:
                 task, actor = pending.pop(), idle.pop(0)
                 in_flight[actor.run.remote(task)] = (task, actor)
-            (ref,), _ = ray.wait(list(in_flight), num_returns=1)
+            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=GROW_EVERY if grows else None)
+            if grows and time.monotonic() - looked >= GROW_EVERY:  # have nodes joined? more actors
+                looked = time.monotonic()
+                new = _grow(ray, resources, len(actors), len(pending))
+                for _ in range(new):
+                    actor = actor_cls.remote(stage_ref, env)
+                    actors.append(actor)
+                    idle += [actor] * IN_FLIGHT_PER_ACTOR
+                if new:
+                    bar.set_description(f"{stage.name} (ray x{len(actors)})")
+            if not ready:
+                continue
+            ref = ready[0]
             task, actor = in_flight.pop(ref)
             try:
                 result = ray.get(ref)
@@ -197,6 +243,18 @@ def _run(ray, plan: RunPlan, workers: int | None, progress: bool, embedded: bool
     for actor in actors:
         ray.kill(actor)
     return reconcile_results(plan, results, "not run: every Ray actor died")
+
+
+def _grow(ray, resources: dict[str, float], n_actors: int, n_pending: int) -> int:
+    """How many actors to add: as many more as the cluster now fits, no more than the waiting shards
+    need (each actor keeps IN_FLIGHT_PER_ACTOR of them)."""
+    if not n_pending:
+        return 0
+    fits, short = _fits(ray, resources)
+    if short:
+        return 0
+    want = n_actors + -(-n_pending // IN_FLIGHT_PER_ACTOR)
+    return max(0, min(min(fits.values(), default=0), want) - n_actors)
 
 
 def _actor_error(e: Exception, task) -> str:

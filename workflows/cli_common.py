@@ -62,6 +62,14 @@ def engine_options(f):
         "--ray-address", default=None, help="Ray cluster address (default: a local Ray in process)."
     )(f)
     f = click.option(
+        "--ray-wait-nodes",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="Ray: wait up to this long for nodes with what a worker needs (GPU nodes still starting) "
+        "before refusing; the pool also grows as nodes join.",
+    )(f)
+    f = click.option(
         "--workers",
         type=int,
         default=None,
@@ -76,11 +84,11 @@ def engine_options(f):
     return f
 
 
-def _engine_kwargs(engine, beam_options, ray_address, workers) -> dict:
+def _engine_kwargs(engine, beam_options, ray_address, workers, ray_wait_nodes: float = 0) -> dict:
     if engine == "beam":
         return {"options": dict(_kv(o) for o in beam_options), "workers": workers}
     if engine == "ray":
-        return {"address": ray_address, "workers": workers}
+        return {"address": ray_address, "workers": workers, "wait_nodes": ray_wait_nodes}
     return {}
 
 
@@ -91,7 +99,7 @@ def _kv(option: str) -> tuple[str, str]:
     return k.strip().lstrip("-"), v
 
 
-def run_stage_cli(stage, out, engine, beam_options, ray_address, workers, overwrite, wait):
+def run_stage_cli(stage, out, engine, beam_options, ray_address, workers, overwrite, wait, ray_wait_nodes=0):
     from entroweight.pipelines import LockHeld, StageError, StageFailed, run_stage
 
     try:
@@ -101,7 +109,7 @@ def run_stage_cli(stage, out, engine, beam_options, ray_address, workers, overwr
             engine=engine,
             overwrite=overwrite,
             wait=wait,
-            **_engine_kwargs(engine, beam_options, ray_address, workers),
+            **_engine_kwargs(engine, beam_options, ray_address, workers, ray_wait_nodes),
         )
     except LockHeld as e:
         _fail(str(e), EXIT_LOCKED)
