@@ -10,16 +10,21 @@ sum of weights), so a batch with more pads does not get a smaller loss.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-LOSSES = ("ce", "weighted_ce", "rescaled", "hard_negative", "prefix_smooth", "tfree_bce")
-# the data columns each loss needs beyond input_ids
-NEEDS = {"weighted_ce": ("weight",), "rescaled": ("entropy",)}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside each function: the registry at the end (names and needs) loads without it,
+# since the CLI's options and the workflow schema are built from it at start-up
 
 
 def per_token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy in nats per position (B, T), computed in fp32."""
+    import torch.nn.functional as F
+
     B, T, V = logits.shape
     ce = F.cross_entropy(logits.reshape(B * T, V).float(), targets.reshape(B * T), reduction="none")
     return ce.view(B, T)
@@ -69,6 +74,8 @@ def prefix_smooth(logits, targets, mask, prefix_table: torch.Tensor, prefix_weig
     `prefix_table` (V, K) int64 lists each token's prefix tokens, padded with −1 (see
     `trainers.prefix.prefix_table`).
     """
+    import torch.nn.functional as F
+
     logp = F.log_softmax(logits.float(), dim=-1)
     nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     pref = prefix_table.to(targets.device)[targets]  # (B, T, K)
@@ -86,6 +93,9 @@ def tfree_bce(logits, targets, mask, codes: torch.Tensor, **_):
 
     `codes` (V, K) int64 lists each token's active positions, padded with -1 (`models.tfree`).
     """
+    import torch
+    import torch.nn.functional as F
+
     n_hash = logits.shape[-1]
     pos = codes.to(targets.device)[targets]  # (B, T, K)
     # pads write into an extra column that is then dropped, so they never clear a real 1
@@ -95,15 +105,29 @@ def tfree_bce(logits, targets, mask, codes: torch.Tensor, **_):
     return _mean(bce, mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """A loss and what it needs beyond logits, targets and mask: the registry entry `_train` reads."""
+
+    fn: Callable[..., torch.Tensor]
+    columns: tuple[str, ...] = ()  # the data's per-token columns (fed aligned with the targets)
+    options: tuple[str, ...] = ()  # TrainConfig fields passed as keyword arguments
+    nats: bool = False  # the `entropy` column must hold nats (a floor the CE is fitted down to)
+    token_bytes: bool = False  # the tokenizer's token bytes (prefix_smooth's prefix table)
+    hashed_head: bool = False  # trains the model's hashed head logits (T-FREE), not vocabulary logits
+
+
+LOSSES: dict[str, Loss] = {
+    "ce": Loss(ce),
+    "weighted_ce": Loss(weighted_ce, columns=("weight",), options=("normalize",)),
+    "rescaled": Loss(rescaled, columns=("entropy",), nats=True),
+    "hard_negative": Loss(hard_negative, options=("margin",)),
+    "prefix_smooth": Loss(prefix_smooth, options=("prefix_weight",), token_bytes=True),
+    "tfree_bce": Loss(tfree_bce, hashed_head=True),
+}
+
+
 def compute_loss(name: str, logits, targets, mask, **kw) -> torch.Tensor:
-    fns = {
-        "ce": ce,
-        "weighted_ce": weighted_ce,
-        "rescaled": rescaled,
-        "hard_negative": hard_negative,
-        "prefix_smooth": prefix_smooth,
-        "tfree_bce": tfree_bce,
-    }
-    if name not in fns:
+    if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
-    return fns[name](logits, targets, mask, **kw)
+    return LOSSES[name].fn(logits, targets, mask, **kw)

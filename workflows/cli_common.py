@@ -46,6 +46,55 @@ class Location(click.ParamType):
         return value
 
 
+def config_options(model, skip=(), **overrides):
+    """One click option per field of a pydantic `model` (its name, type, choices, help and default),
+    so that a command's flags are derived from the config it fills in; the model's own fields come
+    first, then those it inherits. `given_options` tells what the user typed from the defaults.
+    `overrides`: extra click arguments per field (a param type, required=True); fields marked
+    `json_schema_extra={"cli": False}` and those in `skip` get no option."""
+    own = [n for n in model.model_fields if n in model.__annotations__]
+    names = own + [n for n in model.model_fields if n not in own]
+
+    def decorate(f):
+        for name in reversed(names):
+            field = model.model_fields[name]
+            if name in skip or (field.json_schema_extra or {}).get("cli") is False:
+                continue
+            kind = _cli_type(field.annotation)
+            kw = {"help": field.description}
+            if kind is bool:
+                kw["is_flag"] = True
+            else:
+                kw["type"] = click.Choice(kind) if isinstance(kind, tuple) else kind
+                if not field.is_required() and field.default is not None:
+                    kw |= {"default": field.default, "show_default": True}
+            kw.update(overrides.get(name, {}))
+            f = click.option(f"--{(field.alias or name).replace('_', '-')}", name, **kw)(f)
+        return f
+
+    return decorate
+
+
+def _cli_type(annotation):
+    """The click type of a field's annotation: bool, int, float, str, or a Literal's choices (a tuple);
+    `X | None` is X."""
+    import types
+    import typing
+
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    return annotation if annotation in (bool, int, float) else str
+
+
+def given_options(ctx: click.Context, values: dict) -> dict:
+    """The options the user gave on the command line (or through the environment), not defaults."""
+    from click.core import ParameterSource
+
+    return {k: v for k, v in values.items() if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
+
+
 def engine_options(f):
     """--engine and the options each engine takes; shared by every stage command."""
     f = click.option(

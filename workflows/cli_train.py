@@ -12,7 +12,9 @@ from pathlib import Path
 
 import click
 
-from .cli_common import EXIT_FAILED_SHARDS, Location, _fail
+from entroweight.trainers.config import TrainConfig
+
+from .cli_common import EXIT_FAILED_SHARDS, Location, _fail, config_options, given_options
 
 ALLOW_PICKLE_HELP = (
     "Load a checkpoint's .pt/.bin/.pth weights where it has no model.safetensors (torch.load with "
@@ -20,7 +22,8 @@ ALLOW_PICKLE_HELP = (
 )
 
 
-def _read_model_config(path: str | None) -> dict:
+def _read_mapping(path: str | None, what: str) -> dict:
+    """A YAML (or JSON) file holding a mapping; {} without a path."""
     if path is None:
         return {}
     import yaml
@@ -28,82 +31,53 @@ def _read_model_config(path: str | None) -> dict:
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
-        _fail(f"cannot read --model-config {path}: {e}")
+        _fail(f"cannot read {what} {path}: {e}")
     if not isinstance(data, dict):
-        _fail(f"--model-config {path} must hold a mapping of model config fields (d_model: 512, ...)")
+        _fail(
+            f"{what} {path} must hold a mapping ({'d_model: 512' if 'model' in what else 'steps: 1000'}, ...)"
+        )
     return data
 
 
 @click.command("train")
-@click.argument("data", nargs=-1, required=True)
+@click.argument("data", nargs=-1)
 @click.option(
-    "--model", default="llama", show_default=True, help="Model kind (llama, mixer, estimator, ...)."
-)
-@click.option("--model-config", default=None, help="YAML/JSON file of the model's config fields.")
-@click.option(
-    "--loss",
-    type=click.Choice(["ce", "weighted_ce", "rescaled", "hard_negative", "prefix_smooth", "tfree_bce"]),
-    default="ce",
-    show_default=True,
-)
-@click.option("--out", required=True, type=Location(file_okay=False), help="Checkpoint directory.")
-@click.option("--steps", type=int, default=1000, show_default=True)
-@click.option(
-    "--batch-size", type=int, default=32, show_default=True, help="Sequences per micro-batch per rank."
-)
-@click.option("--lr", type=float, default=2e-4, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option(
-    "--tokenizer",
+    "--config",
+    "config_file",
     default=None,
-    help="The data's tokenizer.json (default: the copy the data carries); stored for eval-bpb / export-hf.",
+    type=click.Path(exists=True, dir_okay=False),
+    help="YAML/JSON file of training options (the keys are these options' names, and data); "
+    "options given here override it.",
 )
-@click.option("--grad-accum", type=int, default=1, show_default=True)
-@click.option("--warmup-steps", type=int, default=None, help="Default: 5% of --steps.")
-@click.option("--min-lr-ratio", type=float, default=0.1, show_default=True)
-@click.option("--weight-decay", type=float, default=0.1, show_default=True)
-@click.option("--grad-clip", type=float, default=1.0, show_default=True)
 @click.option(
-    "--normalize",
-    type=click.Choice(["tokens", "weight"]),
-    default="tokens",
-    show_default=True,
-    help="weighted_ce: divide Σ w·CE by the real-token count or by Σ w.",
+    "--model-config", "model_config_file", default=None, help="YAML/JSON file of the model's config fields."
 )
-@click.option("--margin", type=float, default=2.0, show_default=True, help="hard_negative margin.")
-@click.option("--prefix-weight", type=float, default=0.1, show_default=True, help="prefix_smooth pw.")
-@click.option("--shuffle-buffer", type=int, default=4096, show_default=True)
-@click.option("--log-every", type=int, default=10, show_default=True)
-@click.option("--save-every", type=int, default=None, help="Checkpoint every N steps (default: at the end).")
-@click.option("--resume", is_flag=True, help="Continue the run in --out from its last checkpoint.")
-@click.option(
-    "--stop-at", type=int, default=None, help="Stop after this step, leaving a resumable checkpoint."
-)
+@config_options(TrainConfig, skip=("data", "model_cfg"), out={"type": Location(file_okay=False)})
 @click.option(
     "--allow-config-change",
     is_flag=True,
     help="With --resume: continue under settings (lr, steps, loss, ...) that differ from the checkpoint's; "
     "config.json's train_history records each config and the step it took effect.",
 )
-@click.option("--overwrite", is_flag=True, help="Start over in an --out that already holds a checkpoint.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
-@click.option("--compile", "compile_", is_flag=True, help="torch.compile the model.")
-def train_cmd(data, model, model_config, loss, out, compile_, allow_config_change, **kw):
-    """Train a MODEL on token parquet DATA (directories or files) with LOSS; checkpoints to --out."""
-    from entroweight.models.checkpoint import CheckpointError
-    from entroweight.trainers import DataError, TrainConfig, TrainError, TrainFailed, train
+@click.pass_context
+def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, **options):
+    """Train a MODEL on token parquet DATA (directories or files) with LOSS; checkpoints to --out.
 
+    Every option can also come from a --config file (what a workflow hands to torchrun)."""
+    from entroweight.models.checkpoint import CheckpointError
+    from entroweight.trainers import DataError, TrainError, TrainFailed, train
+
+    values = _read_mapping(config_file, "--config")
+    values |= given_options(ctx, options)
+    if data:
+        values["data"] = list(data)
+    if model_config_file:
+        values["model_config"] = _read_mapping(model_config_file, "--model-config")
+    for name, flag in (("data", "DATA"), ("out", "--out")):
+        if not values.get(name):
+            _fail(f"missing {flag}: give it on the command line or in --config")
     try:
-        cfg = TrainConfig(
-            data=list(data),
-            out=out,
-            model=model,
-            model_config=_read_model_config(model_config),
-            loss=loss,
-            compile=compile_,
-            **kw,
-        )
-        result = train(cfg, allow_config_change=allow_config_change)
+        result = train(TrainConfig(**values), allow_config_change=allow_config_change)
     except (
         TrainFailed
     ) as e:  # the run started: exit 1 as a failed stage does (its last checkpoint stays valid)

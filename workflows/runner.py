@@ -32,6 +32,8 @@ from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
 from entroweight.pipelines.weigh import WeighStage
 from entroweight.schemas import StageRecord
+from entroweight.trainers import config as trainer_config
+from entroweight.trainers.config import LossSettings
 from entroweight.transforms.writer import write_json_atomic
 
 from .report import read_metrics, write_report
@@ -414,7 +416,7 @@ class Runner:
             if not isinstance(model_config, dict):
                 raise WorkflowError(f"model config {cfg_file} must hold a mapping of model fields")
         model_config = {**model_config, **inline}
-        fields = settings.model_dump(include=set(TrainSettings.model_fields) - {"nproc"})
+        fields = settings.model_dump(include=set(trainer_config.TrainSettings.model_fields))
         return TrainConfig(
             data=[str(data)],
             out=str(out),
@@ -440,7 +442,7 @@ class Runner:
             raise WorkflowError(f"{step.kind} {step.name}: no data at {data}")
         hashed = {
             k: v
-            for k, v in dataclasses.asdict(cfg).items()
+            for k, v in cfg.dump().items()
             if k not in ("out", "quiet", "overwrite", "resume", "device", "log_every", "data")
         }
         key = _key({"train": hashed, "data": data_fingerprint(data), "nproc": nproc})
@@ -478,43 +480,13 @@ class Runner:
         )
 
     def _torchrun(self, cfg, nproc: int) -> None:
-        """Multi-GPU training: the same `entroweight train` under torchrun, one process per device."""
-        args = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "entroweight.workflows.cli",
-            "train",
-        ]
-        args += list(cfg.data)
-        cfg_file = Path(cfg.out) / ".model-config.json"
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        cfg_file.write_text(json.dumps(cfg.model_config))  # JSON is YAML: --model-config reads it
-        args += ["--model", cfg.model, "--model-config", str(cfg_file), "--loss", cfg.loss, "--out", cfg.out]
-        for name in (
-            "steps",
-            "batch_size",
-            "lr",
-            "seed",
-            "tokenizer",
-            "grad_accum",
-            "warmup_steps",
-            "min_lr_ratio",
-            "weight_decay",
-            "grad_clip",
-            "normalize",
-            "margin",
-            "prefix_weight",
-            "shuffle_buffer",
-            "log_every",
-            "device",
-        ):
-            value = getattr(cfg, name)
-            if value is not None:
-                args += [f"--{name.replace('_', '-')}", str(value)]
-        args += ["--overwrite"] + (["--compile"] if cfg.compile else [])
+        """Multi-GPU training: the same `entroweight train` under torchrun, one process per device,
+        handed the run's TrainConfig as a file."""
+        config_file = Path(cfg.out) / ".train-config.json"
+        config_file.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(cfg.model_copy(update={"quiet": False}).dump(), config_file)
+        args = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+        args += ["-m", "entroweight.workflows.cli", "train", "--config", str(config_file)]
         if subprocess.run(args).returncode != 0:
             raise StepFailed(f"torchrun training of {cfg.out} failed (see its output above)")
 
@@ -538,11 +510,8 @@ class Runner:
             t.config,
             wf.data_dir(r.data),
             out,
-            loss=r.loss,
             seed=seed,
-            normalize=r.normalize,
-            margin=r.margin,
-            prefix_weight=r.prefix_weight,
+            **r.model_dump(include=set(LossSettings.model_fields)),
         )
         self._train_step(step, cfg, t.nproc, [r.data])
 

@@ -15,6 +15,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from entroweight.trainers import config as trainer_config
+from entroweight.trainers.config import LossName, LossSettings
+from entroweight.trainers.losses import LOSSES
+
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 TOKENS = "tokens"  # the data name of the tokenized (unweighted) dataset
 
@@ -84,21 +88,10 @@ class TokenizeSpec(_Strict):
     _out = field_validator("out")(_inside)
 
 
-class TrainSettings(_Strict):
-    """The trainer's knobs (entroweight train's options) shared by estimator and experiment runs."""
+class TrainSettings(trainer_config.TrainSettings):
+    """The trainer's knobs (trainers/config.py, entroweight train's options) shared by estimator and
+    experiment runs, and the number of processes each run trains on."""
 
-    steps: int = Field(1000, ge=1)
-    batch_size: int = Field(32, ge=1)
-    grad_accum: int = Field(1, ge=1)
-    lr: float = Field(2e-4, gt=0)
-    warmup_steps: int | None = Field(None, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    weight_decay: float = Field(0.1, ge=0)
-    grad_clip: float = Field(1.0, ge=0)
-    shuffle_buffer: int = Field(4096, ge=1)
-    log_every: int = Field(10, ge=1)
-    device: str = "auto"
-    compile: bool = False
     nproc: int = Field(1, ge=1)  # >1: torchrun --nproc_per_node N (GPUs)
 
 
@@ -109,7 +102,7 @@ class ModelSpec(TrainSettings):
     kind: str = "llama"  # models.REGISTRY kind: llama, mixer, estimator, ...
     model_config_file: str | None = Field(None, alias="model_config")
     config: dict[str, Any] = Field(default_factory=dict)  # inline fields, over the file's
-    loss: str = "ce"
+    loss: LossName = "ce"
     seed: int = 0
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -205,13 +198,11 @@ class ScoreSpec(_Strict):
         return []
 
 
-class ExperimentRun(_Strict):
+class ExperimentRun(LossSettings):
+    """One run of the experiment: its data and its loss (trainers/config.py's LossSettings)."""
+
     name: str
     data: str = TOKENS  # `tokens` or a score step's name
-    loss: Literal["ce", "weighted_ce", "rescaled", "hard_negative", "prefix_smooth"] = "ce"
-    normalize: Literal["tokens", "weight"] = "tokens"
-    margin: float = 2.0
-    prefix_weight: float = 0.1
 
     _name = field_validator("name")(_name)
 
@@ -322,8 +313,12 @@ class Workflow(_Strict):
                         f"train.runs[{i}].data",
                         f"{r.data!r} is neither {TOKENS!r} nor a score step ({', '.join(sorted(score_names))})",
                     )
-                if r.loss != "ce" and r.data == TOKENS and r.loss != "hard_negative":
-                    raise _At(f"train.runs[{i}].loss", f"{r.loss} needs weights: data must be a score step")
+                if LOSSES[r.loss].columns and r.data == TOKENS:
+                    column = " and ".join(LOSSES[r.loss].columns)
+                    raise _At(
+                        f"train.runs[{i}].loss",
+                        f"{r.loss} needs weights (the {column} column): data must be a score step",
+                    )
             names = [r.name for r in self.train.runs]
             if self.train.reference is not None and self.train.reference not in names:
                 raise _At("train.reference", f"{self.train.reference!r} is not a run ({', '.join(names)})")

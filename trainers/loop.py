@@ -27,67 +27,14 @@ from entroweight.models.checkpoint import read_checkpoint_config
 from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path
 
 from .checkpoint import METRICS, STATE, TOKENIZER, load_training_state, save_training_checkpoint
+from .config import CHECKED_APART, RUN_ONLY, TrainConfig, TrainError
 from .data import DataError, WeightedTokens, inspect_data, value_problems
-from .losses import LOSSES, NEEDS, compute_loss, per_token_ce
-
-
-class TrainError(ValueError):
-    """A run that cannot start; the message says what to do."""
+from .losses import LOSSES, Loss, per_token_ce
 
 
 class TrainFailed(TrainError):
     """A run that started but cannot go on (a non-finite loss, a failed save); the last saved
     checkpoint stays valid."""
-
-
-# settings that do not change what a run computes: a resume may change them freely
-RUN_ONLY = ("out", "resume", "overwrite", "quiet", "device", "compile", "log_every", "save_every", "stop_at")
-# checked on their own on resume: the model (kind and effective config) and the tokenizer (sha256)
-CHECKED_APART = ("model", "model_config", "tokenizer")
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Everything a run needs; also what `entroweight train` and workflow YAML fill in."""
-
-    data: list[str] | str
-    out: str
-    model: str = "llama"
-    model_config: dict = dataclasses.field(default_factory=dict)  # the model's Config fields
-    loss: str = "ce"  # one of losses.LOSSES
-    normalize: str = "tokens"  # weighted_ce: divide by the real-token count ("tokens") or by Σw ("weight")
-    margin: float = 2.0  # hard_negative
-    prefix_weight: float = 0.1  # prefix_smooth
-    tokenizer: str | None = None  # tokenizer.json (or its dir); copied into the checkpoint
-    steps: int = 1000
-    batch_size: int = 32  # sequences per micro-batch per rank
-    grad_accum: int = 1
-    lr: float = 2e-4
-    min_lr_ratio: float = 0.1  # cosine decays to lr·min_lr_ratio
-    warmup_steps: int | None = None  # None: 5% of steps
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    seed: int = 0
-    shuffle_buffer: int = 4096
-    device: str = "auto"
-    compile: bool = False
-    log_every: int = 10
-    save_every: int | None = None  # None: save only at the end (and at stop_at)
-    resume: bool = False
-    stop_at: int | None = None  # stop after this step with a resumable checkpoint (time-boxed jobs)
-    overwrite: bool = False
-    quiet: bool = False
-
-    def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise TrainError(f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
-        if self.normalize not in ("tokens", "weight"):
-            raise TrainError(f"normalize must be 'tokens' or 'weight', not {self.normalize!r}")
-        for name in ("steps", "batch_size", "grad_accum", "log_every"):
-            if getattr(self, name) < 1:
-                raise TrainError(f"{name} must be at least 1, not {getattr(self, name)}")
-        self.betas = tuple(self.betas)
 
 
 @dataclasses.dataclass
@@ -145,7 +92,7 @@ def _check_nats(files) -> None:
 
 def _model_config(cfg: TrainConfig, info, base: dict) -> dict:
     """The model's config dict: the user's, with vocab_size / n_ctx taken from the data when unset."""
-    mc = {**base, **cfg.model_config}
+    mc = {**base, **cfg.model_cfg}
     fields = {f.name for f in dataclasses.fields(model_class(cfg.model).Config)}
     if "vocab_size" in fields and info.vocab_size:
         if mc.setdefault("vocab_size", info.vocab_size) != info.vocab_size:
@@ -203,7 +150,7 @@ def _train_to_store(cfg: TrainConfig, allow_config_change: bool) -> TrainResult:
         publish = (lambda: storage.upload_dir(Path(local), url, last=(STATE,))) if rank == 0 else None
         try:
             result = _train(
-                dataclasses.replace(cfg, out=local), rank, world, device, allow_config_change, publish
+                cfg.model_copy(update={"out": local}), rank, world, device, allow_config_change, publish
             )
         finally:
             if own_group:
@@ -213,9 +160,7 @@ def _train_to_store(cfg: TrainConfig, allow_config_change: bool) -> TrainResult:
 
 def _settings(cfg: TrainConfig) -> dict:
     """The train config as stored in config.json: JSON types, data paths absolute."""
-    data = [cfg.data] if isinstance(cfg.data, (str, os.PathLike)) else cfg.data
-    d = {**dataclasses.asdict(cfg), "data": [storage.key(p) for p in data]}
-    return json.loads(json.dumps(d))
+    return {**cfg.dump(), "data": [storage.key(p) for p in _as_list(cfg.data)]}
 
 
 def _config_history(prev: dict, new: dict, step: int, allow: bool) -> list[dict]:
@@ -245,21 +190,30 @@ def _as_list(x) -> list:
     return [x] if isinstance(x, str) else list(x)
 
 
-def _train(
-    cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool, publish=None
-) -> TrainResult:
-    """`publish`: called on rank 0 after each checkpoint is saved (the upload of an object-store --out)."""
+@dataclasses.dataclass
+class _Run:
+    """Where a run starts, resolved and checked before the model is built."""
+
+    out: Path
+    tokenizer: Path | None  # the tokenizer.json stored with the checkpoint
+    files: list[Path]  # the data's parquet files
+    model_cfg: dict  # the model's effective Config fields
+    meta: dict  # config.json's fields beside the model's
+    state: dict | None = None  # a resumed run's trainer_state.json
+    optimizer: dict | None = None  # ... and its optimizer state
+
+
+def _resolve(cfg: TrainConfig, loss: Loss, rank: int, world: int, device, allow_config_change: bool) -> _Run:
+    """Resume or start: the tokenizer, the data, the model config, each checked against the others
+    (and against the checkpoint on resume). Refusals are TrainErrors naming what to do."""
     out = Path(cfg.out)
-    log = (lambda *a: None) if (cfg.quiet or rank) else (lambda *a: print(*a, flush=True))
     try:  # --tokenizer, else the copy the data carries (checked against the data's sha256 below)
         tok_path = resolve_tokenizer_path(cfg.tokenizer, cfg.data, required=False)
     except TokenizerError as e:
         raise TrainError(str(e)) from None
     tok_sha = storage.sha256(tok_path) if tok_path else None
 
-    # -- resume or start
-    state, optim_sd, base_model_cfg, history = None, None, {}, None
-    settings = _settings(cfg)
+    state, optim_sd, prev, base_model_cfg = None, None, None, {}
     if cfg.resume:
         if not (out / STATE).is_file():
             raise TrainError(f"nothing to resume in {out} (no {STATE}); drop --resume to start a new run")
@@ -284,16 +238,14 @@ def _train(
         raise TrainError(f"{out} already holds a checkpoint; pass --resume to continue it, or another --out")
 
     try:
-        info = inspect_data(cfg.data, NEEDS.get(cfg.loss, ()), tok_sha)
-        _check_values(info.files, NEEDS.get(cfg.loss, ()), rank, world, device)
+        info = inspect_data(cfg.data, loss.columns, tok_sha)
+        _check_values(info.files, loss.columns, rank, world, device)
     except DataError as e:
         raise TrainError(str(e)) from e
-    if cfg.loss == "rescaled":
+    if loss.nats:
         _check_nats(info.files)
-    if tok_sha is None:
-        tok_sha = info.tokenizer_sha256
-    if cfg.loss == "prefix_smooth" and tok_path is None:
-        raise TrainError("--loss prefix_smooth needs the tokenizer's token bytes: pass --tokenizer")
+    if loss.token_bytes and tok_path is None:
+        raise TrainError(f"--loss {cfg.loss} needs the tokenizer's token bytes: pass --tokenizer")
     mc = _model_config(cfg, info, base_model_cfg)
     if (
         getattr(model_class(cfg.model), "wants_token_bytes", False)
@@ -303,77 +255,15 @@ def _train(
         from .prefix import token_bytes  # a T-FREE head hashes each token's bytes
 
         mc["token_bytes"] = [b.hex() for b in token_bytes(tok_path)]
+    settings, history = _settings(cfg), None
     if cfg.resume:
         if mc != base_model_cfg:
             raise TrainError(
                 f"--model-config differs from the checkpoint's ({base_model_cfg}); drop it to resume"
             )
         history = _config_history(prev, settings, state["step"], allow_config_change)
-
-    torch.manual_seed(cfg.seed)  # same init on every rank
-    model = build_model(cfg.model, mc)
-    if state is not None:
-        from safetensors.torch import load_file
-
-        model.load_state_dict(load_file(str(out / "model.safetensors")), strict=False)
-    model.to(device)
-    raw_model = model
-    optimizer = _optimizer(model, cfg, device)
-    if optim_sd is not None:
-        optimizer.load_state_dict(optim_sd)
-    if cfg.compile:
-        model = torch.compile(model)
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    )
-    loss_kw: dict = {}
-    fwd_kw: dict = {}  # tfree_bce trains the model's hashed head logits, not vocabulary logits
-    if cfg.loss == "weighted_ce":
-        loss_kw["normalize"] = cfg.normalize
-    elif cfg.loss == "hard_negative":
-        loss_kw["margin"] = cfg.margin
-    elif cfg.loss == "prefix_smooth":
-        from .prefix import prefix_table, token_bytes
-
-        loss_kw.update(
-            prefix_table=prefix_table(token_bytes(tok_path)).to(device), prefix_weight=cfg.prefix_weight
-        )
-    elif cfg.loss == "tfree_bce":
-        if not hasattr(raw_model, "codes"):
-            raise TrainError("--loss tfree_bce trains a T-FREE head: pass --model tfree")
-        loss_kw["codes"], fwd_kw["hashed"] = raw_model.codes, True
-
-    step = state["step"] if state else 0
-    tokens = state["tokens"] if state else 0
-    ds = WeightedTokens(
-        info.files,
-        batch_size=cfg.batch_size,
-        shuffle_buffer=cfg.shuffle_buffer,
-        seed=cfg.seed,
-        epochs=None,
-        rank=rank,
-        world_size=world,
-        start=state["position"] if state else 0,
-        columns=NEEDS.get(cfg.loss, ()),
-    )
-    batches = iter(ds)
-
-    if rank == 0:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            if tok_path is not None and not storage.is_local(tok_path):  # the data's copy on a store
-                (out / TOKENIZER).write_bytes(tok_path.read_bytes())
-            elif tok_path is not None and tok_path.resolve() != (out / TOKENIZER).resolve():
-                shutil.copyfile(tok_path, out / TOKENIZER)
-            _trim_metrics(out / METRICS, step)
-        except OSError as e:
-            raise TrainError(f"cannot write to --out {out}: {e}") from None
     meta = {
-        "tokenizer_sha256": tok_sha,
+        "tokenizer_sha256": tok_sha or info.tokenizer_sha256,
         "vocab_size": mc.get("vocab_size", info.vocab_size),
         "n_ctx": mc.get("n_ctx", info.n_ctx),
         "pad_id": info.pad_id,
@@ -381,6 +271,82 @@ def _train(
         "train": settings,
         **({"train_history": history} if history and len(history) > 1 else {}),
     }
+    return _Run(out, tok_path, info.files, mc, meta, state, optim_sd)
+
+
+def _loss_arguments(cfg: TrainConfig, loss: Loss, model, tokenizer: Path | None, device) -> tuple[dict, dict]:
+    """The loss's keyword arguments (its options from the config, its tables) and the forward's."""
+    loss_kw = {name: getattr(cfg, name) for name in loss.options}
+    fwd_kw = {}
+    if loss.token_bytes:
+        from .prefix import prefix_table, token_bytes
+
+        loss_kw["prefix_table"] = prefix_table(token_bytes(tokenizer)).to(device)
+    if loss.hashed_head:  # the model's hashed head logits, against each target's code
+        if not hasattr(model, "codes"):
+            raise TrainError(f"--loss {cfg.loss} trains a T-FREE head: pass --model tfree")
+        loss_kw["codes"], fwd_kw["hashed"] = model.codes, True
+    return loss_kw, fwd_kw
+
+
+def _prepare_out(out: Path, tokenizer: Path | None, step: int) -> None:
+    """--out with the run's tokenizer in it, and metrics past the resumed step dropped."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if tokenizer is not None and not storage.is_local(tokenizer):  # the data's copy on a store
+            (out / TOKENIZER).write_bytes(tokenizer.read_bytes())
+        elif tokenizer is not None and tokenizer.resolve() != (out / TOKENIZER).resolve():
+            shutil.copyfile(tokenizer, out / TOKENIZER)
+        _trim_metrics(out / METRICS, step)
+    except OSError as e:
+        raise TrainError(f"cannot write to --out {out}: {e}") from None
+
+
+def _train(
+    cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool, publish=None
+) -> TrainResult:
+    """`publish`: called on rank 0 after each checkpoint is saved (the upload of an object-store --out)."""
+    loss_def = LOSSES[cfg.loss]
+    run = _resolve(cfg, loss_def, rank, world, device, allow_config_change)
+    out, state = run.out, run.state
+    log = (lambda *a: None) if (cfg.quiet or rank) else (lambda *a: print(*a, flush=True))
+
+    torch.manual_seed(cfg.seed)  # same init on every rank
+    raw_model = build_model(cfg.model, run.model_cfg)
+    if state is not None:
+        from safetensors.torch import load_file
+
+        raw_model.load_state_dict(load_file(str(out / "model.safetensors")), strict=False)
+    raw_model.to(device)
+    optimizer = _optimizer(raw_model, cfg, device)
+    if run.optimizer is not None:
+        optimizer.load_state_dict(run.optimizer)
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    )
+    loss_kw, fwd_kw = _loss_arguments(cfg, loss_def, raw_model, run.tokenizer, device)
+
+    step = state["step"] if state else 0
+    tokens = state["tokens"] if state else 0  # positions read, pads included (the data order's clock)
+    ds = WeightedTokens(
+        run.files,
+        batch_size=cfg.batch_size,
+        shuffle_buffer=cfg.shuffle_buffer,
+        seed=cfg.seed,
+        epochs=None,
+        rank=rank,
+        world_size=world,
+        start=state["position"] if state else 0,
+        columns=loss_def.columns,
+    )
+    batches = iter(ds)
+    if rank == 0:
+        _prepare_out(out, run.tokenizer, step)
     n_params = sum(p.numel() for p in raw_model.parameters())
     log(f"{cfg.model}: {n_params / 1e6:.2f}M params on {device} × {world}; loss {cfg.loss}; from step {step}")
 
@@ -397,7 +363,7 @@ def _train(
                 "seed": cfg.seed,
             }
             with _failing(f"cannot save the checkpoint at step {step}", out, saved):
-                save_training_checkpoint(out, raw_model, cfg.model, optimizer, st, {**meta, "step": step})
+                save_training_checkpoint(out, raw_model, cfg.model, optimizer, st, {**run.meta, "step": step})
                 if publish is not None:
                     publish()
         if world > 1:
@@ -405,58 +371,49 @@ def _train(
         saved = step
 
     last_stop = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
-    t_run = time.perf_counter()
-    t0, tok0, loss_acc, ce_acc, n_acc, last_loss = time.perf_counter(), tokens, 0.0, 0.0, 0, None
+    t_run = t0 = time.perf_counter()
+    # summed on the device between log steps: the host reads them there (and once a step, below)
+    loss_sum, real, n_micro = torch.zeros((), device=device), torch.zeros((), device=device), 0
+    real_total = torch.zeros((), device=device)  # this rank's real tokens, for the run's tokens/s
+    ce, last_loss = float("nan"), None
     model.train()
     while step < last_stop:
         lr = lr_at(step, cfg)
         for g in optimizer.param_groups:
             g["lr"] = lr
-        bad = None  # a non-finite loss of this step (on this rank)
+        step_loss = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
             batch = next(batches)
             ids = batch["input_ids"].to(device, non_blocking=True)
             mask = batch["mask"][:, 1:].to(device)
-            extra = {k: batch[k][:, 1:].to(device) for k in NEEDS.get(cfg.loss, ())}
+            columns = {k: batch[k][:, 1:].to(device) for k in loss_def.columns}
             # dropout / estimator noise drawn from (seed, step, micro, rank): resume-exact
             torch.manual_seed(hash((cfg.seed, step, micro, rank)) & 0x7FFFFFFF)
             sync = micro == cfg.grad_accum - 1 or world == 1
-            ctx = contextlib.nullcontext() if sync else model.no_sync()
-            with ctx, autocast:
+            with contextlib.nullcontext() if sync else model.no_sync(), autocast:
                 logits = model(ids, **fwd_kw)[:, :-1]
-                loss = compute_loss(cfg.loss, logits, ids[:, 1:], mask, **extra, **loss_kw)
+                loss = loss_def.fn(logits, ids[:, 1:], mask, **columns, **loss_kw)
             (loss / cfg.grad_accum).backward()
-            value = loss.item()
-            bad = value if not math.isfinite(value) else bad
-            loss_acc += value
-            n_acc += 1
+            step_loss += loss.detach()
             tokens += ids.numel() * world
-            if (step + 1) % cfg.log_every == 0 and micro == 0:
-                with torch.no_grad():  # the plain CE, logged for every loss so runs compare
-                    lg = raw_model.scores(logits.detach()) if fwd_kw else logits.detach()
-                    ce = per_token_ce(lg, ids[:, 1:])
-                    ce_acc = float((ce * mask).sum() / mask.sum().clamp(min=1))
-        _stop_if_not_finite(bad, step + 1, cfg.loss, out, saved, world, device)  # before the weights change
+            real += mask.sum()
+            real_total += mask.sum()
+            if ((step + 1) % cfg.log_every == 0 or step + 1 == last_stop) and micro == 0:
+                ce = _plain_ce(raw_model, logits.detach(), ids[:, 1:], mask, fwd_kw)
+        # the step's one host sync: a non-finite loss stops the run before it reaches the weights
+        value = step_loss.item()
+        _stop_if_not_finite(
+            None if math.isfinite(value) else value, step + 1, cfg.loss, out, saved, world, device
+        )
+        loss_sum += step_loss
+        n_micro += cfg.grad_accum
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if step % cfg.log_every == 0 or step == last_stop:
-            avg = torch.tensor([loss_acc / max(1, n_acc), ce_acc], device=device)
-            if world > 1:
-                torch.distributed.all_reduce(avg)
-                avg /= world
-            dt = time.perf_counter() - t0
-            row = {
-                "step": step,
-                "loss": _finite(avg[0].item()),
-                "ce": _finite(avg[1].item()),
-                "lr": lr,
-                "tokens": tokens,
-                "tokens_per_s": round((tokens - tok0) / max(dt, 1e-9), 1),
-                "elapsed_s": round(time.perf_counter() - t_run, 3),
-            }
+            row = _log_row(step, lr, tokens, loss_sum / n_micro, ce, real, world, t0, t_run)
             last_loss = row["loss"]
             if rank == 0:
                 with (
@@ -468,19 +425,51 @@ def _train(
                 f"step {step}/{cfg.steps} loss {_show(row['loss'])} ce {_show(row['ce'])} lr {lr:.2e} "
                 f"{row['tokens_per_s']:.0f} tok/s"
             )
-            t0, tok0, loss_acc, n_acc = time.perf_counter(), tokens, 0.0, 0
+            t0, loss_sum, real, n_micro = (
+                time.perf_counter(),
+                torch.zeros_like(loss_sum),
+                torch.zeros_like(real),
+                0,
+            )
         if (cfg.save_every and step % cfg.save_every == 0) or step == last_stop:
             save()
     seconds = time.perf_counter() - t_run
+    if world > 1:
+        torch.distributed.all_reduce(real_total)
     return TrainResult(
         out=str(out),
         step=step,
         loss=last_loss,
         tokens=tokens,
         seconds=seconds,
-        tokens_per_s=(tokens - (state["tokens"] if state else 0)) / max(seconds, 1e-9),
+        tokens_per_s=real_total.item() / max(seconds, 1e-9),
         metrics=str(out / METRICS),
     )
+
+
+def _plain_ce(model, logits, targets, mask, fwd_kw) -> float:
+    """The plain CE of a micro-batch, logged for every loss so that runs compare."""
+    with torch.no_grad():
+        lg = model.scores(logits) if fwd_kw else logits  # a hashed head's vocabulary scores
+        return float((per_token_ce(lg, targets) * mask).sum() / mask.sum().clamp(min=1))
+
+
+def _log_row(step, lr, tokens, mean_loss, ce, real, world, t0, t_run) -> dict:
+    """A metrics.jsonl row: the losses averaged over ranks, tokens/s over real (non-pad) tokens."""
+    values = torch.stack([mean_loss, torch.tensor(ce, device=real.device), real.float()])
+    if world > 1:
+        torch.distributed.all_reduce(values)
+        values[:2] /= world
+    loss, ce, real = values.tolist()
+    return {
+        "step": step,
+        "loss": _finite(loss),
+        "ce": _finite(ce),
+        "lr": lr,
+        "tokens": tokens,
+        "tokens_per_s": round(real / max(time.perf_counter() - t0, 1e-9), 1),
+        "elapsed_s": round(time.perf_counter() - t_run, 3),
+    }
 
 
 def _finite(x: float) -> float | None:
