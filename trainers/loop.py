@@ -302,21 +302,14 @@ def _prepare_out(out: Path, tokenizer: Path | None, step: int) -> None:
         raise TrainError(f"cannot write to --out {out}: {e}") from None
 
 
-def _train(
-    cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool, publish=None
-) -> TrainResult:
-    """`publish`: called on rank 0 after each checkpoint is saved (the upload of an object-store --out)."""
-    loss_def = LOSSES[cfg.loss]
-    run = _resolve(cfg, loss_def, rank, world, device, allow_config_change)
-    out, state = run.out, run.state
-    log = (lambda *a: None) if (cfg.quiet or rank) else (lambda *a: print(*a, flush=True))
-
+def _build(cfg: TrainConfig, run: _Run, world: int, device):
+    """(the model, what the loop calls: compiled and/or DDP-wrapped, its AdamW), restored on resume."""
     torch.manual_seed(cfg.seed)  # same init on every rank
     raw_model = build_model(cfg.model, run.model_cfg)
-    if state is not None:
+    if run.state is not None:
         from safetensors.torch import load_file
 
-        raw_model.load_state_dict(load_file(str(out / "model.safetensors")), strict=False)
+        raw_model.load_state_dict(load_file(str(run.out / "model.safetensors")), strict=False)
     raw_model.to(device)
     optimizer = _optimizer(raw_model, cfg, device)
     if run.optimizer is not None:
@@ -326,6 +319,19 @@ def _train(
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
+    return raw_model, model, optimizer
+
+
+def _train(
+    cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool, publish=None
+) -> TrainResult:
+    """`publish`: called on rank 0 after each checkpoint is saved (the upload of an object-store --out)."""
+    loss_def = LOSSES[cfg.loss]
+    run = _resolve(cfg, loss_def, rank, world, device, allow_config_change)
+    out, state = run.out, run.state
+    log = (lambda *a: None) if (cfg.quiet or rank) else (lambda *a: print(*a, flush=True))
+
+    raw_model, model, optimizer = _build(cfg, run, world, device)
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     )
@@ -425,12 +431,8 @@ def _train(
                 f"step {step}/{cfg.steps} loss {_show(row['loss'])} ce {_show(row['ce'])} lr {lr:.2e} "
                 f"{row['tokens_per_s']:.0f} tok/s"
             )
-            t0, loss_sum, real, n_micro = (
-                time.perf_counter(),
-                torch.zeros_like(loss_sum),
-                torch.zeros_like(real),
-                0,
-            )
+            t0, n_micro = time.perf_counter(), 0
+            loss_sum.zero_(), real.zero_()
         if (cfg.save_every and step % cfg.save_every == 0) or step == last_stop:
             save()
     seconds = time.perf_counter() - t_run
