@@ -215,7 +215,20 @@ def plan_run(
     # or a new input file never renumbers what exists.
     registry_file = out / SHARDS_FILE
     registry: dict[str, str] = json.loads(registry_file.read_bytes()) if SHARDS_FILE in names else {}
-    manifests = {m.shard: m for m in read_manifests(out, names)}
+    todo, done, stale = _sort_shards(inputs, registry, read_manifests(out, names), names, record.config_hash, out)
+    write_json_atomic(registry, registry_file)
+    # output of a shard killed after its parquet but before its manifest: redo it from scratch
+    for task in todo:
+        if manifest_name(task.shard) in names:
+            storage.remove(manifest_path(out, task.shard))
+    return RunPlan(stage=stage, out_dir=out, todo=todo, done=done, stale=stale)
+
+
+def _sort_shards(inputs, registry: dict[str, str], manifests, names, config_hash: str, out):
+    """(todo, done, stale) of `inputs`: a shard is done when its manifest has this config and this
+    input and its parquet is listed with the recorded size. New inputs get the next shard numbers in
+    `registry` (which the caller saves, or not for a preview)."""
+    manifests = {m.shard: m for m in manifests}
     next_no = max((int(s.split("-")[1]) for s in registry.values()), default=-1) + 1
     todo, done, stale = [], [], []
     for inp in inputs:
@@ -224,18 +237,29 @@ def plan_run(
             shard = registry[inp.key] = f"part-{next_no:05d}"
             next_no += 1
         m = manifests.get(shard)
-        if m is not None and m.config_hash == record.config_hash and _output_present(m, names):
+        if m is not None and m.config_hash == config_hash and _output_present(m, names):
             if list(m.inputs) == [inp]:
                 done.append(m)
                 continue
             stale.append(shard)  # the input file changed since: recompute
         todo.append(ShardTask(shard=shard, inputs=(inp,), out_dir=storage.key(out)))
-    write_json_atomic(registry, registry_file)
-    # output of a shard killed after its parquet but before its manifest: redo it from scratch
-    for task in todo:
-        if manifest_name(task.shard) in names:
-            storage.remove(manifest_path(out, task.shard))
-    return RunPlan(stage=stage, out_dir=out, todo=todo, done=done, stale=stale)
+    return todo, done, stale
+
+
+def preview_run(stage: Stage, out_dir: AnyPath) -> tuple[RunPlan, str]:
+    """What `plan_run` would plan, writing nothing (a dry run), and a note: a stage whose output holds
+    another config plans every shard and says it needs --overwrite."""
+    out = storage.path(out_dir)
+    inputs = stage.plan_inputs()
+    names = storage.listing(out) if out.exists() else {}
+    if STAGE_FILE in names:
+        old = StageRecord.model_validate_json((out / STAGE_FILE).read_bytes())
+        if old.config_hash != stage.config_hash:
+            tasks = [ShardTask(shard="", inputs=(inp,), out_dir=storage.key(out)) for inp in inputs]
+            return RunPlan(stage, out, tasks, []), " (config changed: needs --overwrite)"
+    registry = json.loads((out / SHARDS_FILE).read_bytes()) if SHARDS_FILE in names else {}
+    todo, done, stale = _sort_shards(inputs, registry, read_manifests(out, names), names, stage.config_hash, out)
+    return RunPlan(stage, out, todo, done, stale), ""
 
 
 def _output_present(m: ShardManifest, names: dict[str, int]) -> bool:

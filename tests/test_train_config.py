@@ -104,7 +104,7 @@ def test_train_reads_a_config_file_and_flags_override_it(weighted_dir, tmp_path)
 
 
 def test_torchrun_gets_the_run_config_as_a_file(weighted_dir, tmp_path, monkeypatch):
-    from entroweight.workflows.runner import Runner
+    from entroweight.workflows.steps import torchrun
 
     cfg = TrainConfig(
         data=[str(weighted_dir)], out=str(tmp_path / "ddp"), model_config=TINY, loss="weighted_ce", margin=3.0
@@ -117,7 +117,7 @@ def test_torchrun_gets_the_run_config_as_a_file(weighted_dir, tmp_path, monkeypa
         return subprocess.CompletedProcess(args, 0)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    Runner._torchrun(None, cfg, 2)
+    torchrun(cfg, 2)
     args = seen["args"]
     assert args[args.index("train") + 1] == "--config" and "--nproc_per_node=2" in args
     handed = TrainConfig(**json.loads(open(args[-1]).read()))

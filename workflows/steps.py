@@ -1,0 +1,380 @@
+"""The kinds of workflow step, each behind one protocol the runner drives (workflows/runner.py):
+
+- `upstream`: the steps whose output it reads (a dry run says "after X" while one of them would run);
+- `done()`: a detail when its output is up to date (None: it must run); may refuse (WorkflowError);
+- `plan()`: what a run would do (a dry run's "would run" detail);
+- `run()`: do it; (status, detail), status "ran" or "up to date".
+
+Each step is incremental: a data stage skips the shards whose manifest matches (the stage planner
+decides, in a dry run too); a trained model, an evaluation, the held-out split and a trained tokenizer
+skip when the key recorded beside their output (their settings and a fingerprint of their input) is
+this run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from entroweight.pipelines import StageError, run_stage
+from entroweight.pipelines.score import ScoreStage
+from entroweight.pipelines.stage import preview_run, read_manifests
+from entroweight.pipelines.verify import verify_dir
+from entroweight.transforms.writer import write_json_atomic
+
+from .report import read_metrics, write_report
+
+if TYPE_CHECKING:
+    from .runner import Runner
+
+STEP_FILE = ".workflow-step.json"  # in a tokenizer or checkpoint directory: the key it was built with
+RUN_FILE = "run.json"
+
+
+class WorkflowError(RuntimeError):
+    """A step cannot run (refused before its work); the message says what to do. Exit code 2."""
+
+
+class StepFailed(RuntimeError):
+    """A step started and failed (shards failed, verification found problems). Exit code 1."""
+
+
+def _key(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _recorded_key(marker: Path) -> str | None:
+    return json.loads(marker.read_text()).get("key") if marker.exists() else None
+
+
+def data_fingerprint(data_dir: Path) -> str:
+    """What a model trained on `data_dir` depends on: each shard's output checksum."""
+    return _key([(m.shard, m.output_sha256) for m in read_manifests(data_dir)])
+
+
+@dataclass
+class Step:
+    """One step of a run: what it is, where it writes, and then what happened (run.json's record)."""
+
+    kind: str  # holdout | tokenizer | tokenize | model | score | train | eval | report
+    name: str
+    out: Path
+    runner: Runner = field(repr=False)
+    upstream: list[str] = field(default_factory=list)
+    status: str = "pending"  # up to date | ran | would run | failed
+    timed = True  # "ran" is said with the seconds it took
+    detail: str = ""
+    seconds: float = 0.0
+    manifests: list[dict] | None = None
+
+    @property
+    def wf(self):
+        return self.runner.wf
+
+    def prepare(self) -> None:
+        """Resolve what the step needs that may be refused (a dry run refuses it too)."""
+
+    def done(self) -> str | None:
+        return None
+
+    def plan(self) -> str:
+        return ""
+
+    def run(self) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def record(self) -> dict:
+        d = {"kind": self.kind, "name": self.name, "out": str(self.out), "status": self.status}
+        d |= {"detail": self.detail, "seconds": round(self.seconds, 3)}
+        if self.manifests is not None:
+            d["manifests"] = self.manifests
+        return d
+
+
+class HoldoutStep(Step):
+    """Split the sources: the last `docs` documents become the held-out text, never trained on."""
+
+    def key(self) -> str:
+        return _key({"sources": list(self.wf.sources), "docs": self.wf.holdout.docs})
+
+    def done(self):
+        return str(self.out) if _recorded_key(self.out / STEP_FILE) == self.key() else None
+
+    def plan(self):
+        return f"set aside the last {self.wf.holdout.docs} documents"
+
+    def run(self):
+        import gzip
+
+        from entroweight.transforms.train_tokenizer import corpus_texts
+
+        docs, out = self.wf.holdout.docs, self.out
+        texts = list(corpus_texts(list(self.wf.sources)))
+        if len(texts) <= docs:
+            raise WorkflowError(f"holdout.docs is {docs}, but the sources hold only {len(texts)} documents")
+        train, held = texts[:-docs], texts[-docs:]
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "train.jsonl.gz.tmp"
+        with gzip.open(tmp, "wt", encoding="utf-8") as f:
+            for t in train:
+                f.write(json.dumps({self.wf.tokenize.text_column: t}) + "\n")
+        tmp.replace(out / "train.jsonl.gz")
+        (out / "heldout.txt.tmp").write_text("\n\n".join(held), encoding="utf-8")
+        (out / "heldout.txt.tmp").replace(out / "heldout.txt")
+        record = {"key": self.key(), "train_docs": len(train), "heldout_docs": len(held)}
+        write_json_atomic(record, out / STEP_FILE)
+        return "ran", f"{len(train)} documents to train on, {len(held)} held out"
+
+
+class TokenizerStep(Step):
+    """A given tokenizer (checked), or one trained on the sources (less the held-out documents)."""
+
+    def key(self) -> str:
+        key = {"train": self.wf.tokenizer.train.model_dump(mode="json")}
+        if self.wf.holdout is not None:
+            key["holdout"] = self.wf.holdout.docs
+        return _key(key)
+
+    def done(self):
+        spec, out = self.wf.tokenizer, self.out
+        if spec.path is not None:
+            from entroweight.transforms.tokenizer import resolve_tokenizer_path
+
+            try:
+                resolve_tokenizer_path(spec.path)
+            except (ValueError, OSError) as e:
+                raise WorkflowError(f"tokenizer.path: {e}") from None
+            return f"given: {spec.path}"
+        if not (out / "tokenizer.json").exists():
+            return None
+        if _recorded_key(out / STEP_FILE) == self.key():
+            return str(out / "tokenizer.json")
+        if not self.runner.overwrite:
+            raise WorkflowError(
+                f"{out} holds a tokenizer trained with other settings; everything downstream depends on it. "
+                "Use another run_dir, or pass --overwrite to retrain it (and redo what depends on it)"
+            )
+        return None
+
+    def plan(self):
+        t = self.wf.tokenizer.train
+        return f"train a {t.vocab_size}-token {t.algorithm}"
+
+    def run(self):
+        from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_tokenizer
+
+        t = self.wf.tokenizer.train
+        texts = corpus_texts(self.wf.train_sources(), t.max_docs, self.wf.tokenize.text_column)
+        tok = train_tokenizer(texts, t.vocab_size, t.algorithm, t.base)
+        path, sha = save_tokenizer(tok, self.out)
+        write_json_atomic({"key": self.key(), "sha256": sha}, self.out / STEP_FILE)
+        return "ran", f"{tok.get_vocab_size()} tokens -> {path}"
+
+
+class LimitedScoreStage(ScoreStage):
+    """The score stage over the first `limit` input shards only: slow scorers score a subset. Raising
+    the limit later scores the rest incrementally (the shard config does not change)."""
+
+    def __init__(self, *args, limit: int | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.limit = limit
+
+    def plan_inputs(self):
+        inputs = super().plan_inputs()
+        return inputs[: self.limit] if self.limit else inputs
+
+
+class DataStep(Step):
+    """A data stage (tokenize, score): the stage planner says which shards are done; a run verifies
+    every shard against its manifest afterwards."""
+
+    timed = False  # the stage's summary line has its own throughput
+
+    def __init__(self, *args, build, **kw):
+        super().__init__(*args, **kw)
+        self.build = build  # () -> Stage: built only when its upstream is there
+
+    def stage(self):
+        try:
+            return self.build()
+        except StageError as e:  # refusals that are not ValueErrors (e.g. the data's tokenizer)
+            raise WorkflowError(f"{self.kind} {self.name}: {e}") from None
+
+    def done(self):
+        if not self.runner.dry_run:
+            return None  # a run always goes through the stage: it skips done shards and verifies
+        self._plan, note = preview_run(self.stage(), self.out)
+        self._plan_detail = f"{len(self._plan.todo)} shard(s) to run, {len(self._plan.done)} done{note}"
+        return None if self._plan.todo else f"all {len(self._plan.done)} shard(s) done"
+
+    def plan(self):
+        return self._plan_detail
+
+    def run(self):
+        r = self.runner
+        summary = run_stage(
+            self.stage(), self.out, engine=r.engine, overwrite=r.overwrite, progress=False, **r.engine_options
+        )
+        self.manifests = [json.loads(m.model_dump_json()) for m in read_manifests(self.out)]
+        problems = verify_dir(self.out)
+        if problems:
+            self.status = "failed"
+            raise StepFailed(
+                f"{self.kind} {self.name}: {self.out} failed verification:\n  " + "\n  ".join(problems)
+            )
+        return ("ran" if summary.shards_run else "up to date"), summary.line() + "; verified"
+
+
+class TrainStep(Step):
+    """A model trained on a data step's output (an estimator, a causal scorer, an experiment run); up
+    to date when its finished checkpoint was trained with this config on this data."""
+
+    def __init__(self, *args, make_config, nproc: int, **kw):
+        super().__init__(*args, **kw)
+        self.make_config, self.nproc = make_config, nproc
+
+    def prepare(self):
+        self.config = self.make_config()  # a TrainError names this step
+
+    def key(self) -> str:
+        cfg = self.config
+        data = Path(cfg.data[0])
+        if not data.is_dir():
+            raise WorkflowError(f"{self.kind} {self.name}: no data at {data}")
+        run_only = ("out", "quiet", "overwrite", "resume", "device", "log_every", "data")
+        hashed = {k: v for k, v in cfg.dump().items() if k not in run_only}
+        return _key({"train": hashed, "data": data_fingerprint(data), "nproc": self.nproc})
+
+    def done(self):
+        marker, state = self.out / STEP_FILE, self.out / "trainer_state.json"
+        finished = (
+            marker.exists()
+            and state.exists()
+            and json.loads(marker.read_text()).get("key") == self.key()
+            and json.loads(state.read_text()).get("step") == self.config.steps
+        )
+        return f"finished checkpoint {self.out}" if finished else None
+
+    def plan(self):
+        cfg = self.config
+        return f"{cfg.steps} steps of {cfg.model}, loss {cfg.loss}, seed {cfg.seed}"
+
+    def run(self):
+        cfg, key = self.config, self.key()
+        (self.out / STEP_FILE).unlink(missing_ok=True)
+        cfg.overwrite = True  # the run directory is the workflow's: a stale checkpoint is replaced
+        if self.nproc > 1:
+            torchrun(cfg, self.nproc)
+        else:
+            from entroweight.trainers import train
+
+            train(cfg)  # a refusal (TrainError, DataError, CheckpointError) is reported by the runner
+        write_json_atomic({"key": key, "steps": cfg.steps}, self.out / STEP_FILE)
+        ce = (read_metrics(self.out) or [{}])[-1].get("ce", float("nan"))
+        return "ran", f"{cfg.steps} steps, ce {ce:.4f}"
+
+
+def torchrun(cfg, nproc: int) -> None:
+    """Multi-GPU training: the same `entroweight train` under torchrun, one process per device,
+    handed the run's TrainConfig as a file."""
+    config_file = Path(cfg.out) / ".train-config.json"
+    config_file.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(cfg.model_copy(update={"quiet": False}).dump(), config_file)
+    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    args += ["-m", "entroweight.workflows.cli", "train", "--config", str(config_file)]
+    if subprocess.run(args).returncode != 0:
+        raise StepFailed(f"torchrun training of {cfg.out} failed (see its output above)")
+
+
+class EvalStep(Step):
+    """BPB of a trained run on an evaluation text, cached as JSON keyed by the checkpoint's weights
+    and the evaluation's settings."""
+
+    def __init__(self, *args, run_spec, seed: int, text: str, **kw):
+        super().__init__(*args, **kw)
+        self.run_spec, self.seed, self.text = run_spec, seed, text
+        self.ckpt = self.wf.run_ckpt(run_spec.name, seed)
+
+    def _text(self) -> tuple[str | None, int | None]:
+        e = self.wf.eval
+        if self.text == "main":
+            return e.text, e.max_bytes
+        return str(self.wf.holdout_dir() / "heldout.txt"), self.wf.holdout.max_bytes
+
+    def key(self) -> str:
+        wf = self.wf
+        settings = wf.eval.model_dump(mode="json", exclude={"out", "batch_size", "device"})
+        if self.text != "main":
+            settings |= {"text": self.text, "max_bytes": wf.holdout.max_bytes, "holdout": wf.holdout.docs}
+        weights = json.loads((self.ckpt / "trainer_state.json").read_text())["weights_sha256"]
+        return _key({"weights": weights, **settings})
+
+    def done(self):
+        if not (self.ckpt / "trainer_state.json").exists():
+            if self.runner.dry_run:
+                return None
+            raise WorkflowError(f"eval {self.name}: no checkpoint at {self.ckpt}")
+        cached = json.loads(self.out.read_text()) if self.out.exists() else {}
+        return f"BPB {cached['bpb']:.4f}" if cached.get("key") == self.key() else None
+
+    def plan(self):
+        return "BPB"
+
+    def run(self):
+        from entroweight.trainers.bpb import eval_bpb
+
+        e, r = self.wf.eval, self.run_spec
+        text, max_bytes = self._text()
+        res = eval_bpb(self.ckpt, text, e.n_ctx, e.stride, None, max_bytes, e.batch_size, e.device)
+        res |= {"key": self.key(), "run": r.name, "seed": self.seed, "loss": r.loss, "data": r.data}
+        write_json_atomic({**res, "checkpoint": str(self.ckpt)}, self.out)
+        return "ran", f"BPB {res['bpb']:.4f}"
+
+
+class UnigramStep(Step):
+    """The baseline a model must beat: the training tokens' frequencies as the prediction (BPB)."""
+
+    def key(self) -> str:
+        e = self.wf.eval
+        return _key(
+            {"data": data_fingerprint(self.wf.tokens_dir()), "text": e.text, "max_bytes": e.max_bytes}
+        )
+
+    def done(self):
+        cached = json.loads(self.out.read_text()) if self.out.exists() else {}
+        return f"BPB {cached['bpb']:.4f}" if cached.get("key") == self.key() else None
+
+    def plan(self):
+        return "unigram baseline"
+
+    def run(self):
+        from entroweight.trainers.bpb import unigram_bpb
+
+        e = self.wf.eval
+        res = unigram_bpb([str(self.wf.tokens_dir())], self.runner.tokenizer_file(), e.text, e.max_bytes)
+        write_json_atomic({**res, "key": self.key()}, self.out)
+        return "ran", f"BPB {res['bpb']:.4f}"
+
+
+class ReportStep(Step):
+    """The HTML report; rewritten whenever any step ran."""
+
+    def done(self):
+        ran = any(s.status in ("ran", "would run") for s in self.runner.steps)
+        fresh = self.out.exists() and not ran and (self.wf.root / RUN_FILE).exists()
+        return str(self.out) if fresh else None
+
+    def plan(self):
+        return str(self.out)
+
+    def run(self):
+        self.runner.write_record(0.0)  # the report reads run.json: give it this run's steps
+        write_report(
+            self.wf.root, self.out, samples=self.wf.report.samples, max_tokens=self.wf.report.max_tokens
+        )
+        return "ran", str(self.out)
