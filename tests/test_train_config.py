@@ -100,7 +100,7 @@ def test_train_reads_a_config_file_and_flags_override_it(weighted_dir, tmp_path)
     assert r.exit_code == 2 and "stesp: not a training option" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "x").exists()
     r = CliRunner().invoke(main, ["train", str(weighted_dir)])
-    assert r.exit_code == 2 and "missing --out" in r.output
+    assert r.exit_code == 2 and "out: required, not given" in r.output
 
 
 def test_torchrun_gets_the_run_config_as_a_file(weighted_dir, tmp_path, monkeypatch):

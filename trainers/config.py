@@ -130,6 +130,8 @@ def refusal(e: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "not a training option"
+        elif err["type"] == "missing":
+            msg = "required, not given"
         elif err["type"] == "literal_error":
             msg = f"unknown {where} {err['input']!r}; {msg.lower()}"
         elif "input" in err and not isinstance(err["input"], dict):

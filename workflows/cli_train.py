@@ -73,9 +73,6 @@ def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, **
         values["data"] = list(data)
     if model_config_file:
         values["model_config"] = _read_mapping(model_config_file, "--model-config")
-    for name, flag in (("data", "DATA"), ("out", "--out")):
-        if not values.get(name):
-            _fail(f"missing {flag}: give it on the command line or in --config")
     try:
         result = train(TrainConfig(**values), allow_config_change=allow_config_change)
     except (
