@@ -59,7 +59,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.d_model, bias=False)
         self.dropout = c.dropout
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -69,7 +69,7 @@ class Attention(nn.Module):
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
         )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -94,8 +94,8 @@ class Block(nn.Module):
         self.mlp = MLP(c)
         self.drop = nn.Dropout(c.dropout)
 
-    def forward(self, x, cos, sin):
-        x = x + self.drop(self.self_attn(self.input_layernorm(x), cos, sin))
+    def forward(self, x, cos, sin, mask=None):
+        x = x + self.drop(self.self_attn(self.input_layernorm(x), cos, sin, mask))
         return x + self.drop(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -114,6 +114,11 @@ class Llama(nn.Module):
         norm_eps: float = 1e-5
         dropout: float = 0.0
         init_std: float = 0.02
+        # Attention skips the left padding and positions start at each row's first real token, so a
+        # row's values do not depend on how many pads precede it (each pad sees only itself, and the
+        # last one predicts the first real token from nothing): scorers may then cut the padding.
+        # Off: the write-up's models, which attend to the pads they were trained with.
+        mask_pads: bool = False
 
         def __post_init__(self):
             if self.d_model % self.n_heads:
@@ -149,22 +154,38 @@ class Llama(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward_hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """Blocks + final norm over embeddings x (B, T, d); causal."""
+    def forward_hidden(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks + final norm over embeddings x (B, T, d); causal. `attention_mask` (B, T), 1 on real
+        tokens, 0 on the left padding: read only when the model masks pads (`mask_pads`)."""
         T = x.shape[1]
         if T > self.config.n_ctx:
             raise ValueError(f"sequence of {T} tokens is longer than the model's n_ctx {self.config.n_ctx}")
-        cos, sin = self.rope_cos[:T].to(x.dtype), self.rope_sin[:T].to(x.dtype)
+        if self.config.mask_pads and attention_mask is not None:
+            cos, sin, mask = self._pad_masked(attention_mask.bool())
+        else:
+            cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, mask)
         return self.norm(x)
+
+    def _pad_masked(self, real: torch.Tensor):
+        """RoPE tables at each token's position from its row's first real token (pads at 0) and the
+        attention mask (B, 1, T, T): a real token sees the real tokens up to itself, a pad itself."""
+        T = real.shape[1]
+        pos = (real.cumsum(1) - 1).clamp(min=0)  # (B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=real.device).tril()
+        mask = (causal & real[:, None, :] & real[:, :, None]) | torch.eye(
+            T, dtype=torch.bool, device=real.device
+        )
+        return self.rope_cos[pos][:, None], self.rope_sin[pos][:, None], mask[:, None]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V); position t predicts token t+1."""
-        return self.head(self.forward_hidden(self.embed(input_ids)))
+        return self.head(self.forward_hidden(self.embed(input_ids), attention_mask))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -6,7 +6,6 @@ or a .gguf file). Value i = CE of token i given the tokens before it (see scorer
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -135,8 +134,9 @@ class CausalLossScorer(Scorer):
                 allow_pickle=self.options.get("allow_pickle", False),
             )
             to_compute_dtype(self._model, self.dtype)
-            # our models read no attention mask: they see the left padding they were trained on
-            self.cut_padding = "attention_mask" in inspect.signature(self._model.forward).parameters
+            # our models see the left padding they were trained on, unless trained to mask it
+            self.mask_pads = bool(getattr(getattr(self._model, "config", None), "mask_pads", False))
+            self.cut_padding = self.mask_pads
             self._start = None
         else:
             self._model = hf.load_causal_lm(
@@ -148,6 +148,13 @@ class CausalLossScorer(Scorer):
             )
             self._start_info = hf.start_token(self._resolved, hf.model_tokenizer(self._resolved))
             self._start = self._start_info.id
+
+    mask_pads = False  # our checkpoint masks the left padding (models.llama's `mask_pads`)
+
+    def batch_width(self, longest: int, T: int) -> int:
+        if self.mask_pads:  # one pad kept: it predicts the first real token (from nothing)
+            return min(longest + 1, T)
+        return super().batch_width(longest, T)
 
     def metadata(self) -> dict[str, Any]:
         extra = {"start_token": self._start_info.as_dict()} if getattr(self, "_start_info", None) else {}
@@ -176,9 +183,11 @@ class CausalLossScorer(Scorer):
         # h[t] predicts ids[t+1]; the pad just before the first real token predicts it
         pred = col[:, :-1] >= (T - lengths - 1)[:, None]
         step = max(1, 8192 // T)
+        real = col >= (T - lengths)[:, None]  # read by a model that masks pads
         with torch.inference_mode(), autocast(self.device, self.dtype):
             for s in range(0, B, step):
-                logits = self._model(ids[s : s + step])[:, :-1]
+                mask = {"attention_mask": real[s : s + step]} if self.mask_pads else {}
+                logits = self._model(ids[s : s + step], **mask)[:, :-1]
                 ce = chunked_ce(logits.reshape(-1, logits.shape[-1]), ids[s : s + step, 1:].reshape(-1))
                 # pads zeroed by `where`, not selected by a boolean mask: no host sync per sub-batch
                 out[s : s + step, 1:] = torch.where(pred[s : s + step], ce.view(-1, T - 1), 0.0)

@@ -376,6 +376,7 @@ def _train(
             torch.distributed.barrier()
         saved = step
 
+    mask_pads = bool(run.model_cfg.get("mask_pads"))  # a model that skips the left padding reads where it is
     last_stop = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
     t_run = t0 = time.perf_counter()
     # summed on the device between log steps: the host reads them there (and once a step, below)
@@ -393,11 +394,12 @@ def _train(
             ids = batch["input_ids"].to(device, non_blocking=True)
             mask = batch["mask"][:, 1:].to(device)
             columns = {k: batch[k][:, 1:].to(device) for k in loss_def.columns}
+            pads = {"attention_mask": batch["mask"].to(device)} if mask_pads else {}
             # dropout / estimator noise drawn from (seed, step, micro, rank): resume-exact
             torch.manual_seed(hash((cfg.seed, step, micro, rank)) & 0x7FFFFFFF)
             sync = micro == cfg.grad_accum - 1 or world == 1
             with contextlib.nullcontext() if sync else model.no_sync(), autocast:
-                logits = model(ids, **fwd_kw)[:, :-1]
+                logits = model(ids, **fwd_kw, **pads)[:, :-1]
                 loss = loss_def.fn(logits, ids[:, 1:], mask, **columns, **loss_kw)
             (loss / cfg.grad_accum).backward()
             step_loss += loss.detach()
