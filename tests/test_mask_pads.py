@@ -78,3 +78,22 @@ def test_causal_loss_cuts_the_padding_of_a_pad_masking_checkpoint(masked_ckpt, r
     real = int((ids.shape[1] - n_pad).sum())
     # pad columns computed: the full-width path all of them, the cut path one per row and the batches' ragged ends
     assert cut.computed_tokens - real < 0.6 * (full.computed_tokens - real)
+
+
+def test_hf_llama_computes_the_same_real_token_logits_with_a_mask_and_positions():
+    from transformers import LlamaForCausalLM
+
+    from entroweight.trainers.export import hf_config
+
+    ours = tiny(mask_pads=True)
+    hf = LlamaForCausalLM(hf_config(ours.config, {})).eval()
+    state = {(k if k.startswith("lm_head") else "model." + k): v for k, v in ours.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not missing and not unexpected
+    ids = torch.cat([torch.zeros(2, 5, dtype=torch.long), torch.randint(1, 64, (2, 7))], 1)
+    ids[1, 3:5] = 9  # the second row has 3 pads, the first 5
+    mask = (torch.arange(12)[None] >= torch.tensor([[5], [3]])).long()
+    with torch.no_grad():
+        a = ours(ids, attention_mask=mask)
+        b = hf(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    torch.testing.assert_close(a[mask.bool()], b[mask.bool()], rtol=1e-5, atol=1e-5)
