@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 
 from tqdm.auto import tqdm
@@ -220,6 +221,10 @@ def _run(
                     idle += [actor] * IN_FLIGHT_PER_ACTOR
                 if new:
                     bar.set_description(f"{stage.name} (ray x{len(actors)})")
+                    tqdm.write(
+                        f"ray: {new} more worker(s) on nodes that joined, {len(actors)} in all",
+                        file=sys.stderr,
+                    )
             if not ready:
                 continue
             ref = ready[0]

@@ -215,7 +215,9 @@ def plan_run(
     # or a new input file never renumbers what exists.
     registry_file = out / SHARDS_FILE
     registry: dict[str, str] = json.loads(registry_file.read_bytes()) if SHARDS_FILE in names else {}
-    todo, done, stale = _sort_shards(inputs, registry, read_manifests(out, names), names, record.config_hash, out)
+    todo, done, stale = _sort_shards(
+        inputs, registry, read_manifests(out, names), names, record.config_hash, out
+    )
     write_json_atomic(registry, registry_file)
     # output of a shard killed after its parquet but before its manifest: redo it from scratch
     for task in todo:
@@ -258,7 +260,9 @@ def preview_run(stage: Stage, out_dir: AnyPath) -> tuple[RunPlan, str]:
             tasks = [ShardTask(shard="", inputs=(inp,), out_dir=storage.key(out)) for inp in inputs]
             return RunPlan(stage, out, tasks, []), " (config changed: needs --overwrite)"
     registry = json.loads((out / SHARDS_FILE).read_bytes()) if SHARDS_FILE in names else {}
-    todo, done, stale = _sort_shards(inputs, registry, read_manifests(out, names), names, stage.config_hash, out)
+    todo, done, stale = _sort_shards(
+        inputs, registry, read_manifests(out, names), names, stage.config_hash, out
+    )
     return RunPlan(stage, out, todo, done, stale), ""
 
 

@@ -138,3 +138,42 @@ def test_two_node_ray_cluster_matches_local(tmp_path, c4_path, tokenizer_dir, tw
             m.rows_out,
             m.docs_in,
         )
+
+
+@pytest.mark.slow
+def test_a_run_waits_for_the_nodes_it_needs_and_grows_as_more_join(tmp_path, c4_path, tokenizer_dir):
+    """A real cluster whose head has no CPU for workers: the run waits (--ray-wait-nodes) until a
+    node joins, starts with one worker, and adds one when a second node joins; nothing is lost."""
+    src = tmp_path / "c4.jsonl.gz"
+    with gzip.open(c4_path, "rt", encoding="utf-8") as f:
+        lines = [next(f) for _ in range(120)]
+    with gzip.open(src, "wt", encoding="utf-8") as f:
+        f.writelines(lines)
+    temp = tempfile.mkdtemp(prefix="ewray-", dir="/tmp")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    env = {**ENV, "ENTROWEIGHT_TEST_SHARD_DELAY": "2.5"}  # 12 shards: ~30 s on one worker
+    # a head with no CPU for workers, as a cluster's head often is (the later --num-cpus wins)
+    head = start_node(
+        "--head", "--port", str(port), "--include-dashboard=false", "--temp-dir", temp, "--num-cpus", "0"
+    )
+    nodes = [head]
+    try:
+        wait_for_nodes(address, 1)
+        cmd = [sys.executable, "-m", "entroweight.workflows.cli", "tokenize", str(src), "--tokenizer",
+               str(tokenizer_dir), "--n-ctx", "64", "--shard-docs", "10", "--out", str(tmp_path / "out"),
+               "--engine", "ray", "--ray-address", address, "--ray-wait-nodes", "120"]  # fmt: skip
+        job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(5)
+        nodes.append(start_node("--address", address, env=env))
+        wait_for_nodes(address, 2)
+        time.sleep(4)
+        nodes.append(start_node("--address", address, env=env))
+        out, err = job.communicate(timeout=240)
+        assert job.returncode == 0, err
+        assert "12 shard(s) run" in out and "120 docs in, 120 docs out" in out
+        assert "more worker(s) on nodes that joined" in err, err
+    finally:
+        for proc in reversed(nodes):
+            stop_node(proc)
+        shutil.rmtree(temp, ignore_errors=True)
