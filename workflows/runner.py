@@ -32,6 +32,7 @@ from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
 from entroweight.pipelines.weigh import WeighStage
 from entroweight.schemas import StageRecord
+from entroweight.schemas.tokenizer import TOKENIZER_FILE
 from entroweight.transforms.writer import write_json_atomic
 
 from .report import read_metrics, write_report
@@ -265,7 +266,7 @@ class Runner:
         spec, out = self.wf.tokenizer, self.wf.tokenizer_dir()
         step = self._begin("tokenizer", "tokenizer", out)
         if spec.path is not None:
-            from entroweight.transforms.tokenizer import resolve_tokenizer_path
+            from entroweight.schemas.tokenizer import resolve_tokenizer_path
 
             try:
                 resolve_tokenizer_path(spec.path)
@@ -277,10 +278,10 @@ class Runner:
             key["holdout"] = self.wf.holdout.docs
         key = _key(key)
         marker = out / STEP_FILE
-        built = (out / "tokenizer.json").exists()
+        built = (out / TOKENIZER_FILE).exists()
         old = json.loads(marker.read_text()).get("key") if marker.exists() else None
         if built and old == key:
-            return self._say(step, "up to date", str(out / "tokenizer.json"))
+            return self._say(step, "up to date", str(out / TOKENIZER_FILE))
         if built and not self.overwrite:
             raise WorkflowError(
                 f"{out} holds a tokenizer trained with other settings; everything downstream depends on it. "
@@ -308,7 +309,7 @@ class Runner:
 
     def tokenizer_file(self) -> str:
         d = self.wf.tokenizer_dir()
-        return str(d / "tokenizer.json") if d.is_dir() else str(d)
+        return str(d / TOKENIZER_FILE) if d.is_dir() else str(d)
 
     # -- data stages
     def _stage(self, step: Step, build: Callable[[], Any], upstream: list[str]) -> None:
