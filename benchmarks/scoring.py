@@ -79,7 +79,7 @@ def bench_causal(spec: str, texts: list[str], n_rows: int, n_ctx: int, batch: in
 
     scorer = make_scorer("causal_loss", model=spec, batch_size=batch)
     scorer.setup()
-    tok, start = hf.load_model_tokenizer(scorer._resolved)
+    tok, start = hf.load_model_tokenizer(scorer.source.resolved)
     seqs = [e.ids for e in tok.tokenizer.encode_batch_fast(texts[:n_rows], add_special_tokens=False)]
     ids, n_pad = _left_pad(seqs, n_ctx, 0)
     real = int(ids.size - n_pad.sum())

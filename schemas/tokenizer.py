@@ -1,4 +1,5 @@
-"""Where a tokenizer lives, and what makes its vocabulary usable: the one place every layer asks.
+"""Tokenizer facts: where a tokenizer lives, what makes its vocabulary usable, which tokens are its
+specials, and the bytes each token stands for: the one place every layer asks.
 
 Data is self-describing: a tokenized (or scored, or weighed) directory carries the `tokenizer.json`
 that made it under `.tokenizer/` (hidden, so `datasets.load_dataset("parquet", data_dir=DIR)` reads
@@ -9,14 +10,24 @@ for data or checkpoints made here; a --tokenizer given still wins.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
+
+from tokenizers import Tokenizer
 
 from entroweight import storage
 
 TOKENIZER_FILE = "tokenizer.json"
 # a data directory's copy of its tokenizer: hidden, like every other file that is not data
 CARRIED_TOKENIZER = Path(".tokenizer") / TOKENIZER_FILE
+
+# The specials a tokenizer we train gets (ids 0, 1, 2).
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+# Specials we look for, in order, when a tokenizer was not trained by us (Llama 3, GPT-2, ...).
+PAD_CANDIDATES = (PAD, "<|finetune_right_pad_id|>", "<pad>", "[PAD]", "<|padding|>")
+EOS_CANDIDATES = (EOS, "<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[SEP]")
+BOS_CANDIDATES = (BOS, "<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
 
 
 class TokenizerError(ValueError):
@@ -72,3 +83,44 @@ def check_vocab(vocab: dict[str, int], where: str | Path) -> None:
             f"{where}: the {n} token ids are not 0..{n - 1} (ids {outside} lie beyond the vocabulary, "
             f"{gaps} are missing). The file is corrupt: re-create it (`entroweight train-tokenizer`)"
         )
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte's printable stand-in character (byte-level vocabularies
+    spell tokens in these characters)."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def token_bytes(tokenizer: Tokenizer | str | Path) -> list[bytes]:
+    """The raw bytes each token id stands for (b"" for special tokens), of a `tokenizers` Tokenizer or
+    the tokenizer.json at a path: exact byte accounting without decoding."""
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = Tokenizer.from_str(storage.path(tokenizer).read_text(encoding="utf-8"))
+    tok = tokenizer
+    decoder = json.loads(tok.to_str()).get("decoder") or {}
+    byte_level = "ByteLevel" in json.dumps(decoder)
+    to_byte = {c: b for b, c in bytes_to_unicode().items()} if byte_level else None
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    out = [b""] * tok.get_vocab_size(with_added_tokens=True)
+    for piece, idx in tok.get_vocab(with_added_tokens=True).items():
+        if piece in specials:
+            continue
+        if to_byte is not None and all(ch in to_byte for ch in piece):
+            out[idx] = bytes(to_byte[ch] for ch in piece)
+        elif piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:  # byte fallback
+            out[idx] = bytes([int(piece[3:5], 16)])
+        else:  # sentencepiece-style pieces
+            out[idx] = piece.replace("\u2581", " ").encode("utf-8")
+    return out

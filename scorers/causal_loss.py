@@ -1,12 +1,14 @@
 """causal_loss: per-token cross-entropy (nats) of a causal LM that reads the data's own ids.
 
 The model is one of our checkpoints (`checkpoint=DIR`) or any HF `AutoModelForCausalLM` (`model=ID_OR_DIR`,
-or a .gguf file). Value i = CE of token i given the tokens before it (see scorers/base.py).
+or a .gguf file). Value i = CE of token i given the tokens before it (see scorers/base.py). What
+differs between the two lives in one `ModelSource` each (OurCheckpoint, HFModel).
 """
 
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,13 @@ from pydantic import Field, model_validator
 
 from . import hf
 from .base import HFModelOptions, Scorer, ScorerError, fill_first_token
-from .estimator_common import checkpoint_vocab
+from .estimator_common import (
+    check_tokenizer,
+    checkpoint_config,
+    checkpoint_info,
+    checkpoint_vocab,
+    load_model,
+)
 from .forward import (
     autocast,
     check_dtype,
@@ -28,6 +36,154 @@ from .forward import (
 )
 
 ONE_MODEL = "give exactly one of --model (HF id, directory or .gguf) or --checkpoint (ours)"
+
+
+class ModelSource(ABC):
+    """Where causal_loss's model comes from, one of our checkpoints or an HF model: everything that
+    differs between the two, each answered in one place. The driver side is cheap (no model load);
+    `load` runs on the worker."""
+
+    revision: str | None = None  # the hub commit a hub model is pinned to
+    start: int | None = None  # the token a text is read after (known once loaded)
+    tokenizer_sha256: str | None = None  # the tokenizer the model was trained on, when it records one
+    cut_padding = True  # the model takes an attention mask: left padding may be cut
+    mask_pads = False  # our checkpoint masks the left padding: one pad is kept, to predict the first token
+
+    @abstractmethod
+    def config(self) -> dict[str, Any]:
+        """What identifies the model in the stage config (beside the scorer's name and dtype)."""
+
+    @abstractmethod
+    def vocab_size(self) -> int | None:
+        """How many ids the model reads, found without loading it; None when it cannot tell."""
+
+    @abstractmethod
+    def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
+        """Raise ScorerError when the data's ids are not what the model reads."""
+
+    @abstractmethod
+    def load(self, device: str, dtype: str, options: dict[str, Any]) -> torch.nn.Module:
+        """The model on `device` in the compute dtype (and what is known only once it is loaded)."""
+
+    @abstractmethod
+    def token_losses(self, model, ids: torch.Tensor, lengths: torch.Tensor, device: str, dtype: str):
+        """(B, T) left-padded ids on the device and real lengths -> (B, T) CE of each token, pads 0."""
+
+    @abstractmethod
+    def has_context(self, n_pad: np.ndarray) -> np.ndarray:
+        """Per row: whether its first real token was predicted from something."""
+
+    def metadata(self) -> dict[str, Any]:
+        """What the file metadata records of the model beyond config() (after load)."""
+        return {}
+
+
+class OurCheckpoint(ModelSource):
+    """One of our checkpoints (`checkpoint=DIR`), through the checkpoint scorers' helpers. It reads no
+    start token: it was trained on left-padded rows, so the padding is its context (all of it, or with
+    models.llama's `mask_pads` the last pad alone)."""
+
+    def __init__(self, checkpoint: str):
+        self.checkpoint = checkpoint
+        self.info = checkpoint_info(checkpoint)
+        self.tokenizer_sha256 = self.info.get("tokenizer_sha256")
+
+    def config(self) -> dict[str, Any]:
+        return checkpoint_config(self.checkpoint, self.info)
+
+    def vocab_size(self) -> int | None:
+        return checkpoint_vocab(self.info)
+
+    def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
+        check_tokenizer(self.info, self.checkpoint, sha256)
+
+    def load(self, device: str, dtype: str, options: dict[str, Any]) -> torch.nn.Module:
+        model = load_model(self.checkpoint, device, options.get("allow_pickle", False))
+        to_compute_dtype(model, dtype)
+        # our models see the left padding they were trained on, unless trained to mask it
+        self.mask_pads = bool(getattr(getattr(model, "config", None), "mask_pads", False))
+        self.cut_padding = self.mask_pads
+        return model
+
+    def token_losses(self, model, ids: torch.Tensor, lengths: torch.Tensor, device: str, dtype: str):
+        """Our models return full logits: sub-batch so that fp32 logits stay within a few chunks."""
+        B, T = ids.shape
+        out = torch.zeros((B, T), dtype=torch.float32, device=ids.device)
+        col = torch.arange(T, device=ids.device)[None, :]
+        # h[t] predicts ids[t+1]; the pad just before the first real token predicts it
+        pred = col[:, :-1] >= (T - lengths - 1)[:, None]
+        step = max(1, 8192 // T)
+        real = col >= (T - lengths)[:, None]  # read by a model that masks pads
+        with torch.inference_mode(), autocast(device, dtype):
+            for s in range(0, B, step):
+                mask = {"attention_mask": real[s : s + step]} if self.mask_pads else {}
+                logits = model(ids[s : s + step], **mask)[:, :-1]
+                ce = chunked_ce(logits.reshape(-1, logits.shape[-1]), ids[s : s + step, 1:].reshape(-1))
+                # pads zeroed by `where`, not selected by a boolean mask: no host sync per sub-batch
+                out[s : s + step, 1:] = torch.where(pred[s : s + step], ce.view(-1, T - 1), 0.0)
+        return out
+
+    def has_context(self, n_pad: np.ndarray) -> np.ndarray:
+        return n_pad > 0
+
+
+class HFModel(ModelSource):
+    """Any HF `AutoModelForCausalLM` (`model=ID_OR_DIR`, or a .gguf file); it reads a start token."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.resolved = hf.resolve_model(model)
+        # a hub model is pinned to the commit it had when the run was planned (workers load that one)
+        self.revision = hf.hub_revision(model) if isinstance(self.resolved, str) else None
+        self.start_info: hf.StartToken | None = None
+
+    def config(self) -> dict[str, Any]:
+        hub = isinstance(self.resolved, str)
+        return {
+            "model": self.model if hub else Path(self.model).name,
+            "model_sha256": hf.model_sha256(self.resolved),
+            **({"model_revision": self.revision} if hub else {}),
+        }
+
+    def vocab_size(self) -> int | None:
+        if not isinstance(self.resolved, Path):
+            return None  # a hub id: its config is not read before the model loads
+        cfg = json.loads((self.resolved / "config.json").read_text())
+        size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+        return int(size) if size else None
+
+    def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
+        model_tok, _ = hf.load_model_tokenizer(self.resolved)
+        if model_tok.sha256 == sha256:
+            return
+        if data_tokenizer is None:
+            raise ScorerError(
+                f"the data's tokenizer ({sha256[:12]}…) is not the file of {self.model}; pass --tokenizer "
+                "with the data's tokenizer so the vocabularies can be compared, or use --scorer cross_tokenizer"
+            )
+        if not same_vocabulary(data_tokenizer, model_tok):
+            raise ScorerError(
+                f"the data's tokenizer ({data_tokenizer.path}) and {self.model}'s differ: ids mean "
+                "different text; use --scorer cross_tokenizer"
+            )
+
+    def load(self, device: str, dtype: str, options: dict[str, Any]) -> torch.nn.Module:
+        model = hf.load_causal_lm(
+            self.resolved, device, dtype=dtype, revision=self.revision, **hf.load_options(options)
+        )
+        self.start_info = hf.start_token(self.resolved, hf.model_tokenizer(self.resolved))
+        self.start = self.start_info.id
+        return model
+
+    def token_losses(self, model, ids: torch.Tensor, lengths: torch.Tensor, device: str, dtype: str):
+        x, mask = with_start_token(ids, lengths, self.start)
+        return hf_token_losses(model, x, mask, dtype)[:, x.shape[1] - ids.shape[1] :]
+
+    def has_context(self, n_pad: np.ndarray) -> np.ndarray:
+        return np.full(len(n_pad), self.start is not None)
+
+    def metadata(self) -> dict[str, Any]:
+        return {"start_token": self.start_info.as_dict()} if self.start_info else {}
 
 
 class CausalLossScorer(Scorer):
@@ -55,143 +211,55 @@ class CausalLossScorer(Scorer):
         super().__init__(batch_size=batch_size, device=device, **options)
         if (model is None) == (checkpoint is None):
             raise ScorerError(ONE_MODEL)
-        self.model_spec, self.checkpoint = model, checkpoint
+        self.source = OurCheckpoint(checkpoint) if checkpoint is not None else HFModel(model)
         # what was asked ('auto' included) is the config; the worker resolves it in setup()
         self.dtype_option = check_dtype(dtype)
         self.dtype = None
         self._model = None
-        if checkpoint is not None:
-            from entroweight.models.checkpoint import read_checkpoint_config
 
-            self._ckpt_config = read_checkpoint_config(checkpoint)
-            self._resolved = None
-        else:
-            self._resolved = hf.resolve_model(model)
-            self._ckpt_config = None
-        # a hub model is pinned to the commit it had when the run was planned (workers load that one)
-        self.revision = hf.hub_revision(model) if isinstance(self._resolved, str) else None
+    @property
+    def revision(self) -> str | None:
+        return self.source.revision
+
+    @property
+    def cut_padding(self) -> bool:
+        return self.source.cut_padding
+
+    @property
+    def _start(self) -> int | None:  # the start token id, named as on cross_tokenizer
+        return self.source.start
 
     # -- driver side (cheap)
     def config(self) -> dict[str, Any]:
-        if self.checkpoint is not None:
-            return {
-                "scorer": self.name,
-                "checkpoint": Path(self.checkpoint).name,
-                "checkpoint_sha256": self._ckpt_config.get("weights_sha256"),
-                "dtype": self.dtype_option,
-            }
-        return {
-            "scorer": self.name,
-            "model": self.model_spec if isinstance(self._resolved, str) else Path(self.model_spec).name,
-            "model_sha256": hf.model_sha256(self._resolved),
-            **({"model_revision": self.revision} if isinstance(self._resolved, str) else {}),
-            "dtype": self.dtype_option,
-        }
+        return {"scorer": self.name, **self.source.config(), "dtype": self.dtype_option}
 
     def vocab_size(self) -> int | None:
-        if self.checkpoint is not None:
-            return checkpoint_vocab(self._ckpt_config)
-        if not isinstance(self._resolved, Path):
-            return None  # a hub id: its config is not read before the model loads
-        cfg = json.loads((self._resolved / "config.json").read_text())
-        size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
-        return int(size) if size else None
+        return self.source.vocab_size()
 
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
-        if self.checkpoint is not None:
-            want = self._ckpt_config.get("tokenizer_sha256")
-            if want and want != sha256:
-                raise ScorerError(
-                    f"the checkpoint {self.checkpoint} was trained on tokenizer {want[:12]}…, the data is "
-                    f"tokenized with {sha256[:12]}…: retokenize the data with the checkpoint's tokenizer"
-                )
-            return
-        model_tok, _ = hf.load_model_tokenizer(self._resolved)
-        if model_tok.sha256 == sha256:
-            return
-        if data_tokenizer is None:
-            raise ScorerError(
-                f"the data's tokenizer ({sha256[:12]}…) is not the file of {self.model_spec}; pass --tokenizer "
-                "with the data's tokenizer so the vocabularies can be compared, or use --scorer cross_tokenizer"
-            )
-        if not same_vocabulary(data_tokenizer, model_tok):
-            raise ScorerError(
-                f"the data's tokenizer ({data_tokenizer.path}) and {self.model_spec}'s differ: ids mean "
-                "different text; use --scorer cross_tokenizer"
-            )
+        self.source.check_data_tokenizer(sha256, data_tokenizer)
 
     # -- worker side
     def setup(self, data_tokenizer=None) -> None:
         if self._model is not None:
             return
         self.dtype = resolve_dtype(self.dtype_option, self.device)  # here, where the model runs
-        if self.checkpoint is not None:
-            from entroweight.models.checkpoint import load_checkpoint
-
-            self._model, _ = load_checkpoint(
-                self.checkpoint,
-                map_location=self.device,
-                allow_pickle=self.options.get("allow_pickle", False),
-            )
-            to_compute_dtype(self._model, self.dtype)
-            # our models see the left padding they were trained on, unless trained to mask it
-            self.mask_pads = bool(getattr(getattr(self._model, "config", None), "mask_pads", False))
-            self.cut_padding = self.mask_pads
-            self._start = None
-        else:
-            self._model = hf.load_causal_lm(
-                self._resolved,
-                self.device,
-                dtype=self.dtype,
-                revision=self.revision,
-                **hf.load_options(self.options),
-            )
-            self._start_info = hf.start_token(self._resolved, hf.model_tokenizer(self._resolved))
-            self._start = self._start_info.id
-
-    mask_pads = False  # our checkpoint masks the left padding (models.llama's `mask_pads`)
+        self._model = self.source.load(self.device, self.dtype, self.options)
 
     def batch_width(self, longest: int, T: int) -> int:
-        if self.mask_pads:  # one pad kept: it predicts the first real token (from nothing)
+        if self.source.mask_pads:  # one pad kept: it predicts the first real token (from nothing)
             return min(longest + 1, T)
         return super().batch_width(longest, T)
 
     def metadata(self) -> dict[str, Any]:
-        extra = {"start_token": self._start_info.as_dict()} if getattr(self, "_start_info", None) else {}
-        return {**super().metadata(), **extra}
+        return {**super().metadata(), **self.source.metadata()}
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         ids = torch.as_tensor(input_ids.astype(np.int64), device=self.device)
         lengths = torch.as_tensor(ids.shape[1] - n_pad, device=self.device)
-        if self.checkpoint is not None:
-            values = self._checkpoint_losses(ids, lengths)
-        else:
-            x, mask = with_start_token(ids, lengths, self._start)
-            values = hf_token_losses(self._model, x, mask, self.dtype)[:, x.shape[1] - ids.shape[1] :]
-        values = values.cpu().numpy()
-        has_context = (
-            (n_pad > 0) if self.checkpoint is not None else np.full(len(n_pad), self._start is not None)
-        )
-        fill_first_token(values, n_pad, has_context)
+        values = self.source.token_losses(self._model, ids, lengths, self.device, self.dtype).cpu().numpy()
+        fill_first_token(values, n_pad, self.source.has_context(n_pad))
         return values
-
-    def _checkpoint_losses(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Our models return full logits: sub-batch so that fp32 logits stay within a few chunks."""
-        B, T = ids.shape
-        out = torch.zeros((B, T), dtype=torch.float32, device=ids.device)
-        col = torch.arange(T, device=ids.device)[None, :]
-        # h[t] predicts ids[t+1]; the pad just before the first real token predicts it
-        pred = col[:, :-1] >= (T - lengths - 1)[:, None]
-        step = max(1, 8192 // T)
-        real = col >= (T - lengths)[:, None]  # read by a model that masks pads
-        with torch.inference_mode(), autocast(self.device, self.dtype):
-            for s in range(0, B, step):
-                mask = {"attention_mask": real[s : s + step]} if self.mask_pads else {}
-                logits = self._model(ids[s : s + step], **mask)[:, :-1]
-                ce = chunked_ce(logits.reshape(-1, logits.shape[-1]), ids[s : s + step, 1:].reshape(-1))
-                # pads zeroed by `where`, not selected by a boolean mask: no host sync per sub-batch
-                out[s : s + step, 1:] = torch.where(pred[s : s + step], ce.view(-1, T - 1), 0.0)
-        return out
 
 
 def same_vocabulary(a, b) -> bool:

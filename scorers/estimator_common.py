@@ -30,6 +30,11 @@ def checkpoint_info(checkpoint: str) -> dict:
     return read_checkpoint_config(checkpoint)
 
 
+def checkpoint_config(checkpoint: str, ckpt_config: dict) -> dict[str, Any]:
+    """What identifies one of our checkpoints in a stage config (beside the scorer's name and dtype)."""
+    return {"checkpoint": Path(checkpoint).name, "checkpoint_sha256": ckpt_config.get("weights_sha256")}
+
+
 def check_tokenizer(ckpt_config: dict, checkpoint: str, sha256: str) -> None:
     want = ckpt_config.get("tokenizer_sha256")
     if want and want != sha256:
@@ -97,8 +102,7 @@ class CheckpointScorer(Scorer):
     def config(self) -> dict[str, Any]:
         return {
             "scorer": self.name,
-            "checkpoint": Path(self.checkpoint).name,
-            "checkpoint_sha256": self._ckpt_config.get("weights_sha256"),
+            **checkpoint_config(self.checkpoint, self._ckpt_config),
             "dtype": self.dtype_option,
         }
 

@@ -101,8 +101,7 @@ class ExcessLossScorer(Scorer):
         if context is not None or stride is not None:
             raise ScorerError("--context / --stride are options of the cross-tokenizer reference only")
         self.reference = _side(str(reference), **kw)
-        a = (self.model._ckpt_config or {}).get("tokenizer_sha256")
-        b = (self.reference._ckpt_config or {}).get("tokenizer_sha256")
+        a, b = self.model.source.tokenizer_sha256, self.reference.source.tokenizer_sha256
         if a and b and a != b:
             raise ScorerError(
                 f"the model ({a[:12]}…) and the reference ({b[:12]}…) were trained on different tokenizers: "

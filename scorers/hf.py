@@ -20,6 +20,7 @@ from typing import NamedTuple
 from filelock import FileLock
 
 from entroweight.models.checkpoint import plain_mode
+from entroweight.schemas.tokenizer import TOKENIZER_FILE
 from entroweight.transforms.tokenizer import LoadedTokenizer, load_tokenizer
 from entroweight.transforms.writer import TMP_MARK, sha256_file, write_text_atomic
 
@@ -64,7 +65,7 @@ def resolve_model(spec: str) -> Path | str:
 
 
 def _converted(out: Path) -> bool:
-    return (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    return (out / "config.json").exists() and (out / TOKENIZER_FILE).exists()
 
 
 def convert_gguf(path: Path, out: Path | None = None) -> Path:
@@ -211,8 +212,8 @@ def load_model_tokenizer(resolved: Path | str) -> tuple[LoadedTokenizer, int | N
 
 
 def model_tokenizer(resolved: Path | str) -> LoadedTokenizer:
-    if isinstance(resolved, Path) and (resolved / "tokenizer.json").exists():
-        path = resolved / "tokenizer.json"
+    if isinstance(resolved, Path) and (resolved / TOKENIZER_FILE).exists():
+        path = resolved / TOKENIZER_FILE
     else:
         from transformers import AutoTokenizer
 
@@ -220,7 +221,7 @@ def model_tokenizer(resolved: Path | str) -> LoadedTokenizer:
         if not getattr(hf, "is_fast", False):
             raise ModelLoadError(f"{resolved} has no fast tokenizer (tokenizer.json): byte offsets need one")
         key = hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
-        path = cache_dir() / "tokenizers" / key / "tokenizer.json"
+        path = cache_dir() / "tokenizers" / key / TOKENIZER_FILE
         write_text_atomic(
             hf.backend_tokenizer.to_str(pretty=True), path
         )  # parallel workers: never half a file
@@ -237,7 +238,7 @@ def start_token(resolved: Path | str | None, tok: LoadedTokenizer) -> StartToken
     3. it declares none (no such post-processor, no `add_bos_token`, e.g. a bare tokenizer.json or
        SmolLM2, whose `bos_token_id` is the chat turn's `<|im_start|>` and is never added to text):
        the documented fallback, the vocabulary's begin-of-text token by name (`<|begin_of_text|>`,
-       `<s>`, ...: transforms/tokenizer.py BOS_CANDIDATES) if it has one, else its end-of-text token
+       `<s>`, ...: schemas/tokenizer.py BOS_CANDIDATES) if it has one, else its end-of-text token
        (`<|endoftext|>`, `</s>`, ...), which separates documents in such models' pretraining data.
     None when the vocabulary has neither.
     """

@@ -22,21 +22,21 @@ from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from entroweight.models.checkpoint import CheckpointError, load_checkpoint
-from entroweight.schemas.tokenizer import TokenizerError, check_vocab, resolve_tokenizer_path
+from entroweight.schemas.tokenizer import (
+    BOS_CANDIDATES,
+    EOS_CANDIDATES,
+    TokenizerError,
+    check_vocab,
+    resolve_tokenizer_path,
+)
 
 from .losses import per_token_ce
 
 # WikiText-2's test text: package data (data/README.md), installed with the package.
 DEFAULT_TEXT = Path(files(__package__) / "data" / "wikitext" / "wiki.test.raw")
-START_CANDIDATES = (
-    "<|eos|>",
-    "<|end_of_text|>",
-    "<|endoftext|>",
-    "</s>",
-    "<|bos|>",
-    "<|begin_of_text|>",
-    "<s>",
-)
+# The token a text is read after: the end-of-text token that separates documents in packed training
+# data (the one tokenize found, by the same names), else a begin-of-text token.
+START_CANDIDATES = EOS_CANDIDATES + BOS_CANDIDATES
 
 
 def read_text(path: str | Path | None, max_bytes: int | None = None) -> str:

@@ -11,14 +11,12 @@ from pathlib import Path
 import torch
 
 from entroweight.models.checkpoint import CheckpointError, load_checkpoint, plain_mode
+from entroweight.schemas.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES, PAD_CANDIDATES
 
 from .bpb import checkpoint_tokenizer
 
-SPECIALS = {
-    "pad_token": ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>"),
-    "bos_token": ("<|bos|>", "<|begin_of_text|>", "<s>"),
-    "eos_token": ("<|eos|>", "<|end_of_text|>", "<|endoftext|>", "</s>"),
-}
+# each HF special role, found by the names tokenize finds it by (its pad and eos are the data's)
+SPECIALS = {"pad_token": PAD_CANDIDATES, "bos_token": BOS_CANDIDATES, "eos_token": EOS_CANDIDATES}
 
 
 def hf_config(c, specials: dict[str, int]):

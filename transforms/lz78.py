@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 import regex
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from .tokenizer import BOS, EOS, PAD, _bytes_to_unicode
+from entroweight.schemas.tokenizer import BOS, EOS, PAD, bytes_to_unicode
 
 SPECIALS = [PAD, BOS, EOS]
 N_BASE = len(SPECIALS) + 256  # ids below this are specials and single bytes
@@ -29,7 +29,7 @@ MAX_PIECE = 32
 ALGORITHMS = ("lz78", "lz78-freqgated")
 # GPT-2's split, as `pre_tokenizers.ByteLevel(use_regex=True)` applies it
 GPT2_SPLIT = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
-_BYTE_CHAR = {b: c for c, b in _bytes_to_unicode().items()}
+_BYTE_CHAR = bytes_to_unicode()
 
 
 def pieces(text: str) -> Iterator[bytes]:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -13,36 +12,17 @@ from tokenizers import Tokenizer
 
 from entroweight import storage
 from entroweight.schemas.tokenizer import (
+    BOS_CANDIDATES,
     CARRIED_TOKENIZER,
+    EOS_CANDIDATES,
+    PAD_CANDIDATES,
     TokenizerError,
     check_vocab,
     resolve_tokenizer_path,
+    token_bytes,
 )
 
 from .writer import sha256_file, write_bytes_atomic
-
-PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
-# Specials we look for, in order, when a tokenizer was not trained by us (Llama 3, GPT-2, ...).
-PAD_CANDIDATES = (PAD, "<|finetune_right_pad_id|>", "<pad>", "[PAD]", "<|padding|>")
-EOS_CANDIDATES = (EOS, "<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[SEP]")
-BOS_CANDIDATES = (BOS, "<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
-
-
-def _bytes_to_unicode() -> dict[str, int]:
-    """GPT-2's byte <-> printable character map, inverted: character -> byte."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
 @dataclass
@@ -55,7 +35,6 @@ class LoadedTokenizer:
     pad_id: int | None
     eos_id: int | None
     bos_id: int | None
-    _special_ids: set[int] = field(default_factory=set, repr=False)
 
     @property
     def vocab_size(self) -> int:
@@ -64,20 +43,7 @@ class LoadedTokenizer:
     @cached_property
     def token_bytes(self) -> list[bytes]:
         """The raw bytes each token stands for (b"" for specials): exact byte accounting without decode."""
-        spec = json.loads(self.tokenizer.to_str())
-        byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
-        inverse = _bytes_to_unicode() if byte_level else None
-        out: list[bytes] = [b""] * self.vocab_size
-        for tok, idx in self.tokenizer.get_vocab(with_added_tokens=True).items():
-            if idx in self._special_ids:
-                continue
-            if inverse is not None and all(ch in inverse for ch in tok):
-                out[idx] = bytes(inverse[ch] for ch in tok)
-            elif tok.startswith("<0x") and tok.endswith(">") and len(tok) == 6:  # byte fallback
-                out[idx] = bytes([int(tok[3:5], 16)])
-            else:  # sentencepiece-style pieces
-                out[idx] = tok.replace("\u2581", " ").encode("utf-8")
-        return out
+        return token_bytes(self.tokenizer)
 
     @cached_property
     def token_nbytes(self) -> np.ndarray:
@@ -123,7 +89,6 @@ def tokenizer_from_bytes(raw: bytes, p) -> LoadedTokenizer:
     tok.no_padding()
     vocab = tok.get_vocab(with_added_tokens=True)
     check_vocab(vocab, p)  # a corrupt file is refused here, before any stage claims its --out
-    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
     return LoadedTokenizer(
         path=p.resolve() if storage.is_local(p) else p,
         tokenizer=tok,
@@ -131,7 +96,6 @@ def tokenizer_from_bytes(raw: bytes, p) -> LoadedTokenizer:
         pad_id=_find(vocab, PAD_CANDIDATES),
         eos_id=_find(vocab, EOS_CANDIDATES),
         bos_id=_find(vocab, BOS_CANDIDATES),
-        _special_ids={vocab[s] for s in specials if s in vocab},
     )
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from entroweight import storage
+from entroweight.schemas.tokenizer import BOS, EOS, PAD, TOKENIZER_FILE, resolve_tokenizer_path
 
 from .sources import DocumentReader, SourceError, plan_inputs
-from .tokenizer import BOS, EOS, PAD, resolve_tokenizer_path
 
 SPECIALS = [PAD, BOS, EOS]
 # The write-up's base, Llama 3's tokenizer: package data (data/README.md), installed with the package.
@@ -95,8 +95,8 @@ def train_tokenizer(
 def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> tuple[Path, str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "tokenizer.json"
+    path = out / TOKENIZER_FILE
     tok.save(str(path))
     sha = storage.sha256(path)
-    (out / "tokenizer.sha256").write_text(f"{sha}  tokenizer.json\n")
+    (out / "tokenizer.sha256").write_text(f"{sha}  {TOKENIZER_FILE}\n")
     return path, sha

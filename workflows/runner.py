@@ -24,6 +24,7 @@ from entroweight import __version__
 from entroweight.pipelines.stage import run_lock
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.weigh import WeighStage
+from entroweight.schemas.tokenizer import TOKENIZER_FILE
 from entroweight.trainers.config import LossSettings, TrainSettings
 from entroweight.transforms.writer import write_json_atomic
 
@@ -216,7 +217,7 @@ class Runner:
 
     def tokenizer_file(self) -> str:
         d = self.wf.tokenizer_dir()
-        return str(d / "tokenizer.json") if d.is_dir() else str(d)
+        return str(d / TOKENIZER_FILE) if d.is_dir() else str(d)
 
     # -- the data stages
     def _tokenize(self) -> DataStep:

@@ -25,6 +25,7 @@ from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import preview_run, read_manifests
 from entroweight.pipelines.verify import verify_dir
+from entroweight.schemas.tokenizer import TOKENIZER_FILE
 from entroweight.transforms.writer import write_json_atomic
 
 from .report import read_metrics, write_report
@@ -143,17 +144,17 @@ class TokenizerStep(Step):
     def done(self):
         spec, out = self.wf.tokenizer, self.out
         if spec.path is not None:
-            from entroweight.transforms.tokenizer import resolve_tokenizer_path
+            from entroweight.schemas.tokenizer import resolve_tokenizer_path
 
             try:
                 resolve_tokenizer_path(spec.path)
             except (ValueError, OSError) as e:
                 raise WorkflowError(f"tokenizer.path: {e}") from None
             return f"given: {spec.path}"
-        if not (out / "tokenizer.json").exists():
+        if not (out / TOKENIZER_FILE).exists():
             return None
         if _recorded_key(out / STEP_FILE) == self.key():
-            return str(out / "tokenizer.json")
+            return str(out / TOKENIZER_FILE)
         if not self.runner.overwrite:
             raise WorkflowError(
                 f"{out} holds a tokenizer trained with other settings; everything downstream depends on it. "
