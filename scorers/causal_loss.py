@@ -25,6 +25,7 @@ from .forward import (
     hf_token_losses,
     resolve_dtype,
     to_compute_dtype,
+    to_device,
     with_start_token,
 )
 
@@ -154,8 +155,8 @@ class CausalLossScorer(Scorer):
         return {**super().metadata(), **extra}
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
-        ids = torch.as_tensor(input_ids.astype(np.int64), device=self.device)
-        lengths = torch.as_tensor(ids.shape[1] - n_pad, device=self.device)
+        ids = to_device(input_ids.astype(np.int64), self.device)
+        lengths = to_device(ids.shape[1] - n_pad, self.device)
         if self.checkpoint is not None:
             values = self._checkpoint_losses(ids, lengths)
         else:

@@ -18,14 +18,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from pydantic import Field
 
 from entroweight.transforms.align import AGGREGATES, AlignStats, encode_exact_batch, regroup, utf8_runs
 
 from . import hf
 from .base import HFModelOptions, Scorer, ScorerError, plan_batches
-from .forward import hf_token_losses, resolve_dtype
+from .forward import hf_token_losses, resolve_dtype, to_device
 
 
 class CrossTokenizerScorer(Scorer):
@@ -180,7 +179,7 @@ class CrossTokenizerScorer(Scorer):
                     seq = np.concatenate([[self._start], seq])
                 x[row, width - len(seq) :] = seq
                 mask[row, width - len(seq) :] = 1
-            x_t, mask_t = torch.as_tensor(x, device=self.device), torch.as_tensor(mask, device=self.device)
+            x_t, mask_t = to_device(x, self.device), to_device(mask, self.device)
             values = hf_token_losses(self._model, x_t, mask_t, self.dtype).cpu().numpy()  # one sync a batch
             for row, j in enumerate(idx):
                 t, c, a, e, _ = jobs[j]
