@@ -1,14 +1,15 @@
 """The whole shard path of the score stage against the packed limit, per scorer (issue 18).
 
 For each scorer that runs a model over rows (causal_loss with our checkpoint and with an HF model, on
-left-padded C4 at n_ctx 512; occlusion; decomposition), on one shard scored by `ScoreStage` as a run
-does (read -> batch -> forward -> weigh -> write):
+left-padded C4 at n_ctx 512; cross_tokenizer with that HF model; occlusion; decomposition), on one
+shard scored by `ScoreStage` as a run does (read -> batch -> forward -> weigh -> write):
 
 - ratio: real tokens scored per second / a bare forward of the same model over the same real tokens
   packed into full rows with no padding (same dtype and threads);
 - feed: real tokens per second of the same path with the scorer's forward replaced by a stub that
   returns zeros of the right shape (what the CPU side can feed an accelerator);
-- pad fraction: of the row positions the forwards computed, the share that were padding;
+- pad fraction: of the row positions the forwards computed, the share that were padding (for
+  cross_tokenizer, of the model-token positions: it scores windows of the text in its own tokens);
 - with CUDA: MFU of a Llama-3.2-1B-shaped random model (bf16, a 64k-token budget).
 
 Models have random weights (speed does not depend on them). Runs on the code it is imported with,
@@ -49,6 +50,7 @@ def _shard(tmp: Path, tok: Path, n_ctx: int, rows: int, tag: str = "") -> Path:
         shutil.copy(f, one / f.name)
     for f in every.glob(".part-00000*"):
         shutil.copy(f, one / f.name)
+    shutil.copy(tok / "tokenizer.json", one / "tokenizer.json")
     return one
 
 
@@ -93,7 +95,8 @@ def _stage(data: Path, name: str, options: dict, budget: int | None):
     kw = {}
     if "batch_tokens" in inspect.signature(ScoreStage.__init__).parameters:
         kw["batch_tokens"] = budget
-    stage = ScoreStage(data, name, {**options, "dtype": "fp32"}, **kw)
+    tokenizer = str(data / "tokenizer.json")  # cross_tokenizer reads the data's text
+    stage = ScoreStage(data, name, {**options, "dtype": "fp32"}, tokenizer=tokenizer, **kw)
     stage.setup()
     return stage
 
@@ -114,22 +117,53 @@ def _run_shard(stage, data: Path, out: Path) -> float:
 
 class _Counting:
     """Wraps a scorer's score_batch: counts the positions its forwards compute (rows × the width the
-    model runs at), and with `stub` returns zeros instead of running the model."""
+    model runs at) and the real tokens among them, and with `stub` returns zeros instead of running
+    the model."""
 
     def __init__(self, scorer, stub: bool = False):
         self.scorer, self.inner, self.stub = scorer, scorer.score_batch, stub
-        self.computed = 0
+        self.computed = self.real = 0
         scorer.score_batch = self
 
     def __call__(self, ids, n_pad):
         model_width = getattr(self.scorer, "n_ctx", 0)  # our estimators widen rows to their n_ctx
         self.computed += ids.shape[0] * max(ids.shape[1], model_width)
+        self.real += int((ids.shape[1] - n_pad).sum())
         if self.stub:
             return np.zeros(ids.shape, dtype=np.float32)
         return self.inner(ids, n_pad)
 
     def restore(self):
         self.scorer.score_batch = self.inner
+
+
+class _CountingHF:
+    """The same for cross_tokenizer, which batches windows of model tokens its own way: wraps the HF
+    forward it calls (`hf_token_losses` as its module imported it). Keeps the real model tokens it
+    was given (`tokens`: what the packed bare forward runs over)."""
+
+    def __init__(self, scorer, stub: bool = False):
+        import entroweight.scorers.cross_tokenizer as module
+
+        self.module, self.inner, self.stub = module, module.hf_token_losses, stub
+        self.computed = self.real = 0
+        self.tokens: list[np.ndarray] = []
+        module.hf_token_losses = self
+
+    def __call__(self, model, x, mask, dtype):
+        self.computed += x.numel()
+        self.real += int(mask.sum())
+        self.tokens.append(x[mask.bool()].cpu().numpy())
+        if self.stub:
+            return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return self.inner(model, x, mask, dtype)
+
+    def restore(self):
+        self.module.hf_token_losses = self.inner
+
+
+def _counting(scorer, stub: bool = False):
+    return _CountingHF(scorer, stub) if scorer.name == "cross_tokenizer" else _Counting(scorer, stub)
 
 
 def _packed_forward(model, tokens: np.ndarray, n_ctx: int, budget: int, hf: bool) -> float:
@@ -152,6 +186,7 @@ CASES = (
     # name, scorer, options key -> model, data width
     ("causal_loss (ours d256x4)", "causal_loss", {"checkpoint": "ours"}, N_CTX),
     ("causal_loss (HF d256x4)", "causal_loss", {"model": "hf"}, N_CTX),
+    ("cross_tokenizer (HF d256x4)", "cross_tokenizer", {"model": "hf"}, N_CTX),
     ("occlusion", "occlusion", {"checkpoint": "est512"}, N_CTX),
     ("decomposition (n_ctx 64)", "decomposition", {"checkpoint": "est64"}, 64),
 )
@@ -179,7 +214,11 @@ def bench_paths(quick: bool = False) -> list[dict]:
             n_pad = t.column("n_pad").to_numpy()
             real = int(ids.size - n_pad.sum())
             packed = np.concatenate([ids[r, n_pad[r] :] for r in range(len(ids))])
+            seen = _counting(stage.scorer)
             _run_shard(stage, d, tmp / "warm")  # warm-up
+            seen.restore()
+            if name == "cross_tokenizer":  # the bare forward runs over the model's tokens of the text
+                packed = np.concatenate(seen.tokens)
             is_hf = "model" in spec
             model = stage.scorer._model
             t_path, t_bare = [], []
@@ -189,13 +228,12 @@ def bench_paths(quick: bool = False) -> list[dict]:
             # feed rate and pad fraction on a whole shard (all the sample's documents): forward = zeros
             big = data.get(("big", width), d)
             feed_stage = _stage(big, name, options, BUDGET) if big is not d else stage
-            stub = _Counting(feed_stage.scorer, stub=True)
+            stub = _counting(feed_stage.scorer, stub=True)
             t_feed = median([_run_shard(feed_stage, big, tmp / "feed") for _ in range(2)])
-            computed = stub.computed // 2
             stub.restore()
             t = pq.read_table(next(big.glob("part-*.parquet")), columns=["n_pad"])
             big_rows, big_real = t.num_rows, int(t.num_rows * width - pc.sum(t.column("n_pad")).as_py())
-            pad = 1 - big_real / computed if computed else 0.0
+            pad = 1 - stub.real / stub.computed if stub.computed else 0.0
             note = f"{len(ids)} C4 rows <= {width} tokens, {real} real; fp32, {torch.get_num_threads()} thread(s)"
             out_rows += [
                 row(

@@ -317,8 +317,8 @@ class ScoreStage(Stage):
             {
                 "scorer": self.scorer.name,
                 "tokens_per_s": round(real / max(seconds, 1e-9), 1),
-                # of the row positions the forwards computed, the share that were padding (None: a
-                # scorer that batches its own way, e.g. cross_tokenizer's windows of text)
+                # of the row positions the forwards computed, the share that were padding (for
+                # cross_tokenizer, of its windows of model tokens; None: a scorer that counts none)
                 "pad_fraction": round(1 - scored / computed, 4) if computed else None,
                 "batch_tokens": self.batch_tokens,
                 # resolved here, in the worker that ran the model (a driver may have no accelerator)

@@ -32,6 +32,7 @@ from .forward import (
     hf_token_losses,
     resolve_dtype,
     to_compute_dtype,
+    to_device,
     with_start_token,
 )
 
@@ -255,8 +256,8 @@ class CausalLossScorer(Scorer):
         return {**super().metadata(), **self.source.metadata()}
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
-        ids = torch.as_tensor(input_ids.astype(np.int64), device=self.device)
-        lengths = torch.as_tensor(ids.shape[1] - n_pad, device=self.device)
+        ids = to_device(input_ids.astype(np.int64), self.device)
+        lengths = to_device(ids.shape[1] - n_pad, self.device)
         values = self.source.token_losses(self._model, ids, lengths, self.device, self.dtype).cpu().numpy()
         fill_first_token(values, n_pad, self.source.has_context(n_pad))
         return values

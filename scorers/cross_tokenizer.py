@@ -18,14 +18,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from pydantic import Field
 
 from entroweight.transforms.align import AGGREGATES, AlignStats, encode_exact_batch, regroup, utf8_runs
 
 from . import hf
-from .base import HFModelOptions, Scorer, ScorerError, length_buckets
-from .forward import hf_token_losses, resolve_dtype
+from .base import HFModelOptions, Scorer, ScorerError, plan_batches
+from .forward import hf_token_losses, resolve_dtype, to_device
 
 
 class CrossTokenizerScorer(Scorer):
@@ -88,7 +87,9 @@ class CrossTokenizerScorer(Scorer):
             raise ScorerError("cross_tokenizer needs the data's tokenizer: pass --tokenizer")
         self._data_tok = data_tokenizer
         if self._model is None:
-            self._model = hf.load_causal_lm(self._resolved, self.device, **hf.load_options(self.options))
+            self._model = hf.load_causal_lm(
+                self._resolved, self.device, dtype=self.dtype, **hf.load_options(self.options)
+            )
             self._model_tok = hf.model_tokenizer(self._resolved)
             self._start_info = hf.start_token(self._resolved, self._model_tok)
             self._start = self._start_info.id
@@ -166,8 +167,9 @@ class CrossTokenizerScorer(Scorer):
                 for i, (c, a, e) in enumerate(self.windows(len(ids))):
                     jobs.append((t, c, a, e, i == 0 and self._start is not None))
         lengths = np.array([e - c + w for _, c, _, e, w in jobs], dtype=np.int64)
-        for idx in length_buckets(lengths, self.batch_size):
-            width = int(lengths[idx].max())
+        # sorted by length, longest first, in batches of `batch_size` windows or of a token budget;
+        # each batch as wide as its longest window, so the forward computes (almost) no pads
+        for idx, width in plan_batches(lengths, lambda n: n, self.batch_size, self.batch_tokens):
             x = np.zeros((len(idx), width), dtype=np.int64)
             mask = np.zeros((len(idx), width), dtype=np.int64)
             for row, j in enumerate(idx):
@@ -177,17 +179,11 @@ class CrossTokenizerScorer(Scorer):
                     seq = np.concatenate([[self._start], seq])
                 x[row, width - len(seq) :] = seq
                 mask[row, width - len(seq) :] = 1
-            values = (
-                hf_token_losses(
-                    self._model,
-                    torch.as_tensor(x, device=self.device),
-                    torch.as_tensor(mask, device=self.device),
-                    self.dtype,
-                )
-                .cpu()
-                .numpy()
-            )
+            x_t, mask_t = to_device(x, self.device), to_device(mask, self.device)
+            values = hf_token_losses(self._model, x_t, mask_t, self.dtype).cpu().numpy()  # one sync a batch
             for row, j in enumerate(idx):
                 t, c, a, e, _ = jobs[j]
                 losses[t][a:e] = values[row, width - (e - a) :]
+            self.computed_tokens += x.size
+            self.real_tokens += int(lengths[idx].sum())
         return losses

@@ -18,7 +18,7 @@ import torch.nn as nn
 from pydantic import Field
 
 from .base import ModelOptions, Scorer, ScorerError
-from .forward import autocast, check_dtype, chunked_ce, resolve_dtype, to_compute_dtype
+from .forward import autocast, check_dtype, chunked_ce, resolve_dtype, to_compute_dtype, to_device
 
 # fp32 logits per forward sub-batch (rows × width × vocabulary × 4 bytes)
 LOGIT_BYTES = 256 << 20
@@ -134,7 +134,7 @@ class CheckpointScorer(Scorer):
         ids = np.full((B, self.n_ctx), self.pad_id, dtype=np.int64)
         real = np.arange(T)[None, :] >= n_pad[:, None]
         ids[:, self.n_ctx - T :] = np.where(real, input_ids, self.pad_id)
-        return torch.as_tensor(ids, device=self.device), self.n_ctx - T
+        return to_device(ids, self.device), self.n_ctx - T
 
 
 def load_model(checkpoint: str, device: str, allow_pickle: bool = False) -> nn.Module:
@@ -195,7 +195,7 @@ def window_loss_sums(
     step = max(1, LOGIT_BYTES // (4 * W * model_vocab(model)))
     order = np.argsort(inverse, kind="stable")  # requests grouped by the sub-batch of their window
     first = np.searchsorted(inverse[order], np.arange(0, N + step, step))
-    x_all, need_t = torch.as_tensor(uniq, device=device), torch.as_tensor(need, device=device)
+    x_all, need_t = to_device(uniq, device), to_device(need, device)
     col = torch.arange(1, W, device=device)[None, :]
     sums = np.zeros(len(wins))
     with torch.inference_mode(), autocast(device, dtype):
@@ -208,7 +208,7 @@ def window_loss_sums(
                 ce[:, :-1][pred] = chunked_ce(model(x)[:, :-1][pred], x[:, 1:][pred]).double()
             suffix = ce.flip(1).cumsum(1).flip(1)  # suffix[u, p] = Σ_{q ≥ p} ce[u, q]
             req = order[first[c] : first[c + 1]]
-            at = torch.as_tensor(np.stack([inverse[req] - s, W - 1 - n_targets[req]]), device=device)
+            at = to_device(np.stack([inverse[req] - s, W - 1 - n_targets[req]]), device)
             sums[req] = suffix[at[0], at[1]].cpu().numpy()
     return sums
 

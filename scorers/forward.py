@@ -53,6 +53,17 @@ def resolved_device(device: str) -> str:
     return device
 
 
+def to_device(array, device: str) -> torch.Tensor:
+    """A host array (numpy or tensor) as a tensor on `device`. To CUDA through pinned memory with a
+    non-blocking copy: the host goes on preparing the next batch while the copy runs, and the kernels
+    that read it are queued after it on the same stream (the pinned buffer is held until the copy is
+    done). Elsewhere the array itself, as `torch.as_tensor` gives it: on a CPU, no copy at all."""
+    t = torch.as_tensor(array)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def to_compute_dtype(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     """Parameters in the compute dtype, so that autocast does not re-cast every weight on every forward;
     buffers (RoPE tables) stay fp32, as they are under autocast."""

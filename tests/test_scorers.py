@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from entroweight.scorers import ScorerError, available, make_scorer
-from entroweight.scorers.forward import chunked_ce
+from entroweight.scorers.forward import chunked_ce, to_device
 from entroweight.transforms.tokenizer import load_tokenizer
 
 
@@ -93,6 +93,41 @@ def test_chunked_ce_equals_full_ce():
     with torch.no_grad():
         for chunk in (1, 5, 37, 100):
             torch.testing.assert_close(chunked_ce(hidden, targets, head, chunk_rows=chunk), full)
+
+
+def test_to_device_on_a_cpu_is_the_array_itself_never_pinned(monkeypatch, tiny_llama, rows):
+    """Pinned memory and non-blocking copies are for CUDA only: on a CPU the host array is the tensor
+    (no copy, nothing pinned), and a scorer's values are what they were."""
+    ids, n_pad = rows
+    s = make_scorer("causal_loss", model=str(tiny_llama), dtype="fp32")
+    s.setup()
+    want = s.score(ids, n_pad)
+
+    def refuse(self, *a, **k):
+        raise AssertionError("pin_memory on the CPU path")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
+    a = np.arange(12, dtype=np.int64).reshape(3, 4)
+    t = to_device(a, "cpu")
+    assert t.device.type == "cpu" and not t.is_pinned() and np.shares_memory(t.numpy(), a)
+    np.testing.assert_array_equal(s.score(ids, n_pad), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_to_device_on_cuda_copies_from_pinned_memory(monkeypatch):
+    pinned = []
+    pin = torch.Tensor.pin_memory
+
+    def spy(self, *a, **k):
+        out = pin(self, *a, **k)
+        pinned.append(out)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", spy)
+    a = np.arange(12, dtype=np.int64).reshape(3, 4)
+    t = to_device(a, "cuda")
+    assert t.is_cuda and len(pinned) == 1 and pinned[0].is_pinned()
+    np.testing.assert_array_equal(t.cpu().numpy(), a)
 
 
 def test_refuses_data_of_another_tokenizer(tiny_llama, llama3_tokenizer):

@@ -1,6 +1,7 @@
 """Token-budget batches over the whole shard (`score --batch-tokens`): every scorer that runs a model
 over rows gives the values of the per-row path (one row per forward) to 1e-5 relative in fp32, on
-real C4 rows of mixed lengths; the plan keeps its budget; the stage reports the pad fraction."""
+real C4 rows of mixed lengths (cross_tokenizer: one window of model tokens per forward); the plan
+keeps its budget; the stage reports the pad fraction."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 
 from entroweight.models.checkpoint import save_checkpoint
@@ -24,6 +26,7 @@ from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import read_file_metadata
 from entroweight.scorers import make_scorer
 from entroweight.scorers.base import plan_batches
+from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.workflows.cli import main
 
 N_CTX = 32
@@ -108,7 +111,7 @@ def checkpoints(tmp_path_factory, sha, tokenizer_dir):
     }
 
 
-# every scorer that runs a model over the data's rows (cross_tokenizer reads text: tests/test_scorers_cross.py)
+# every scorer that runs a model over the data's rows (cross_tokenizer reads text: its own test below)
 CASES = {
     "causal_loss_hf": ("causal_loss", lambda c: {"model": c["hf"]}),
     "causal_loss_ours": ("causal_loss", lambda c: {"checkpoint": c["llama"]}),
@@ -147,6 +150,50 @@ def test_token_budget_equals_the_per_row_path(case, checkpoints, rows):
     computed, real = s.padding_counts()
     assert real == int((N_CTX - n_pad).sum()) * (2 if case == "excess_loss" else 1)
     assert computed >= real
+
+
+def per_window_losses(scorer, texts_ids: list[np.ndarray]) -> list[np.ndarray]:
+    """cross_tokenizer's per-row path: each window of model tokens alone in its forward (no padding,
+    no mask), CE from the model's full logits."""
+    out = []
+    for ids in texts_ids:
+        losses = np.zeros(len(ids))
+        for i, (c, a, e) in enumerate(scorer.windows(len(ids))):
+            seq = ([scorer._start] if i == 0 else []) + ids[c:e].tolist()
+            with torch.no_grad():
+                logits = scorer._model(input_ids=torch.tensor([seq])).logits[0, :-1]
+            ce = F.cross_entropy(logits.float(), torch.tensor(seq[1:]), reduction="none").numpy()
+            losses[a:e] = ce[len(ce) - (e - a) :]
+        out.append(losses)
+    return out
+
+
+@pytest.mark.parametrize("aggregate", ["sum", "mean"])
+def test_cross_tokenizer_token_budget_equals_the_per_window_path(aggregate, checkpoints, rows, tokenizer_dir):
+    """Windows of model tokens sorted by length into token-budget forwards, left-padded to each
+    batch's longest: the values of one unpadded window per forward, to 1e-5 relative in fp32."""
+    ids, n_pad = rows
+    s = make_scorer("cross_tokenizer", model=checkpoints["hf"], dtype="fp32", aggregate=aggregate, context=16)
+    s.setup(load_tokenizer(tokenizer_dir))
+    assert s._start is not None and s.context == 16 and s.stride == 8  # long rows take several windows
+    batched = s._model_losses
+    s._model_losses = lambda texts_ids: per_window_losses(s, texts_ids)
+    want = s.score(ids, n_pad)
+    s._model_losses = batched
+    s.set_batching(BUDGET)
+    got = s.score(ids, n_pad)
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    computed, real = s.padding_counts()
+    assert computed > real > 0  # windows of several lengths shared forwards (pads computed, masked)
+    assert s.dtype == "fp32" and next(s._model.parameters()).dtype == torch.float32
+
+
+def test_cross_tokenizer_loads_its_weights_in_the_compute_dtype(checkpoints, tokenizer_dir):
+    """bf16 weights, not fp32 ones re-cast by autocast on every forward."""
+    s = make_scorer("cross_tokenizer", model=checkpoints["hf"], dtype="bf16")
+    s.setup(load_tokenizer(tokenizer_dir))
+    assert {p.dtype for p in s._model.parameters()} == {torch.bfloat16}
 
 
 def test_plan_keeps_the_budget_and_covers_every_row_once():
