@@ -127,3 +127,21 @@ def test_report_cli_and_refusal(tiny_run, tmp_path):  # noqa: F811
         write_report(tmp_path)
     code, out = run_cli("report", tmp_path)
     assert code == 2 and "run.json" in out
+
+
+def test_the_page_escapes_what_the_run_recorded(tiny_run, tmp_path):  # noqa: F811
+    """run.json is data, not markup: a workflow file name or a step detail holding HTML is shown as text."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run["run_dir"], run)
+    record = json.loads((run / "run.json").read_text())
+    record["workflow_file"] = "<script>alert(1)</script>.yaml"
+    record["steps"][0]["detail"] = "<img src=x onerror=alert(2)>"
+    (run / "run.json").write_text(json.dumps(record))
+    out = write_report(run, tmp_path / "r.html", samples=1)
+    page = out.read_text()
+    assert "<script" not in page and "<img src=x" not in page
+    assert (
+        "&lt;script&gt;alert(1)&lt;/script&gt;.yaml" in page and "&lt;img src=x onerror=alert(2)&gt;" in page
+    )

@@ -87,6 +87,7 @@ def test_wheel_holds_the_package_data_and_no_benchmarks(installed):
         "entroweight/trainers/data/wikitext/wiki.test.raw",
         "entroweight/trainers/data/README.md",
         "entroweight/workflows/default.yaml",
+        "entroweight/workflows/templates/report.html.j2",  # the report page
     ]:
         assert data in names
     assert not [n for n in names if n.startswith(("entroweight/benchmarks/", "benchmarks/", "tests/"))]

@@ -1,0 +1,413 @@
+"""The data of a workflow run's report: what `workflows/report.py` renders, as plain values.
+
+Reads run.json and the step outputs under the run directory: the scores' entropy and weight
+columns, the BPB of every run and seed, the training metrics, the manifests; compares each run with
+the reference over seeds (Welch's t-test) and says, in one sentence, which runs beat it. No HTML here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import yaml
+
+from .spec import TOKENS, SpecError, Workflow, parse_workflow
+
+
+class ReportError(ValueError):
+    """RUN_DIR is not a workflow run (no run.json); the message says what to do."""
+
+
+# -- reading the run
+def load_run(run_dir: str | Path) -> tuple[dict, Workflow]:
+    run_dir = Path(run_dir)
+    record_file = run_dir / "run.json"
+    if not record_file.is_file():
+        raise ReportError(
+            f"{run_dir} has no run.json: it is not a workflow run; run `entroweight run WORKFLOW.yaml`"
+        )
+    record = json.loads(record_file.read_text())
+    try:
+        wf = parse_workflow(record["config"], str(record_file))
+    except SpecError as e:
+        raise ReportError(str(e)) from None
+    wf.run_dir = str(run_dir)  # outputs are relative to the run dir, wherever it is now
+    return record, wf
+
+
+def read_scores(score_dir: Path, max_tokens: int) -> dict | None:
+    """Entropy/weight of real tokens (flat), mean entropy by context position, and the first rows."""
+    files = sorted(score_dir.glob("part-*.parquet"))
+    if not files:
+        return None
+    ent, wts, rows = [], [], []
+    pos_sum = pos_n = None
+    n_tokens = n_seq = 0
+    for f in files:
+        names = pq.read_schema(f).names
+        cols = [c for c in ("input_ids", "n_pad", "entropy", "weight") if c in names]
+        t = pq.read_table(f, columns=cols)
+        ids = _matrix(t.column("input_ids"))
+        n_pad = t.column("n_pad").to_numpy()
+        e = _matrix(t.column("entropy")).astype(np.float64) if "entropy" in names else None
+        w = _matrix(t.column("weight")).astype(np.float64) if "weight" in names else None
+        if w is not None and t.schema.field("weight").type.value_type.bit_width == 8:
+            w = w / 255.0
+        width = ids.shape[1]
+        real = np.arange(width)[None, :] >= n_pad[:, None]
+        if pos_sum is None:
+            pos_sum, pos_n = np.zeros(width), np.zeros(width)
+        if e is not None:
+            # position = tokens of context before this one (left padding: column - n_pad)
+            ctx = np.arange(width)[None, :] - n_pad[:, None]
+            np.add.at(pos_sum, ctx[real], e[real])
+            np.add.at(pos_n, ctx[real], 1)
+            ent.append(e[real])
+        if w is not None:
+            wts.append(w[real])
+        for i in range(min(len(ids), 50 - len(rows))):
+            rows.append((ids[i, n_pad[i] :], None if e is None else e[i, n_pad[i] :]))
+        n_tokens += int(real.sum())
+        n_seq += len(ids)
+        if n_tokens >= max_tokens:
+            break
+    with np.errstate(invalid="ignore", divide="ignore"):
+        by_pos = np.where(pos_n > 0, pos_sum / np.maximum(pos_n, 1), np.nan)
+    return {
+        "entropy": np.concatenate(ent) if ent else None,
+        "weight": np.concatenate(wts) if wts else None,
+        "by_position": by_pos,
+        "rows": rows,
+        "n_tokens": n_tokens,
+        "n_sequences": n_seq,
+        "n_files": len(files),
+    }
+
+
+def _matrix(col) -> np.ndarray:
+    """A fixed-width list column (left-padded or packed rows) as a (rows, n_ctx) array."""
+    arr = col.combine_chunks()
+    flat = arr.flatten().to_numpy(zero_copy_only=False)
+    return flat.reshape(len(arr), -1) if len(arr) else flat.reshape(0, 0)
+
+
+def read_metrics(ckpt: Path) -> list[dict]:
+    path = ckpt / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+TEXT_NAMES = {"main": "WikiText-2", "heldout": "held-out source text"}
+
+
+def text_name(wf: Workflow, text: str) -> str:
+    if text == "main":
+        return Path(wf.eval.text).name if wf.eval.text else TEXT_NAMES["main"]
+    return f"held-out ({wf.holdout.docs} documents never trained on)"
+
+
+def bpb_table(wf: Workflow, text: str = "main") -> dict:
+    """Per run: each seed's BPB (from eval/RUN/seed-S[.TEXT].json), mean, std; per compared run: the
+    difference to the reference and whether it exceeds the seed noise."""
+    runs = []
+    for r in wf.train.runs:
+        seeds = {}
+        for s in wf.train.seeds:
+            f = wf.eval_file(r.name, s, text)
+            if f.is_file():
+                seeds[s] = json.loads(f.read_text())["bpb"]
+        v = np.array(list(seeds.values()), dtype=np.float64)
+        runs.append(
+            {
+                "run": r.name,
+                "data": r.data,
+                "loss": r.loss,
+                "seeds": seeds,
+                "mean": float(v.mean()) if len(v) else None,
+                "std": float(v.std(ddof=1)) if len(v) > 1 else None,
+            }
+        )
+    ref_name = wf.reference_run()
+    ref = next((x for x in runs if x["run"] == ref_name), None)
+    comparisons = [compare(x, ref) for x in runs if ref is not None and x is not ref and x["seeds"]]
+    return {"reference": ref_name, "runs": runs, "comparisons": comparisons}
+
+
+def compare(run: dict, ref: dict) -> dict:
+    """Δ mean BPB of `run` vs `ref`, and whether it exceeds seed noise: |Δ| > 2·pooled std and
+    Welch's t-test p < 0.05 (both, with at least 2 seeds each; otherwise noise cannot be told)."""
+    a, b = np.array(list(run["seeds"].values())), np.array(list(ref["seeds"].values()))
+    out = {"run": run["run"], "reference": ref["run"], "delta": None, "pooled_std": None, "p_value": None}
+    if not len(a) or not len(b):
+        out["verdict"] = "no BPB for one of the runs yet"
+        return out
+    out["delta"] = float(a.mean() - b.mean())
+    if len(a) < 2 or len(b) < 2:
+        out["exceeds_noise"] = None
+        out["verdict"] = "one seed only: the seed noise cannot be estimated; add seeds"
+        return out
+    from scipy import stats
+
+    pooled = math.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2)
+    t = stats.ttest_ind(a, b, equal_var=False)
+    p = float(t.pvalue) if np.isfinite(t.pvalue) else (0.0 if out["delta"] != 0 else 1.0)
+    exceeds = abs(out["delta"]) > 2 * pooled and p < 0.05
+    out |= {"pooled_std": pooled, "p_value": p, "exceeds_noise": bool(exceeds)}
+    direction = "lower (better)" if out["delta"] < 0 else "higher (worse)"
+    if exceeds:
+        out["verdict"] = (
+            f"{run['run']} is {direction} than {ref['run']} by {abs(out['delta']):.4f} BPB, beyond the seed "
+            f"noise (|Δ| > 2 × pooled std {pooled:.4f}; Welch t-test p = {p:.3g})."
+        )
+    else:
+        out["verdict"] = (
+            f"{run['run']} differs from {ref['run']} by {out['delta']:+.4f} BPB: within the seed noise "
+            f"(pooled std {pooled:.4f}, Welch t-test p = {p:.3g}); no difference can be claimed."
+        )
+    return out
+
+
+def outcome(c: dict) -> str:
+    """beats | loses | within noise | undecided (fewer than 2 seeds or no BPB)."""
+    if c.get("exceeds_noise") is None:
+        return "undecided"
+    if not c["exceeds_noise"]:
+        return "within noise"
+    return "beats" if c["delta"] < 0 else "loses"
+
+
+def verdict_sentence(wf: Workflow, tables: dict[str, dict]) -> str:
+    """One sentence from the numbers: the runs grouped by their outcome against the reference on
+    every evaluation text (beats / loses / within noise)."""
+    ref = wf.reference_run()
+    names = {t: "held-out text" if t == "heldout" else text_name(wf, t) for t in tables}
+    groups: dict[tuple, list[str]] = {}
+    for r in wf.train.runs:
+        if r.name == ref:
+            continue
+        comps = [next((c for c in tab["comparisons"] if c["run"] == r.name), {}) for tab in tables.values()]
+        groups.setdefault(tuple(outcome(c) for c in comps), []).append(r.name)
+    if not groups:
+        return "Only the reference was trained: nothing to compare."
+    clauses = []
+    for kinds, runs in groups.items():
+        who = _join(runs)
+        if len(set(kinds)) == 1:
+            clauses.append(f"{who} {_say(kinds[0], len(runs))} on {_join(list(names.values()))}")
+        else:
+            clauses.append(
+                f"{who}: "
+                + ", ".join(f"{_say(k, len(runs))} on {names[t]}" for t, k in zip(tables, kinds, strict=True))
+            )
+    n = len(wf.train.seeds)
+    seeds = f"{n} seed{'s' if n != 1 else ''} each"
+    return (
+        f"Against {ref} ({seeds}; beyond noise: |Δ| > 2 pooled std and Welch p < 0.05), "
+        + "; ".join(clauses)
+        + "."
+    )
+
+
+def _join(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _say(kind: str, n: int = 1) -> str:
+    one = n == 1
+    return {
+        "beats": f"beat{'s' if one else ''} the reference beyond noise",
+        "loses": f"lose{'s' if one else ''} to the reference beyond noise",
+        "within noise": f"{'is' if one else 'are'} within noise of the reference",
+        "undecided": "cannot be told from the reference (fewer than 2 seeds)",
+    }[kind]
+
+
+def headline(wf: Workflow) -> dict:
+    """The experiment at a glance: per run and evaluation text, mean ± std over seeds, Δ and Welch p
+    against the reference, and the verdict sentence."""
+    texts = wf.eval_texts()
+    tables = {t: bpb_table(wf, t) for t in texts}
+    rows = []
+    for i, r in enumerate(wf.train.runs):
+        cells = []
+        for t in texts:
+            run = tables[t]["runs"][i]
+            c = next((c for c in tables[t]["comparisons"] if c["run"] == r.name), None)
+            compared = c is not None and c["delta"] is not None
+            cells.append(
+                {
+                    "text": t,
+                    "mean": run["mean"],
+                    "std": run["std"],
+                    "n": len(run["seeds"]),
+                    "delta": c["delta"] if compared else None,
+                    "p": c["p_value"] if compared else None,
+                    "outcome": outcome(c) if compared else None,
+                    "reference": not compared and r.name == tables[t]["reference"],
+                }
+            )
+        label = f"{r.loss}" + (f", normalize {r.normalize}" if r.loss == "weighted_ce" else "")
+        rows.append({"run": r.name, "data": r.data, "label": label, "cells": cells})
+    return {
+        "n_seeds": len(wf.train.seeds),
+        "texts": [text_name(wf, t) for t in texts],
+        "verdict": verdict_sentence(wf, tables),
+        "rows": rows,
+    }
+
+
+def truncation(tokens_dir: Path) -> dict | None:
+    """What the tokenized data lost (tokenize.overflow: truncate), where a reader of results looks."""
+    from entroweight.pipelines.stage import read_manifests
+
+    ms = read_manifests(tokens_dir) if Path(tokens_dir).is_dir() else []
+    cut = sum(m.extra.get("n_truncated", 0) for m in ms)
+    if not cut:
+        return None
+    return {
+        "documents": cut,
+        "of": sum(m.docs_out for m in ms),
+        "bytes_dropped": sum(m.extra.get("bytes_dropped", 0) for m in ms),
+    }
+
+
+def provenance(record: dict) -> dict:
+    return {
+        "facts": [
+            ("code version", record.get("code_version")),
+            ("workflow file", record.get("workflow_file")),
+            ("engine", record.get("engine")),
+            ("finished at", record.get("finished_at")),
+            ("python", record.get("python")),
+        ],
+        "steps": record.get("steps", []),
+        "config": yaml.safe_dump(record.get("config", {}), sort_keys=False),
+    }
+
+
+def load_tokenizer_of(wf: Workflow):
+    """The run's tokenizer (its own directory, else a model's copy), to decode sample texts; None."""
+    from entroweight.transforms.tokenizer import load_tokenizer
+
+    for cand in (wf.tokenizer_dir(), *(wf.model_dir(m.name) for m in wf.models)):
+        try:
+            return load_tokenizer(cand)
+        except Exception:
+            continue
+    return None
+
+
+def scorer_rows(wf: Workflow, scores: dict) -> list[dict]:
+    rows = []
+    for s in wf.scores:
+        sc = scores.get(s.name)
+        if sc is None:
+            continue
+        e, w = sc["entropy"], sc["weight"]
+        rows.append(
+            {
+                "name": s.name,
+                "scorer": s.scorer or f"{s.values_from}, weighed anew",
+                "n_files": sc["n_files"],
+                "n_sequences": sc["n_sequences"],
+                "n_tokens": sc["n_tokens"],
+                "mean_entropy": None if e is None else float(e.mean()),
+                "mean_weight": None if w is None else float(w.mean()),
+            }
+        )
+    return rows
+
+
+def samples(scores: dict, n: int) -> list[dict]:
+    """The first `n` rows of each scorer that stored entropies: (ids, values) to shade."""
+    out = []
+    for i in range(n):
+        for name, sc in scores.items():
+            if i >= len(sc["rows"]) or sc["rows"][i][1] is None:
+                continue
+            ids, values = sc["rows"][i]
+            out.append({"index": i + 1, "scorer": name, "ids": ids, "values": values})
+    return out
+
+
+def agreement(wf: Workflow, scores: dict) -> list[dict] | None:
+    """Per pair of scorers that stored entropies: R², Pearson, Spearman over the sequences both
+    scored, or the reason the pair cannot be compared; None with fewer than two."""
+    from entroweight.transforms.agreement import compare_dirs
+
+    names = [n for n, s in scores.items() if s["entropy"] is not None]
+    if len(names) < 2:
+        return None
+    rows = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            try:
+                r = compare_dirs(wf.score_dir(a), wf.score_dir(b), column="entropy")
+            except Exception as e:  # a pair that cannot be compared is reported, not fatal
+                rows.append({"a": a, "b": b, "error": str(e)})
+                continue
+            rows.append({"a": a, "b": b, **r})
+    return rows
+
+
+def curves(wf: Workflow) -> dict:
+    """Training metrics: of the models trained before scoring, and of each run per seed, with each
+    run's final training CE (mean over seeds)."""
+    models = {m.name: [read_metrics(wf.model_dir(m.name))] for m in wf.models}
+    runs, finals = {}, []
+    if wf.train is not None:
+        runs = {r.name: [read_metrics(wf.run_ckpt(r.name, s)) for s in wf.train.seeds] for r in wf.train.runs}
+        for name, seeds in runs.items():
+            last = [r[-1]["ce"] for r in seeds if r]
+            if last:
+                finals.append({"run": name, "ce": float(np.mean(last)), "seeds": len(last)})
+    return {
+        "models": models if any(any(r) for r in models.values()) else None,
+        "runs": runs if any(any(x) for x in runs.values()) else None,
+        "finals": finals,
+    }
+
+
+def bpb_section(wf: Workflow, text: str = "main") -> dict:
+    """A BPB table (every run × seed, mean, std), the unigram baseline and the verdicts."""
+    table = bpb_table(wf, text)
+    uni_file = wf.root / wf.eval.out / "unigram.json"
+    unigram = json.loads(uni_file.read_text())["bpb"] if uni_file.is_file() and text == "main" else None
+    title = (wf.eval.text or "the bundled WikiText-2 test set") if text == "main" else text_name(wf, text)
+    return {
+        "text": text,
+        "title": title,
+        "seeds": wf.train.seeds,
+        "unigram": unigram,
+        "tokens": TOKENS,
+        **table,
+    }
+
+
+def report_data(run_dir: str | Path, n_samples: int = 3, max_tokens: int = 2_000_000) -> dict:
+    """Everything the report shows, in the page's order."""
+    record, wf = load_run(run_dir)
+    experiment = wf.train is not None and wf.eval is not None
+    scores = {}
+    for s in wf.scores:
+        sc = read_scores(wf.score_dir(s.name), max_tokens)
+        if sc is not None:
+            scores[s.name] = sc
+    return {
+        "run_dir": str(record.get("config", {}).get("run_dir", run_dir)),
+        "headline": headline(wf) if experiment else None,
+        "provenance": provenance(record),
+        "truncation": truncation(wf.tokens_dir()),
+        "scores": scores,
+        "scorer_rows": scorer_rows(wf, scores),
+        "tokenizer": load_tokenizer_of(wf) if scores and n_samples else None,
+        "samples": samples(scores, n_samples) if scores and n_samples else None,
+        "agreement": agreement(wf, scores) if scores else None,
+        "curves": curves(wf),
+        "bpb": [bpb_section(wf, t) for t in wf.eval_texts()] if experiment else [],
+    }
