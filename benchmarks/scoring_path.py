@@ -1,8 +1,9 @@
 """The whole shard path of the score stage against the packed limit, per scorer (issue 18).
 
-For each scorer that runs a model over rows (causal_loss with our checkpoint and with an HF model, on
-left-padded C4 at n_ctx 512; cross_tokenizer with that HF model; occlusion; decomposition), on one
-shard scored by `ScoreStage` as a run does (read -> batch -> forward -> weigh -> write):
+For each scorer that runs a model over rows (causal_loss with our checkpoint, the same one as a
+`mask_pads` model, and an HF model, on left-padded C4 at n_ctx 512; cross_tokenizer with that HF
+model; occlusion; decomposition), on one shard scored by `ScoreStage` as a run does (read -> batch
+-> forward -> weigh -> write):
 
 - ratio: real tokens scored per second / a bare forward of the same model over the same real tokens
   packed into full rows with no padding (same dtype and threads);
@@ -64,6 +65,9 @@ def _models(tmp: Path, sha: str, tok: Path, vocab: int) -> dict[str, str]:
     torch.manual_seed(0)
     d = dict(d_model=256, n_layers=4, n_heads=4, d_ff=1024)
     ours = Llama(Llama.Config(vocab_size=vocab, n_ctx=N_CTX, **d)).eval()
+    # the same weights, trained (here: declared) with the left padding masked: its pads may be cut
+    masked = Llama(Llama.Config(vocab_size=vocab, n_ctx=N_CTX, mask_pads=True, **d)).eval()
+    masked.load_state_dict(ours.state_dict())
     hf_cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=N_CTX + 1)  # fmt: skip
     hf_dir = tmp / "hf"
@@ -83,6 +87,7 @@ def _models(tmp: Path, sha: str, tok: Path, vocab: int) -> dict[str, str]:
 
     return {
         "ours": save(ours, "ours", "llama", N_CTX),
+        "ours_masked": save(masked, "ours_masked", "llama", N_CTX),
         "hf": str(hf_dir),
         "est512": save(estimator(N_CTX), "est512", "estimator", N_CTX),
         "est64": save(estimator(64), "est64", "estimator", 64),
@@ -185,6 +190,7 @@ def _packed_forward(model, tokens: np.ndarray, n_ctx: int, budget: int, hf: bool
 CASES = (
     # name, scorer, options key -> model, data width
     ("causal_loss (ours d256x4)", "causal_loss", {"checkpoint": "ours"}, N_CTX),
+    ("causal_loss (ours d256x4, mask_pads)", "causal_loss", {"checkpoint": "ours_masked"}, N_CTX),
     ("causal_loss (HF d256x4)", "causal_loss", {"model": "hf"}, N_CTX),
     ("cross_tokenizer (HF d256x4)", "cross_tokenizer", {"model": "hf"}, N_CTX),
     ("occlusion", "occlusion", {"checkpoint": "est512"}, N_CTX),
