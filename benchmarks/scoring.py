@@ -171,7 +171,7 @@ def _cross_scorer(spec, batch, data_tok, model, aggregate):
 
     scorer = make_scorer("cross_tokenizer", model=spec, aggregate=aggregate, batch_size=batch)
     scorer._model = model
-    scorer._model_tok, scorer._start = hf.load_model_tokenizer(scorer._resolved)
+    scorer._model_tok, scorer._start = hf.load_model_tokenizer(scorer.source.resolved)
     scorer.setup(data_tok)
     return scorer
 

@@ -8,6 +8,7 @@ machine hurts all variants alike.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import tempfile
@@ -54,7 +55,7 @@ def _data(work: Path, n_docs: int | None) -> tuple[Path, Path]:
 
 
 def _train_tps(data: Path, out: Path, loss: str, steps: int, batch: int, model=MODEL, device="cpu") -> float:
-    """Steady-state tokens/s of the real training loop: median of its metrics rows after the first."""
+    """Steady-state tokens/s of the real training loop: median over its metrics rows after the first."""
     from entroweight.trainers import TrainConfig, train
 
     shutil.rmtree(out, ignore_errors=True)
@@ -74,7 +75,12 @@ def _train_tps(data: Path, out: Path, loss: str, steps: int, batch: int, model=M
         )
     )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return float(np.median([r["tokens_per_s"] for r in rows[1:] or rows]))
+    # positions per second, pads included, as the bare step counts them (the metrics' tokens_per_s
+    # counts real tokens): between consecutive log rows
+    rates = [
+        (b["tokens"] - a["tokens"]) / (b["elapsed_s"] - a["elapsed_s"]) for a, b in itertools.pairwise(rows)
+    ]
+    return float(np.median(rates or [rows[-1]["tokens"] / rows[-1]["elapsed_s"]]))
 
 
 def _bare_step_times(data: Path, vocab: int, steps: int, batch: int) -> list[float]:

@@ -14,7 +14,6 @@ itself carries no text: its value is 0 and it is excluded from weighting (weight
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -24,7 +23,8 @@ from entroweight.transforms.align import AGGREGATES, AlignStats, encode_exact_ba
 
 from . import hf
 from .base import HFModelOptions, Scorer, ScorerError, plan_batches
-from .forward import hf_token_losses, resolve_dtype, to_device
+from .causal_loss import HFModel
+from .forward import check_dtype, hf_token_losses, resolve_dtype, to_device
 
 
 class CrossTokenizerScorer(Scorer):
@@ -61,23 +61,25 @@ class CrossTokenizerScorer(Scorer):
             raise ScorerError(f"--aggregate must be one of {', '.join(AGGREGATES)}, not {aggregate!r}")
         if context < 4:
             raise ScorerError(f"--context must be at least 4 model tokens, not {context}")
-        self.model_spec, self.aggregate, self.context = model, aggregate, context
+        self.aggregate, self.context = aggregate, context
         # each later window scores `stride` new tokens after `context - stride` tokens of context
         self.stride = stride or context // 2
         if not 0 < self.stride < context:
             raise ScorerError(f"--stride must be in 1..{context - 1}, not {self.stride}")
-        self.dtype = resolve_dtype(dtype, device)
-        self._resolved = hf.resolve_model(model)
+        # what was asked ('auto' included) is the config; the worker resolves it in setup()
+        self.dtype_option, self.dtype = check_dtype(dtype), None
+        # the model's identity in the config, its hub revision pinned at planning, its loading: as
+        # causal_loss's HF models
+        self.source = HFModel(model)
         self._model = None
         self.stats = AlignStats()
 
     def config(self) -> dict[str, Any]:
         return {
             "scorer": self.name,
-            "model": self.model_spec if isinstance(self._resolved, str) else Path(self.model_spec).name,
-            "model_sha256": hf.model_sha256(self._resolved),
+            **self.source.config(),
             "aggregate": self.aggregate,
-            "dtype": self.dtype,
+            "dtype": self.dtype_option,
             "context": self.context,
             "stride": self.stride,
         }
@@ -86,19 +88,17 @@ class CrossTokenizerScorer(Scorer):
         if data_tokenizer is None:
             raise ScorerError("cross_tokenizer needs the data's tokenizer: pass --tokenizer")
         self._data_tok = data_tokenizer
+        self.dtype = resolve_dtype(self.dtype_option, self.device)  # here, where the model runs
         if self._model is None:
-            self._model = hf.load_causal_lm(
-                self._resolved, self.device, dtype=self.dtype, **hf.load_options(self.options)
-            )
-            self._model_tok = hf.model_tokenizer(self._resolved)
-            self._start_info = hf.start_token(self._resolved, self._model_tok)
-            self._start = self._start_info.id
+            self._model = self.source.load(self.device, self.dtype, self.options)
+            self._model_tok = hf.model_tokenizer(self.source.resolved)
+            self._start = self.source.start
             limit = getattr(self._model.config, "max_position_embeddings", None)
             if limit and self.context > limit:
                 self.context, self.stride = limit, min(self.stride, limit // 2)
 
     def metadata(self) -> dict[str, Any]:
-        return {**super().metadata(), "start_token": self._start_info.as_dict()}
+        return {**super().metadata(), **self.source.metadata()}
 
     def excluded(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         """Separators (special tokens: no bytes, no text) on real positions: weight 0, value 0."""

@@ -180,3 +180,18 @@ def test_a_hub_model_is_pinned_to_its_commit(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     s = make_scorer("causal_loss", model="meta-llama/Llama-3.2-1B", dtype="fp32")
     assert s.config()["model_revision"] == sha and s.revision == sha
+    # cross_tokenizer (whose default model is this hub id) pins it the same way
+    x = make_scorer("cross_tokenizer", dtype="fp32")
+    assert x.config()["model_revision"] == sha and x.source.revision == sha
+
+
+def test_cross_tokenizer_resolves_its_dtype_in_the_worker(tokenized_dir, tokenizer_dir, hf_model, tmp_path):
+    """The config records what was asked ('auto'), the same on any driver; the manifest what the
+    worker resolved; a local model records no revision (its sha256)."""
+    stage = ScoreStage(
+        tokenized_dir, "cross_tokenizer", {"model": hf_model, "context": 64}, tokenizer=str(tokenizer_dir)
+    )
+    config = stage.scorer.config()
+    assert config["dtype"] == "auto" and "model_revision" not in config and config["model_sha256"]
+    run_stage(stage, tmp_path / "out", progress=False)
+    assert read_manifests(tmp_path / "out")[0].extra["dtype"] in ("bf16", "fp32")
