@@ -154,7 +154,7 @@ class HFModel(ModelSource):
         return int(size) if size else None
 
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
-        model_tok, _ = hf.load_model_tokenizer(self.resolved)
+        model_tok = self.tokenizer()
         if model_tok.sha256 == sha256:
             return
         if data_tokenizer is None:
@@ -172,9 +172,13 @@ class HFModel(ModelSource):
         model = hf.load_causal_lm(
             self.resolved, device, dtype=dtype, revision=self.revision, **hf.load_options(options)
         )
-        self.start_info = hf.start_token(self.resolved, hf.model_tokenizer(self.resolved))
+        self.start_info = hf.start_token(self.resolved, self.tokenizer())
         self.start = self.start_info.id
         return model
+
+    def tokenizer(self):
+        """The model's tokenizer, at the pinned revision."""
+        return hf.model_tokenizer(self.resolved, self.revision)
 
     def token_losses(self, model, ids: torch.Tensor, lengths: torch.Tensor, device: str, dtype: str):
         x, mask = with_start_token(ids, lengths, self.start)

@@ -91,7 +91,7 @@ class CrossTokenizerScorer(Scorer):
         self.dtype = resolve_dtype(self.dtype_option, self.device)  # here, where the model runs
         if self._model is None:
             self._model = self.source.load(self.device, self.dtype, self.options)
-            self._model_tok = hf.model_tokenizer(self.source.resolved)
+            self._model_tok = self.source.tokenizer()
             self._start = self.source.start
             limit = getattr(self._model.config, "max_position_embeddings", None)
             if limit and self.context > limit:

@@ -204,23 +204,27 @@ class StartToken(NamedTuple):
         return {"id": self.id, "token": self.token, "source": self.source}
 
 
-def load_model_tokenizer(resolved: Path | str) -> tuple[LoadedTokenizer, int | None]:
+def load_model_tokenizer(
+    resolved: Path | str, revision: str | None = None
+) -> tuple[LoadedTokenizer, int | None]:
     """The model's tokenizer as a LoadedTokenizer (exact token bytes) and its start token id
     (`start_token`)."""
-    tok = model_tokenizer(resolved)
+    tok = model_tokenizer(resolved, revision)
     return tok, start_token(resolved, tok).id
 
 
-def model_tokenizer(resolved: Path | str) -> LoadedTokenizer:
+def model_tokenizer(resolved: Path | str, revision: str | None = None) -> LoadedTokenizer:
+    """The model's fast tokenizer; a hub model's at `revision` (the commit its weights are pinned to,
+    so a new upstream tokenizer cannot change the alignment either)."""
     if isinstance(resolved, Path) and (resolved / TOKENIZER_FILE).exists():
         path = resolved / TOKENIZER_FILE
     else:
         from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(str(resolved))
+        hf = AutoTokenizer.from_pretrained(str(resolved), revision=revision)
         if not getattr(hf, "is_fast", False):
             raise ModelLoadError(f"{resolved} has no fast tokenizer (tokenizer.json): byte offsets need one")
-        key = hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
+        key = hashlib.sha256(f"{resolved}@{revision}".encode()).hexdigest()[:16]
         path = cache_dir() / "tokenizers" / key / TOKENIZER_FILE
         write_text_atomic(
             hf.backend_tokenizer.to_str(pretty=True), path

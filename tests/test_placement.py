@@ -183,6 +183,19 @@ def test_a_hub_model_is_pinned_to_its_commit(tmp_path, monkeypatch):
     # cross_tokenizer (whose default model is this hub id) pins it the same way
     x = make_scorer("cross_tokenizer", dtype="fp32")
     assert x.config()["model_revision"] == sha and x.source.revision == sha
+    # ... and its tokenizer is read at that commit too (the hub is out of reach here: stop at the call)
+    import transformers
+
+    asked = {}
+
+    def from_pretrained(name, **kw):
+        asked.update(name=name, **kw)
+        raise OSError("offline")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    with pytest.raises(OSError):
+        x.source.tokenizer()
+    assert asked == {"name": "meta-llama/Llama-3.2-1B", "revision": sha}
 
 
 def test_cross_tokenizer_resolves_its_dtype_in_the_worker(tokenized_dir, tokenizer_dir, hf_model, tmp_path):
