@@ -380,8 +380,9 @@ def _train(
     last_stop = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
     t_run = t0 = time.perf_counter()
     # summed on the device between log steps: the host reads them there (and once a step, below)
-    loss_sum, real, n_micro = torch.zeros((), device=device), torch.zeros((), device=device), 0
-    real_total = torch.zeros((), device=device)  # this rank's real tokens, for the run's tokens/s
+    loss_sum, n_micro = torch.zeros((), device=device), 0
+    real = torch.zeros((), dtype=torch.int64, device=device)
+    real_total = 0  # real tokens of every rank, as the log rows sum them (the run's tokens/s)
     ce, last_loss = float("nan"), None
     model.train()
     while step < last_stop:
@@ -405,7 +406,6 @@ def _train(
             step_loss += loss.detach()
             tokens += ids.numel() * world
             real += mask.sum()
-            real_total += mask.sum()
             if ((step + 1) % cfg.log_every == 0 or step + 1 == last_stop) and micro == 0:
                 ce = _plain_ce(raw_model, logits.detach(), ids[:, 1:], mask, fwd_kw)
         # the step's one host sync: a non-finite loss stops the run before it reaches the weights
@@ -421,7 +421,8 @@ def _train(
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if step % cfg.log_every == 0 or step == last_stop:
-            row = _log_row(step, lr, tokens, loss_sum / n_micro, ce, real, world, t0, t_run)
+            row, real_logged = _log_row(step, lr, tokens, loss_sum / n_micro, ce, real, world, t0, t_run)
+            real_total += real_logged
             last_loss = row["loss"]
             if rank == 0:
                 with (
@@ -438,15 +439,13 @@ def _train(
         if (cfg.save_every and step % cfg.save_every == 0) or step == last_stop:
             save()
     seconds = time.perf_counter() - t_run
-    if world > 1:
-        torch.distributed.all_reduce(real_total)
     return TrainResult(
         out=str(out),
         step=step,
         loss=last_loss,
         tokens=tokens,
         seconds=seconds,
-        tokens_per_s=real_total.item() / max(seconds, 1e-9),
+        tokens_per_s=real_total / max(seconds, 1e-9),
         metrics=str(out / METRICS),
     )
 
@@ -458,14 +457,18 @@ def _plain_ce(model, logits, targets, mask, fwd_kw) -> float:
         return float((per_token_ce(lg, targets) * mask).sum() / mask.sum().clamp(min=1))
 
 
-def _log_row(step, lr, tokens, mean_loss, ce, real, world, t0, t_run) -> dict:
-    """A metrics.jsonl row: the losses averaged over ranks, tokens/s over real (non-pad) tokens."""
-    values = torch.stack([mean_loss, torch.tensor(ce, device=real.device), real.float()])
+def _log_row(step, lr, tokens, mean_loss, ce, real, world, t0, t_run) -> tuple[dict, int]:
+    """A metrics.jsonl row (the losses averaged over ranks, tokens/s over real, non-pad, tokens) and
+    the real tokens of every rank since the last row. The run ends on a log row: its last collective
+    is save()'s barrier, never one just before the process group is torn down (gloo can abort then)."""
+    values = torch.stack(
+        [mean_loss.double(), torch.tensor(ce, dtype=torch.float64, device=real.device), real.double()]
+    )
     if world > 1:
         torch.distributed.all_reduce(values)
         values[:2] /= world
     loss, ce, real = values.tolist()
-    return {
+    row = {
         "step": step,
         "loss": _finite(loss),
         "ce": _finite(ce),
@@ -474,6 +477,7 @@ def _log_row(step, lr, tokens, mean_loss, ce, real, world, t0, t_run) -> dict:
         "tokens_per_s": round(real / max(time.perf_counter() - t0, 1e-9), 1),
         "elapsed_s": round(time.perf_counter() - t_run, 3),
     }
+    return row, int(real)
 
 
 def _finite(x: float) -> float | None:

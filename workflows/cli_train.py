@@ -7,6 +7,7 @@ Multi-GPU / multi-node: run `train` under torchrun, e.g.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -81,10 +82,11 @@ def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, **
         _fail(str(e), EXIT_FAILED_SHARDS)
     except (TrainError, DataError, CheckpointError, ValueError) as e:
         _fail(str(e))
-    click.echo(
-        f"trained {result.step} steps, {result.tokens:,} tokens, loss {result.loss}, "
-        f"{result.tokens_per_s:,.0f} tok/s -> {result.out}"
-    )
+    if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, one line for the run, not one per rank
+        click.echo(
+            f"trained {result.step} steps, {result.tokens:,} tokens, loss {result.loss}, "
+            f"{result.tokens_per_s:,.0f} real tok/s -> {result.out}"
+        )
 
 
 @click.command("eval-bpb")
