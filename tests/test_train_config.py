@@ -148,3 +148,18 @@ def test_the_loop_reads_the_host_once_per_step_and_counts_real_tokens(weighted_d
     real = sum(int(next(batches)["mask"][:, 1:].sum()) for _ in range(steps * accum))
     assert res.tokens_per_s * res.seconds == pytest.approx(real, rel=1e-6)
     assert real < res.tokens
+
+
+def test_out_inside_the_data_and_unknown_model_fields_are_refused(weighted_dir, tmp_path):
+    for out in (weighted_dir, weighted_dir / "ckpt"):
+        with pytest.raises(TrainError, match="lies inside, the data"):
+            train(TrainConfig(data=str(weighted_dir), out=str(out), model_config=TINY, steps=1, quiet=True))
+    assert not (weighted_dir / "ckpt").exists() and not (weighted_dir / "config.json").exists()
+    mc = {**TINY, "mask_pads": True}  # a llama field, not a mixer's: named, not a TypeError
+    with pytest.raises(TrainError, match="mask_pads, which mixer does not take"):
+        train(
+            TrainConfig(
+                data=str(weighted_dir), out=str(tmp_path / "m"), model="mixer", model_config=mc, quiet=True
+            )
+        )
+    assert not (tmp_path / "m").exists()

@@ -90,10 +90,24 @@ def _check_nats(files) -> None:
             )
 
 
+def _check_out_apart(cfg: TrainConfig) -> None:
+    """--out neither is a data directory nor lies inside one: checkpoints would mix with the data."""
+    out = storage.key(cfg.out)
+    for d in _as_list(cfg.data):
+        if storage.key(d) == out or storage.key(d) in storage.parents(cfg.out):
+            raise TrainError(f"--out {cfg.out} is, or lies inside, the data {d}: give another --out")
+
+
 def _model_config(cfg: TrainConfig, info, base: dict) -> dict:
     """The model's config dict: the user's, with vocab_size / n_ctx taken from the data when unset."""
     mc = {**base, **cfg.model_cfg}
     fields = {f.name for f in dataclasses.fields(model_class(cfg.model).Config)}
+    unknown = sorted(set(mc) - fields)
+    if unknown:
+        raise TrainError(
+            f"the model config has {', '.join(unknown)}, which {cfg.model} does not take; its fields: "
+            f"{', '.join(sorted(fields))}"
+        )
     if "vocab_size" in fields and info.vocab_size:
         if mc.setdefault("vocab_size", info.vocab_size) != info.vocab_size:
             raise TrainError(
@@ -125,6 +139,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> TrainResult:
     each config with the step it took effect."""
     if allow_config_change and not cfg.resume:
         raise TrainError("--allow-config-change applies only with --resume")
+    _check_out_apart(cfg)
     if storage.is_url(cfg.out):
         return _train_to_store(cfg, allow_config_change)
     rank, world, device, own_group = _setup_dist(cfg.device)
