@@ -27,7 +27,9 @@ from entroweight.schemas import (
     weighted_sequence_schema,
     with_file_metadata,
 )
+from entroweight.schemas.arrow import WEIGHTED_COLUMNS
 from entroweight.schemas.manifest import ShardInput
+from entroweight.schemas.weighted import encode_excluded
 from entroweight.scorers import Scorer, ScorerError, make_scorer
 from entroweight.transforms.tokenize import fixed_lists
 from entroweight.transforms.tokenizer import (
@@ -274,6 +276,7 @@ class ScoreStage(Stage):
                 ]
                 if self.with_entropy:
                     arrays.append(fixed_lists(v.astype(np.float32), pa.float32()))
+                arrays.append(encode_excluded(exclude, len(v)))
                 arrays.append(fixed_lists(weights, weight_type))
                 writer.write(pa.RecordBatch.from_arrays(arrays, schema=schema))
                 n_bytes += int(pc.sum(batch.column("n_bytes")).as_py() or 0)
@@ -337,7 +340,7 @@ class ScoreStage(Stage):
 
 
 def _sequence_columns(schema: pa.Schema) -> list[str]:
-    return [n for n in schema.names if n not in ("entropy", "weight")]
+    return [n for n in schema.names if n not in WEIGHTED_COLUMNS]
 
 
 __all__ = ["ScoreStage", "ScorerError", "input_files"]

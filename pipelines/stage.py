@@ -19,13 +19,16 @@ import pyarrow.parquet as pq
 
 from entroweight import __version__, storage
 from entroweight.schemas import ShardManifest, StageRecord, config_hash
-from entroweight.schemas.manifest import STAGE_FILE, ShardInput, is_manifest, manifest_name
+from entroweight.schemas.manifest import (
+    REJECTS_DIR,
+    SHARDS_FILE,
+    STAGE_FILE,
+    ShardInput,
+    is_manifest,
+    manifest_name,
+)
 from entroweight.storage import AnyPath, remove_stale_tmp, write_json_atomic
 
-# Everything that is not data starts with a dot: `datasets.load_dataset("parquet", data_dir=OUT)` reads
-# every .json and .parquet it finds, and skips hidden files and directories.
-SHARDS_FILE = ".shards.json"
-REJECTS_DIR = ".rejects"
 LOCK_FILE = ".lock"
 
 

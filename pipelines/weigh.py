@@ -26,6 +26,7 @@ from entroweight.schemas import (
     with_file_metadata,
 )
 from entroweight.schemas.manifest import ShardInput
+from entroweight.schemas.weighted import excluded_mask
 from entroweight.transforms.tokenize import fixed_lists
 from entroweight.transforms.tokenizer import TokenizerError, carry_tokenizer, data_tokenizer
 from entroweight.transforms.weigh import WeighConfig, encode_weights, weigh
@@ -109,12 +110,14 @@ class WeighStage(Stage):
                 n_pad = batch.column("n_pad").to_numpy().astype(np.int64)
                 entropy = pc.list_flatten(batch.column("entropy")).to_numpy(zero_copy_only=False)
                 values = entropy.reshape(n, -1)
-                weights = encode_weights(weigh(values, n_pad, self.weighting), dtype)
+                excluded = excluded_mask(batch.column("excluded"), values.shape[1])
+                weights = encode_weights(weigh(values, n_pad, self.weighting, exclude=excluded), dtype)
                 arrays = [
                     batch.column(name).cast(schema.field(name).type) for name in _sequence_columns(schema)
                 ]
                 if self.with_entropy:
                     arrays.append(batch.column("entropy"))
+                arrays.append(batch.column("excluded"))
                 arrays.append(fixed_lists(weights, weight_type))
                 writer.write(pa.RecordBatch.from_arrays(arrays, schema=schema))
                 rows += n

@@ -9,6 +9,8 @@ import pyarrow.parquet as pq
 
 from entroweight import storage
 
+from .weighted import ENTROPY, EXCLUDED, EXCLUDED_TYPE, WEIGHT, weight_type
+
 # The one key-value entry every output parquet file carries: JSON of FileMetadata.
 METADATA_KEY = b"entroweight"
 
@@ -62,14 +64,17 @@ def sequence_schema(vocab_size: int, packed: bool = False) -> pa.Schema:
 def weighted_sequence_schema(
     vocab_size: int, packed: bool = False, weight_dtype: str = "float16", with_entropy: bool = True
 ) -> pa.Schema:
-    """A sequence plus `entropy` (raw scorer output) and `weight` (0 on pads)."""
-    if weight_dtype not in ("float16", "uint8"):
-        raise ValueError(f"weight dtype must be float16 or uint8, not {weight_dtype!r}")
+    """A sequence plus `entropy` (raw scorer output), `excluded` (real positions the scorer gave no
+    value) and `weight` (0 on pads and excluded positions); the codec is schemas/weighted.py."""
     schema = sequence_schema(vocab_size, packed)
     if with_entropy:
-        schema = schema.append(pa.field("entropy", pa.list_(pa.float32()), nullable=False))
-    weight_type = pa.float16() if weight_dtype == "float16" else pa.uint8()
-    return schema.append(pa.field("weight", pa.list_(weight_type), nullable=False))
+        schema = schema.append(pa.field(ENTROPY, pa.list_(pa.float32()), nullable=False))
+    schema = schema.append(pa.field(EXCLUDED, pa.list_(EXCLUDED_TYPE), nullable=False))
+    return schema.append(pa.field(WEIGHT, pa.list_(weight_type(weight_dtype)), nullable=False))
+
+
+# the columns a weighted sequence adds to a sequence
+WEIGHTED_COLUMNS = (ENTROPY, EXCLUDED, WEIGHT)
 
 
 def with_file_metadata(schema: pa.Schema, metadata: dict) -> pa.Schema:

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 # Bumped when the bytes a stage writes change for the same config: old shards then recompute.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: weighted shards carry `excluded`
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -83,8 +83,11 @@ class ShardManifest(BaseModel):
         return sum(self.rejected.values())
 
 
-# the StageRecord's file at the root of a stage's output directory: what marks a directory as one
-STAGE_FILE = ".stage.json"
+# The layout of a stage's output directory. Everything that is not data starts with a dot:
+# `datasets.load_dataset("parquet", data_dir=OUT)` skips hidden files and directories.
+STAGE_FILE = ".stage.json"  # the StageRecord: what marks a directory as a stage's output
+SHARDS_FILE = ".shards.json"  # input key -> shard name, fixed when an input is first planned
+REJECTS_DIR = ".rejects"
 
 
 def manifest_name(shard: str) -> str:

@@ -23,7 +23,8 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-WEIGHT_DTYPES = ("float16", "uint8")
+from entroweight.schemas.weighted import WEIGHT_DTYPES, encode_weights, weighable  # noqa: F401
+
 
 
 class NonFiniteScores(ValueError):
@@ -73,8 +74,7 @@ class WeighConfig(BaseModel):
 
 def real_mask(n_pad: np.ndarray, width: int, exclude: np.ndarray | None = None) -> np.ndarray:
     """True on the positions that get a weight: not pads, not `exclude`d (e.g. packed separators)."""
-    mask = np.arange(width)[None, :] >= np.asarray(n_pad)[:, None]
-    return mask if exclude is None else mask & ~np.asarray(exclude, dtype=bool)
+    return weighable(n_pad, width, exclude)
 
 
 def check_finite(values: np.ndarray, n_pad: np.ndarray, first_row: int = 0) -> None:
@@ -138,15 +138,6 @@ def weigh(
     if cfg.floor:
         w = np.maximum(w, cfg.floor)
     return np.where(real_mask(n_pad, w.shape[1], exclude), w, 0.0).astype(np.float32)
-
-
-def encode_weights(w: np.ndarray, dtype: str) -> np.ndarray:
-    """float16, or uint8 holding round(255 w) (readers divide by 255)."""
-    if dtype == "float16":
-        return w.astype(np.float16)
-    if dtype == "uint8":
-        return np.rint(np.clip(w, 0.0, 1.0) * 255.0).astype(np.uint8)
-    raise ValueError(f"weight dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {dtype!r}")
 
 
 def entropy_quantiles(scored: str | Path, n: int = 101, max_tokens: int = 5_000_000) -> tuple[float, ...]:

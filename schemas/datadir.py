@@ -1,0 +1,163 @@
+"""A data directory: one stage's committed output, on a local path or any URL the storage layer opens.
+
+The one way the project lists a data directory. Its parts are the shards whose manifest was
+committed for the directory's configuration (`.stage.json`) and whose parquet is listed with the size
+the manifest records; everything else in the directory (a shard still being written, a stale temp
+file, a foreign `*.parquet`) is not data. What kind of data a directory holds is read from its stage
+record, not from which command wrote it: the output of `score` and of `weigh` are both weighted
+sequences, readable by every command that reads weighted data.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+from pydantic import ValidationError
+
+from entroweight import storage
+
+from .manifest import (
+    REJECTS_DIR,
+    SHARDS_FILE,
+    STAGE_FILE,
+    ShardManifest,
+    StageRecord,
+    is_manifest,
+)
+
+# what each stage's output is: the table of schemas/arrow.py its shards hold
+STAGE_KINDS = {"tokenize": "sequences", "score": "weighted", "weigh": "weighted"}
+
+
+class DataDirError(ValueError):
+    """A directory that is not (or not wholly) a stage's committed output; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """A committed shard: its parquet (`location`, local path or URL), size and manifest."""
+
+    location: str
+    name: str
+    size: int
+    manifest: ShardManifest
+
+
+class DataDir:
+    """One listing of `location`, then its record and manifests on demand (read in parallel)."""
+
+    def __init__(self, location):
+        self.root = storage.path(location)
+        self.location = storage.url(self.root)
+
+    def __repr__(self) -> str:
+        return f"DataDir({self.location!r})"
+
+    def child(self, name: str) -> str:
+        return storage.url(self.root / name)
+
+    @cached_property
+    def names(self) -> dict[str, int]:
+        """{file name: size} directly in the directory (one listing)."""
+        return storage.listing(self.root)
+
+    @cached_property
+    def record(self) -> StageRecord | None:
+        """The stage record (`.stage.json`), or None when the directory holds none."""
+        if STAGE_FILE not in self.names:
+            return None
+        raw = (self.root / STAGE_FILE).read_bytes()
+        try:
+            return StageRecord.model_validate_json(raw)
+        except ValidationError:
+            raise DataDirError(
+                f"{self.child(STAGE_FILE)} is not a stage record (not the JSON entroweight writes): the "
+                "directory was changed by another tool; point at a stage's output directory"
+            ) from None
+
+    @property
+    def stage(self) -> str | None:
+        return self.record.stage if self.record else None
+
+    @property
+    def kind(self) -> str | None:
+        """'sequences' (tokenized) or 'weighted' (scored or weighed), from the stage record; None: no stage's output."""
+        return STAGE_KINDS.get(self.stage) if self.stage else None
+
+    @property
+    def is_weighted(self) -> bool:
+        return self.kind == "weighted"
+
+    @cached_property
+    def manifests(self) -> list[ShardManifest]:
+        """Every shard manifest in the directory (whatever its config), in shard order."""
+        paths = [self.root / n for n in sorted(n for n in self.names if is_manifest(n))]
+        return [ShardManifest.model_validate_json(b) for b in storage.read_many(paths)]
+
+    @cached_property
+    def parts(self) -> list[Part]:
+        """The committed shards, in shard order: a manifest of the directory's config whose parquet is
+        listed with the size the manifest records."""
+        if self.record is None:
+            return []
+        out = []
+        for m in self.manifests:
+            size = self.names.get(m.output)
+            if m.config_hash != self.record.config_hash or size is None:
+                continue
+            if m.output_bytes is not None and size != m.output_bytes:
+                continue
+            out.append(Part(self.child(m.output), m.output, size, m))
+        return out
+
+    @property
+    def files(self) -> list[str]:
+        return [p.location for p in self.parts]
+
+    @cached_property
+    def planned(self) -> list[str]:
+        """Every shard the stage planned (`.shards.json`), done or not."""
+        if SHARDS_FILE not in self.names:
+            return []
+        return sorted(set(json.loads((self.root / SHARDS_FILE).read_bytes()).values()))
+
+    @property
+    def missing(self) -> list[str]:
+        """Planned shards with no committed part (a run that has not finished, or a deleted part)."""
+        done = {p.manifest.shard for p in self.parts}
+        return [s for s in self.planned if s not in done]
+
+    def rejects_location(self, name: str) -> str:
+        return storage.url(self.root / REJECTS_DIR / name)
+
+    # -- what readers require
+
+    def require(self, kind: str | None = None, complete: bool = True, hint: str = "") -> DataDir:
+        """This directory, refused with the reason unless it is a stage's committed output (of `kind`,
+        when given: 'sequences' or 'weighted'), with every planned shard done when `complete`."""
+        hint = f"; {hint}" if hint else ""
+        if self.record is None:
+            what = "does not exist" if not self.names and not storage.is_local(self.root) else "is not a stage's output"
+            if storage.is_local(self.root) and not self.root.exists():
+                what = "does not exist"
+            raise DataDirError(f"{self.location} {what} (no {STAGE_FILE}){hint}")
+        if kind is not None and self.kind != kind:
+            wanted = {"sequences": "tokenized", "weighted": "weighted (scored or weighed)"}[kind]
+            raise DataDirError(
+                f"{self.location} holds the output of `{self.stage}`, not {wanted} data{hint}"
+            )
+        if not self.parts:
+            raise DataDirError(f"{self.location} holds no committed shard (its run has not finished){hint}")
+        if complete and self.missing:
+            shown = ", ".join(self.missing[:5]) + (" ..." if len(self.missing) > 5 else "")
+            raise DataDirError(
+                f"{self.location} is incomplete ({shown} not done): rerun the command that writes it, so "
+                "that no document is left out"
+            )
+        return self
+
+
+def data_dir(location) -> DataDir:
+    return location if isinstance(location, DataDir) else DataDir(location)
