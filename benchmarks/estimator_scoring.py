@@ -77,9 +77,9 @@ def run(quick: bool = False) -> list[dict]:
         for metric in ("l1", "cosine"):
             scorer = make_scorer("occlusion", checkpoint=tmp, metric=metric, dtype=dtype, batch_size=batch)
             scorer.setup()
-            scorer.score(ids[:batch], n_pad[:batch])  # warm-up
+            scorer.score(ids[:batch], n_pad[:batch]).values  # warm-up
             # interleaved, best of each: the least disturbed by other load
-            times = alternate({"score": lambda s=scorer: s.score(ids, n_pad), "bare": bare}, repeat)
+            times = alternate({"score": lambda s=scorer: s.score(ids, n_pad).values, "bare": bare}, repeat)
             t_score, t_bare = min(times["score"]), min(times["bare"])
             rates[metric] = real / t_score
             out.append(
@@ -99,7 +99,7 @@ def run(quick: bool = False) -> list[dict]:
             scorer = make_scorer(name, checkpoint=tmp, dtype=dtype, batch_size=n_rows)
             scorer.setup()
             n_real = int(n_rows * n_ctx - n_pad[:n_rows].sum())
-            per_tok = timed(lambda s=scorer, k=n_rows: s.score(ids[:k], n_pad[:k])) / n_real
+            per_tok = timed(lambda s=scorer, k=n_rows: s.score(ids[:k], n_pad[:k]).values) / n_real
             out.append(
                 row(
                     "score",

@@ -83,11 +83,11 @@ def bench_causal(spec: str, texts: list[str], n_rows: int, n_ctx: int, batch: in
     seqs = [e.ids for e in tok.tokenizer.encode_batch_fast(texts[:n_rows], add_special_tokens=False)]
     ids, n_pad = _left_pad(seqs, n_ctx, 0)
     real = int(ids.size - n_pad.sum())
-    scorer.score(ids[:batch], n_pad[:batch])  # warm-up: first-call allocations
+    scorer.score(ids[:batch], n_pad[:batch]).values  # warm-up: first-call allocations
     batches = _batches_of(ids, n_ctx - n_pad, batch, start)
     times = alternate(
         {
-            "score": lambda: scorer.score(ids, n_pad),
+            "score": lambda: scorer.score(ids, n_pad).values,
             "bare": lambda: _bare_forward(scorer._model, batches, scorer.dtype),
         },
         rounds,
@@ -116,9 +116,8 @@ def bench_cross(spec, texts, n_rows, n_ctx, batch, data_tok, model, rounds) -> l
     pad = data_tok.pad_id if data_tok.pad_id is not None else data_tok.eos_id
     ids, n_pad = _left_pad(seqs, n_ctx, pad)
     real = int(ids.size - n_pad.sum())
-    scorer.reset_report()
-    scorer.score(ids, n_pad)  # warm-up (first-call allocations) and the alignment report
-    report = scorer.report()["alignment"]
+    # warm-up (first-call allocations) and the alignment report
+    report = scorer.score(ids, n_pad).stats["alignment"].as_dict()
     # the same model-token windows, bare forward
     texts_ids = []
     for r in range(len(ids)):
@@ -131,7 +130,7 @@ def bench_cross(spec, texts, n_rows, n_ctx, batch, data_tok, model, rounds) -> l
     batches = _batches_of(m_ids, width - m_pad, batch, scorer._start)
     times = alternate(
         {
-            "score": lambda: scorer.score(ids, n_pad),
+            "score": lambda: scorer.score(ids, n_pad).values,
             "bare": lambda: _bare_forward(scorer._model, batches, scorer.dtype),
         },
         rounds,
@@ -141,7 +140,7 @@ def bench_cross(spec, texts, n_rows, n_ctx, batch, data_tok, model, rounds) -> l
     model_losses = scorer._model_losses
     scorer._model_losses = lambda xs: [np.zeros(len(x)) for x in xs]
     t0 = time.perf_counter()
-    scorer.score(ids, n_pad)
+    scorer.score(ids, n_pad).values
     t_align = time.perf_counter() - t0
     scorer._model_losses = model_losses
     note = (
@@ -181,7 +180,7 @@ def bench_storage(n_rows_scored: int, spec: str, model) -> list[dict]:
     plus the weight column (float16, uint8: the score stage's encodings) of SmolLM2 cross-tokenizer
     weights on the first rows, written with the stage's parquet options."""
     from entroweight.pipelines import run_stage
-    from entroweight.pipelines.score import parquet_options
+    from entroweight.pipelines.weighted import parquet_options
     from entroweight.pipelines.tokenize import TokenizeStage
     from entroweight.transforms.tokenize import fixed_lists
     from entroweight.transforms.tokenizer import load_tokenizer
@@ -202,7 +201,7 @@ def bench_storage(n_rows_scored: int, spec: str, model) -> list[dict]:
         n_pad = sub.column("n_pad").to_numpy().astype(np.int64)
         real = int(ids.size - n_pad.sum())
         scorer = _cross_scorer(spec, 8, load_tokenizer(tok), model, "mean")
-        values = scorer.score(ids, n_pad)
+        values = scorer.score(ids, n_pad).values
         per_token = {}
         for dtype, pa_type in (("float16", pa.float16()), ("uint8", pa.uint8())):
             w = encode_weights(weigh(values, n_pad, WeighConfig(dtype=dtype)), dtype)

@@ -40,6 +40,7 @@ REJECT_REASONS = (
     "not_string",  # text of another type
     "invalid_json",  # a jsonl line that does not parse as a JSON object
     "duplicate_id",  # an id seen before in the same shard (with --reject-duplicates)
+    "low_weight",  # a document whose mean weight is below --min-mean-weight (score, weigh)
 )
 
 

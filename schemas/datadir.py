@@ -139,15 +139,17 @@ class DataDir:
         when given: 'sequences' or 'weighted'), with every planned shard done when `complete`."""
         hint = f"; {hint}" if hint else ""
         if self.record is None:
-            what = "does not exist" if not self.names and not storage.is_local(self.root) else "is not a stage's output"
+            what = (
+                "does not exist"
+                if not self.names and not storage.is_local(self.root)
+                else "is not a stage's output"
+            )
             if storage.is_local(self.root) and not self.root.exists():
                 what = "does not exist"
             raise DataDirError(f"{self.location} {what} (no {STAGE_FILE}){hint}")
         if kind is not None and self.kind != kind:
             wanted = {"sequences": "tokenized", "weighted": "weighted (scored or weighed)"}[kind]
-            raise DataDirError(
-                f"{self.location} holds the output of `{self.stage}`, not {wanted} data{hint}"
-            )
+            raise DataDirError(f"{self.location} holds the output of `{self.stage}`, not {wanted} data{hint}")
         if not self.parts:
             raise DataDirError(f"{self.location} holds no committed shard (its run has not finished){hint}")
         if complete and self.missing:

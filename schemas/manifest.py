@@ -65,6 +65,7 @@ class ShardManifest(BaseModel):
     # rows per parquet row group: the trainer plans its reading from the manifests, opening no footer
     output_row_groups: list[int] | None = None
     rows_out: int
+    rows_in: int | None = None  # row-to-row stages (score, weigh): the input shard's rows
     docs_in: int
     docs_out: int  # distinct documents with at least one row
     rejected: dict[str, int] = Field(default_factory=dict)

@@ -92,7 +92,9 @@ def lists(matrix: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
     """A (rows, n) matrix as an Arrow list column, without a Python loop."""
     rows, n = matrix.shape
     offsets = pa.array(np.arange(0, rows * n + 1, n, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(matrix).reshape(-1), type=value_type))
+    return pa.ListArray.from_arrays(
+        offsets, pa.array(np.ascontiguousarray(matrix).reshape(-1), type=value_type)
+    )
 
 
 def row_lengths(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
@@ -141,7 +143,9 @@ def real_mask(n_pad: np.ndarray, width: int, lengths: np.ndarray | None = None) 
 def encode_excluded(excluded: np.ndarray | None, rows: int) -> pa.ListArray:
     """(rows, width) bool, or None for no exclusions -> the `excluded` column (positions per row)."""
     if excluded is None or not np.any(excluded):
-        return pa.ListArray.from_arrays(pa.array(np.zeros(rows + 1, dtype=np.int32)), pa.array([], EXCLUDED_TYPE))
+        return pa.ListArray.from_arrays(
+            pa.array(np.zeros(rows + 1, dtype=np.int32)), pa.array([], EXCLUDED_TYPE)
+        )
     excluded = np.asarray(excluded, dtype=bool)
     r, c = np.nonzero(excluded)
     offsets = np.concatenate([[0], np.cumsum(np.bincount(r, minlength=rows))]).astype(np.int32)

@@ -1,6 +1,6 @@
 """Scorers: one raw value per token (value i is about predicting token i); see docs/scoring.md."""
 
-from .base import OptionsError, Scorer, ScorerError, ScorerOptions, length_buckets
+from .base import Batching, OptionsError, Scored, Scorer, ScorerError, ScorerOptions, length_buckets
 from .registry import (
     ENTRY_POINT_GROUP,
     available,
@@ -12,6 +12,8 @@ from .registry import (
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "Batching",
+    "Scored",
     "OptionsError",
     "Scorer",
     "ScorerError",

@@ -11,8 +11,10 @@ Conventions every scorer keeps (docs/scoring.md):
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -108,9 +110,37 @@ def validate_options(cls: type[Scorer], options: dict[str, Any]) -> ScorerOption
         raise OptionsError(cls.name, problems, valid) from None
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How the rows handed to `Scorer.score` are cut into forwards: speed and memory, never values.
+    `batch_size` rows per forward (None: the scorer's own), or a token budget (rows × width) when
+    `batch_tokens` is set; `on_rows(n)` is called after each forward (a progress bar)."""
+
+    batch_size: int | None = None
+    batch_tokens: int | None = None
+    on_rows: Callable[[int], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Scored:
+    """What `Scorer.score` returns for its rows: `values` (B, T) float32, 0 on pads and excluded
+    positions; `excluded` (B, T) bool or None, the real positions given no value (weighing treats them
+    as pads; the data stores them); `computed` the positions the forwards computed, pads included
+    (the stage reports the pad fraction); `stats` per-call counters that add up (e.g. the alignment of
+    cross_tokenizer: objects with `add` and `as_dict`)."""
+
+    values: np.ndarray
+    excluded: np.ndarray | None = None
+    computed: int = 0
+    real: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
 class Scorer(ABC):
     """Subclass, set `name`, declare `Options`, implement `config`, `setup` and `score_batch` (or
-    override `score`). The constructor receives the validated options as keywords."""
+    override `score`). The constructor receives the validated options as keywords and does no I/O
+    beyond what `config` needs; after `setup` a scorer holds no per-run state: `score` is a function
+    of its arguments, and what a run counts comes back in `Scored`."""
 
     name: ClassVar[str] = "scorer"
     #: the options this scorer takes (a ScorerOptions subclass): CLI, workflow and entry points validate here
@@ -120,10 +150,15 @@ class Scorer(ABC):
     #: what a value measures, written into the file metadata (docs/scoring.md, "Units"); only `nats`
     #: is a per-token entropy estimate that `--loss rescaled` can fit a loss to
     unit: ClassVar[str] = "nats"
+    #: cut left padding to the batch's longest row; a model that attends to pads must keep them
+    cut_padding: bool = True
+    #: loaded by setup(); never pickled (engines ship the scorer to workers, which call setup())
+    _heavy: ClassVar[tuple[str, ...]] = ("_model", "_model_tok", "_data_tok")
 
     def __init__(self, batch_size: int = 16, device: str = "cpu", **options: Any):
         self.batch_size, self.device, self.options = batch_size, device, options
 
+    # -- driver side (cheap: no model load)
     @abstractmethod
     def config(self) -> dict[str, Any]:
         """What changes the values (model sha256, dtype, aggregate...): hashed into the stage config
@@ -137,80 +172,30 @@ class Scorer(ABC):
         when it reads text or cannot tell. The score stage refuses data with larger ids up front."""
         return None
 
+    # -- worker side
     @abstractmethod
     def setup(self, data_tokenizer=None) -> None:
         """Load the model once per worker. `data_tokenizer` is a LoadedTokenizer or None."""
 
+    def metadata(self) -> dict[str, Any]:
+        """What the file metadata records beyond config() (called after setup): the unit, and e.g. the
+        start token a model read."""
+        return {"unit": self.unit}
+
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         """(B, T) left-padded ids, left padding already cut to the batch's longest -> (B, T) float32."""
         raise NotImplementedError
-
-    def score(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
-        """(B, T) left-padded ids -> (B, T) float32 in the input order; pads 0. The rows are batched
-        by `plan_batches` (sorted by real length; a token budget when `batch_tokens` is set), each
-        batch cut to its widest real row where the model allows it (`cut_padding`)."""
-        input_ids, n_pad = np.asarray(input_ids), np.asarray(n_pad)
-        B, T = input_ids.shape
-        out = np.zeros((B, T), dtype=np.float32)
-        lengths = T - n_pad
-        plan = plan_batches(lengths, lambda n: self.batch_width(n, T), self.batch_size, self.batch_tokens)
-
-        def batches():  # gathered on a background thread while the model runs the previous batch
-            for idx, width in plan:
-                cut = min(width, T)  # columns of the input this batch reads (a model may widen it)
-                yield idx, width, cut, np.ascontiguousarray(input_ids[idx, T - cut :]), n_pad[idx] - (T - cut)
-
-        for idx, width, cut, ids, pads in prefetch(batches()):
-            out[idx, T - cut :] = self.score_batch(ids, pads)
-            self.computed_tokens += len(idx) * width
-            self.real_tokens += int(lengths[idx].sum())
-            if self.on_rows is not None:
-                self.on_rows(len(idx))
-        out[np.arange(T)[None, :] < n_pad[:, None]] = 0.0
-        return out
 
     def batch_width(self, longest: int, T: int) -> int:
         """Positions a forward computes per row for a batch whose longest real row is `longest` (of
         width T): that row's length when padding is cut, else the whole row (a model may widen it)."""
         return max(longest, 1) if self.cut_padding else T
 
-    #: a token budget per forward (rows × width), set by the stage (`score --batch-tokens`); None:
-    #: `batch_size` rows per forward. Either way batches change speed, not values.
-    batch_tokens: int | None = None
-    #: positions computed / real tokens scored since `reset_report` (the stage reports the pad fraction)
-    computed_tokens: int = 0
-    real_tokens: int = 0
-    #: called with the number of rows after each batch (a progress bar)
-    on_rows = None
-
-    def set_batching(self, batch_tokens: int | None, on_rows=None) -> None:
-        """The token budget and progress hook, for this scorer and the scorers it is made of
-        (excess_loss scores with two)."""
-        self.batch_tokens, self.on_rows = batch_tokens, on_rows
-        for part in self.parts():
-            part.set_batching(batch_tokens, None)
-
-    def parts(self) -> list[Scorer]:
-        """The scorers this one delegates to (found among its attributes)."""
-        return [v for v in vars(self).values() if isinstance(v, Scorer)]
-
-    def padding_counts(self) -> tuple[int, int]:
-        """(positions computed, real tokens scored), this scorer's and its parts'."""
-        computed, real = self.computed_tokens, self.real_tokens
-        for part in self.parts():
-            c, r = part.padding_counts()
-            computed, real = computed + c, real + r
-        return computed, real
-
-    def reset_padding_counts(self) -> None:
-        self.computed_tokens = self.real_tokens = 0
-        for part in self.parts():
-            part.reset_padding_counts()
-
-    #: cut left padding to the batch's longest row; a model that attends to pads must keep them
-    cut_padding: bool = True
-    #: loaded by setup(); never pickled (engines ship the scorer to workers, which call setup())
-    _heavy: ClassVar[tuple[str, ...]] = ("_model", "_model_tok", "_data_tok")
+    def score(self, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching = Batching()) -> Scored:
+        """(B, T) left-padded ids -> Scored, values in the input order; pads 0. The rows are batched
+        by `plan_batches` (sorted by real length; a token budget when `batching.batch_tokens` is set),
+        each batch cut to its widest real row where the model allows it (`cut_padding`)."""
+        return score_rows(self, input_ids, n_pad, batching)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -219,22 +204,40 @@ class Scorer(ABC):
                 state[name] = None
         return state
 
-    def excluded(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray | None:
-        """(B, T) bool: real positions this scorer gives no value (e.g. separators of packed documents);
-        weighting treats them as pads (weight 0, outside the normalisation). None: every real token."""
-        return None
 
-    def metadata(self) -> dict[str, Any]:
-        """What the file metadata records beyond config() (called after setup): the unit, and e.g. the
-        start token a model read."""
-        return {"unit": self.unit}
+def score_rows(scorer: Scorer, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching) -> Scored:
+    """`scorer.score_batch` over length-sorted batches of the rows (gathered on a background thread
+    while the model runs the previous batch); values put back in row order, pads 0."""
+    input_ids, n_pad = np.asarray(input_ids), np.asarray(n_pad)
+    B, T = input_ids.shape
+    out = np.zeros((B, T), dtype=np.float32)
+    lengths = T - n_pad
+    batch_size = batching.batch_size or scorer.batch_size
+    plan = plan_batches(lengths, lambda n: scorer.batch_width(n, T), batch_size, batching.batch_tokens)
 
-    def report(self) -> dict[str, Any]:
-        """What the last `reset_report()`..now scored is worth recording in the manifest (e.g. alignment error)."""
-        return {}
+    def batches():
+        for idx, width in plan:
+            cut = min(width, T)  # columns of the input this batch reads (a model may widen it)
+            yield idx, width, cut, np.ascontiguousarray(input_ids[idx, T - cut :]), n_pad[idx] - (T - cut)
 
-    def reset_report(self) -> None:  # noqa: B027 - optional hook
-        """Start a new report (called per shard)."""
+    computed = 0
+    for idx, width, cut, ids, pads in prefetch(batches()):
+        out[idx, T - cut :] = scorer.score_batch(ids, pads)
+        computed += len(idx) * width
+        if batching.on_rows is not None:
+            batching.on_rows(len(idx))
+    out[np.arange(T)[None, :] < n_pad[:, None]] = 0.0
+    return Scored(out, None, computed, int(lengths.sum()))
+
+
+def add_stats(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """Per-call counters added up (each value has `add`); `total` is updated and returned."""
+    for k, v in more.items():
+        if k in total:
+            total[k].add(v)
+        else:
+            total[k] = copy.deepcopy(v)
+    return total
 
 
 def length_buckets(lengths: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:

@@ -19,10 +19,11 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
+from entroweight.schemas.weighted import real_mask
 from entroweight.transforms.align import AGGREGATES, AlignStats, encode_exact_batch, regroup, utf8_runs
 
 from . import hf
-from .base import HFModelOptions, Scorer, ScorerError, plan_batches
+from .base import Batching, HFModelOptions, Scored, Scorer, ScorerError, plan_batches
 from .causal_loss import HFModel
 from .forward import check_dtype, hf_token_losses, resolve_dtype, to_device
 
@@ -72,7 +73,6 @@ class CrossTokenizerScorer(Scorer):
         # causal_loss's HF models
         self.source = HFModel(model)
         self._model = None
-        self.stats = AlignStats()
 
     def config(self) -> dict[str, Any]:
         return {
@@ -103,9 +103,11 @@ class CrossTokenizerScorer(Scorer):
     def excluded(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         """Separators (special tokens: no bytes, no text) on real positions: weight 0, value 0."""
         sep = self._data_tok.token_nbytes[np.asarray(input_ids)] == 0
-        return sep & (np.arange(sep.shape[1])[None, :] >= np.asarray(n_pad)[:, None])
+        return sep & real_mask(n_pad, sep.shape[1])
 
-    def score(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
+    def score(self, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching = Batching()) -> Scored:
+        """The rows' text re-tokenized for the model, in windows of model tokens batched over all the
+        rows given (sorted by length, `batching`'s budget), the losses regrouped onto data tokens."""
         input_ids, n_pad = np.asarray(input_ids), np.asarray(n_pad)
         B, T = input_ids.shape
         out = np.zeros((B, T), dtype=np.float32)
@@ -124,7 +126,8 @@ class CrossTokenizerScorer(Scorer):
                 raw = self._data_tok.decode_bytes(real[a:b].tolist())
                 runs += [(r, base + s, raw[s:e].decode("utf-8")) for s, e in utf8_runs(raw)]
         encoded = encode_exact_batch(self._model_tok, [t for _, _, t in runs])
-        losses = self._model_losses([ids for ids, _ in encoded])
+        losses, computed, real = self._model_losses([ids for ids, _ in encoded], batching)
+        stats = AlignStats()
         per_row: list[list] = [[] for _ in range(B)]
         for (r, offset, _), (_, nbytes), loss in zip(runs, encoded, losses, strict=True):
             per_row[r].append((offset, nbytes, loss))
@@ -136,16 +139,12 @@ class CrossTokenizerScorer(Scorer):
                 ends.append(e)
                 vals.append(loss)
             cat = (lambda xs: np.concatenate(xs)) if vals else (lambda xs: np.zeros(0, dtype=np.int64))
-            values, stats = regroup(data_nbytes[r], cat(starts), cat(ends), cat(vals), self.aggregate)
-            self.stats.add(stats)
+            values, row_stats = regroup(data_nbytes[r], cat(starts), cat(ends), cat(vals), self.aggregate)
+            stats.add(row_stats)
             out[r, n_pad[r] :] = values
-        return out
-
-    def report(self) -> dict[str, Any]:
-        return {"alignment": self.stats.as_dict()}
-
-    def reset_report(self) -> None:
-        self.stats = AlignStats()
+            if batching.on_rows is not None:
+                batching.on_rows(1)
+        return Scored(out, self.excluded(input_ids, n_pad), computed, real, {"alignment": stats})
 
     def windows(self, m: int) -> list[tuple[int, int, int]]:
         """(context start, first scored, end) model-token ranges; the first window starts with the
@@ -158,8 +157,11 @@ class CrossTokenizerScorer(Scorer):
             out.append((max(0, end - self.context), a, end))
         return out
 
-    def _model_losses(self, texts_ids: list[np.ndarray]) -> list[np.ndarray]:
-        """Per-model-token CE (float64) of each text; every token scored exactly once."""
+    def _model_losses(
+        self, texts_ids: list[np.ndarray], batching: Batching
+    ) -> tuple[list[np.ndarray], int, int]:
+        """Per-model-token CE (float64) of each text, every token scored exactly once; the positions
+        the forwards computed, and how many of them were real."""
         losses = [np.zeros(len(ids), dtype=np.float64) for ids in texts_ids]
         jobs = []  # (text index, context start, first scored, end, with start token)
         for t, ids in enumerate(texts_ids):
@@ -169,7 +171,9 @@ class CrossTokenizerScorer(Scorer):
         lengths = np.array([e - c + w for _, c, _, e, w in jobs], dtype=np.int64)
         # sorted by length, longest first, in batches of `batch_size` windows or of a token budget;
         # each batch as wide as its longest window, so the forward computes (almost) no pads
-        for idx, width in plan_batches(lengths, lambda n: n, self.batch_size, self.batch_tokens):
+        computed = 0
+        batch_size = batching.batch_size or self.batch_size
+        for idx, width in plan_batches(lengths, lambda n: n, batch_size, batching.batch_tokens):
             x = np.zeros((len(idx), width), dtype=np.int64)
             mask = np.zeros((len(idx), width), dtype=np.int64)
             for row, j in enumerate(idx):
@@ -184,6 +188,5 @@ class CrossTokenizerScorer(Scorer):
             for row, j in enumerate(idx):
                 t, c, a, e, _ = jobs[j]
                 losses[t][a:e] = values[row, width - (e - a) :]
-            self.computed_tokens += x.size
-            self.real_tokens += int(lengths[idx].sum())
-        return losses
+            computed += x.size
+        return losses, computed, int(lengths.sum())

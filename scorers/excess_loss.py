@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from pydantic import Field
 
-from .base import Scorer, ScorerError
+from .base import Batching, Scored, Scorer, ScorerError
 from .causal_loss import CausalLossScorer
 from .cross_tokenizer import CrossTokenizerScorer
 
@@ -122,15 +122,6 @@ class ExcessLossScorer(Scorer):
     def metadata(self) -> dict[str, Any]:
         return {**super().metadata(), **{k: v for k, v in self.reference.metadata().items() if k != "unit"}}
 
-    def excluded(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray | None:
-        return self.reference.excluded(input_ids, n_pad)
-
-    def report(self) -> dict[str, Any]:
-        return self.reference.report()
-
-    def reset_report(self) -> None:
-        self.reference.reset_report()
-
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
         for side, what in ((self.model, "model"), (self.reference, "reference")):
             try:
@@ -144,6 +135,19 @@ class ExcessLossScorer(Scorer):
         self.model.setup(data_tokenizer)
         self.reference.setup(data_tokenizer)
 
-    def score(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
-        # each side buckets and pads its own way (HF: cut to the batch; ours: full rows)
-        return self.model.score(input_ids, n_pad) - self.reference.score(input_ids, n_pad)
+    def score(self, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching = Batching()) -> Scored:
+        # each side buckets and pads its own way (HF: cut to the batch; ours: full rows); progress
+        # is counted once, on the reference's side
+        quiet = Batching(batching.batch_size, batching.batch_tokens)
+        model = self.model.score(input_ids, n_pad, quiet)
+        reference = self.reference.score(input_ids, n_pad, batching)
+        values = model.values - reference.values
+        if reference.excluded is not None:
+            values[reference.excluded] = 0.0
+        return Scored(
+            values,
+            reference.excluded,
+            model.computed + reference.computed,
+            model.real + reference.real,
+            reference.stats,
+        )

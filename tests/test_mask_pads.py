@@ -13,7 +13,7 @@ from test_token_budget import data, one_thread, rows, sha  # noqa: F401 - fixtur
 from test_trainer_fixtures import TINY, weighted_dir  # noqa: F401 - fixtures
 
 from entroweight.models.llama import Llama
-from entroweight.scorers import make_scorer
+from entroweight.scorers import Batching, make_scorer
 from entroweight.trainers import TrainConfig, train
 
 
@@ -69,15 +69,16 @@ def test_causal_loss_cuts_the_padding_of_a_pad_masking_checkpoint(masked_ckpt, r
 
     full = scorer()
     full.batch_width = lambda longest, T: T  # every row at the data's full width, pads and all
-    want = full.score(ids, n_pad)
+    full_scored = full.score(ids, n_pad)
+    want = full_scored.values
     cut = scorer()
-    cut.set_batching(100)
-    got = cut.score(ids, n_pad)
+    cut_scored = cut.score(ids, n_pad, Batching(batch_tokens=100))
+    got = cut_scored.values
     assert np.abs(want).max() > 0
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     real = int((ids.shape[1] - n_pad).sum())
     # pad columns computed: the full-width path all of them, the cut path one per row and the batches' ragged ends
-    assert cut.computed_tokens - real < 0.6 * (full.computed_tokens - real)
+    assert cut_scored.computed - real < 0.6 * (full_scored.computed - real)
 
 
 def test_hf_llama_computes_the_same_real_token_logits_with_a_mask_and_positions():

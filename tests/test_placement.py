@@ -154,7 +154,7 @@ def test_weights_load_in_the_compute_dtype(which, hf_model, ours, tokenized_dir,
     t = pq.read_table(sorted(tokenized_dir.glob("part-*.parquet"))[0]).slice(0, 8)
     ids = np.stack(t.column("input_ids").to_numpy(zero_copy_only=False)).astype(np.int64)
     n_pad = t.column("n_pad").to_numpy().astype(np.int64)
-    a, b = fp32.score(ids, n_pad), bf16.score(ids, n_pad)
+    a, b = fp32.score(ids, n_pad).values, bf16.score(ids, n_pad).values
     real = np.arange(ids.shape[1])[None] >= n_pad[:, None]
     assert np.isfinite(b).all() and (b[~real] == 0).all()
     np.testing.assert_allclose(b[real], a[real], rtol=0.05, atol=0.05)  # bf16 rounding only

@@ -58,15 +58,16 @@ def test_excess_loss_with_a_cross_tokenizer_reference(small_data, tokenizer_dir,
     assert s.needs_data_tokenizer and s.unit == "nats_difference"
     s.check_data_tokenizer(tok.sha256, tok)  # SmolLM2's 49k vocabulary is not refused: it reads the text
     s.setup(tok)
-    got = s.score(ids, n_pad)
+    scored = s.score(ids, n_pad)
+    got = scored.values
     model = make_scorer("causal_loss", checkpoint=str(tiny_ckpt), **opts)
     model.setup(tok)
     ref = make_scorer("cross_tokenizer", model=str(smollm2_gguf()), aggregate="sum", **opts)
     ref.setup(tok)
-    want_ref = ref.score(ids, n_pad)
-    np.testing.assert_allclose(got, model.score(ids, n_pad) - want_ref, atol=1e-4)
+    want_ref = ref.score(ids, n_pad).values
+    np.testing.assert_allclose(got, model.score(ids, n_pad).values - want_ref, atol=1e-4)
     # `sum` transfers SmolLM2's nats exactly: the reference side keeps each row's total
-    assert s.report()["alignment"]["rel_err_total"] < 1e-5
+    assert scored.stats["alignment"].as_dict()["rel_err_total"] < 1e-5
     assert s.metadata()["start_token"]["token"] == "<|endoftext|>"
     assert s.config()["reference"]["aggregate"] == "sum"
 

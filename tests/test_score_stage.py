@@ -93,7 +93,7 @@ def test_weighted_shards_follow_the_contract(local_scored, small_data, tiny_llam
         s = stage(small_data, tiny_llama).scorer
         s.setup()
         ids = np.stack(src.column("input_ids").to_numpy(zero_copy_only=False))
-        np.testing.assert_allclose(e, s.score(ids, src.column("n_pad").to_numpy()), atol=1e-5)
+        np.testing.assert_allclose(e, s.score(ids, src.column("n_pad").to_numpy()).values, atol=1e-5)
     assert read_manifests(local_scored)[0].extra["scorer"] == "causal_loss"
 
 

@@ -96,7 +96,7 @@ def save(model, path, sha, kind="estimator"):
 def scores(name, ckpt, ids, n_pad, **kw):
     s = make_scorer(name, checkpoint=str(ckpt), dtype="fp32", batch_size=16, **kw)
     s.setup()
-    return s.score(ids, n_pad)
+    return s.score(ids, n_pad).values
 
 
 # -- defect 1: occlusion of a no-information embedding

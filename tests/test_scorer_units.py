@@ -149,7 +149,7 @@ def test_packed_documents_are_scored_apart_and_the_separator_excluded(tokenizer_
     n_pad = np.array([2, T - len(b)])
     s = make_scorer("cross_tokenizer", model=str(smollm2_gguf()), aggregate="sum", dtype="fp32")
     s.setup(tok)
-    v = s.score(ids, n_pad)
+    v = s.score(ids, n_pad).values
     sep = 2 + len(a)
     # the second document reads exactly what it reads alone: the start token, not "mat.<eos>"
     np.testing.assert_allclose(v[0, sep + 1 :], v[1, -len(b) :], rtol=1e-4, atol=1e-4)

@@ -61,7 +61,7 @@ def test_causal_loss_matches_brute_force_and_pads_are_zero(tiny_llama, rows):
     ids, n_pad = rows
     scorer = make_scorer("causal_loss", model=str(tiny_llama), dtype="fp32", batch_size=4)
     scorer.setup()
-    values = scorer.score(ids, n_pad)
+    values = scorer.score(ids, n_pad).values
     assert values.dtype == np.float32 and values.shape == ids.shape
     T = ids.shape[1]
     for r in range(len(ids)):
@@ -76,11 +76,11 @@ def test_bucketing_is_identical_to_unbucketed(tiny_llama, rows):
     ids, n_pad = rows
     scorer = make_scorer("causal_loss", model=str(tiny_llama), dtype="fp32", batch_size=len(ids))
     scorer.setup()
-    whole = scorer.score(ids, n_pad)  # one batch: only the shortest common padding is cut
+    whole = scorer.score(ids, n_pad).values  # one batch: only the shortest common padding is cut
     scorer.batch_size = 3  # bucketed by length, order restored
-    bucketed = scorer.score(ids, n_pad)
+    bucketed = scorer.score(ids, n_pad).values
     scorer.batch_size = 1
-    single = scorer.score(ids, n_pad)
+    single = scorer.score(ids, n_pad).values
     np.testing.assert_allclose(bucketed, whole, atol=2e-5)
     np.testing.assert_allclose(single, whole, atol=2e-5)
 
@@ -101,7 +101,7 @@ def test_to_device_on_a_cpu_is_the_array_itself_never_pinned(monkeypatch, tiny_l
     ids, n_pad = rows
     s = make_scorer("causal_loss", model=str(tiny_llama), dtype="fp32")
     s.setup()
-    want = s.score(ids, n_pad)
+    want = s.score(ids, n_pad).values
 
     def refuse(self, *a, **k):
         raise AssertionError("pin_memory on the CPU path")
@@ -110,7 +110,7 @@ def test_to_device_on_a_cpu_is_the_array_itself_never_pinned(monkeypatch, tiny_l
     a = np.arange(12, dtype=np.int64).reshape(3, 4)
     t = to_device(a, "cpu")
     assert t.device.type == "cpu" and not t.is_pinned() and np.shares_memory(t.numpy(), a)
-    np.testing.assert_array_equal(s.score(ids, n_pad), want)
+    np.testing.assert_array_equal(s.score(ids, n_pad).values, want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -58,7 +58,7 @@ def brute_force_total(scorer, text: str) -> float:
 def test_sum_conserves_each_rows_total_nats(scorer, data):
     tok, ids, n_pad = data
     assert scorer._model_tok.tokenizer.id_to_token(scorer._start) == "<|endoftext|>"  # no BOS: EOS starts
-    values = scorer.score(ids, n_pad)
+    values = scorer.score(ids, n_pad).values
     assert values.dtype == np.float32 and values.shape == ids.shape
     stats = scorer.stats.as_dict()
     assert stats["bytes_uncovered"] == 0 and stats["tokens_uncovered"] == 0
@@ -75,10 +75,10 @@ def test_mean_matches_sum_where_one_model_token_is_one_data_token(scorer, data):
     tok, ids, n_pad = data
     scorer.aggregate = "mean"
     try:
-        mean = scorer.score(ids[-1:], n_pad[-1:])
+        mean = scorer.score(ids[-1:], n_pad[-1:]).values
     finally:
         scorer.aggregate = "sum"
-    summed = scorer.score(ids[-1:], n_pad[-1:])
+    summed = scorer.score(ids[-1:], n_pad[-1:]).values
     real = slice(int(n_pad[-1]), None)
     assert np.all(mean[0, real] > 0)
     # a data token split across model tokens differs; single-byte tokens inside one model token:

@@ -150,8 +150,8 @@ def test_occlusion_scorer_values(est_ckpt, rows):
     ids, n_pad = rows
     assert (n_pad > 0).any() and (n_pad == 0).any()
     mask = real(n_pad, N_CTX)
-    l1 = scorer("occlusion", est_ckpt).score(ids, n_pad)
-    cos = scorer("occlusion", est_ckpt, metric="cosine").score(ids, n_pad)
+    l1 = scorer("occlusion", est_ckpt).score(ids, n_pad).values
+    cos = scorer("occlusion", est_ckpt, metric="cosine").score(ids, n_pad).values
     for v in (l1, cos):
         assert v.dtype == np.float32 and (v[~mask] == 0).all()
     # l1: min-max per row over real tokens
@@ -177,12 +177,12 @@ def test_occlusion_pads_narrow_data_to_the_model_width(tmp_path, est_ckpt, rows,
     ids, n_pad = rows
     s = scorer("occlusion", est_ckpt, metric="cosine")
     cut = ids[:, 8:]
-    narrow = s.score(cut, np.maximum(n_pad - 8, 0))
+    narrow = s.score(cut, np.maximum(n_pad - 8, 0)).values
     keep = n_pad >= 8  # rows whose real tokens survive the cut
-    np.testing.assert_allclose(narrow[keep], s.score(ids, n_pad)[keep][:, 8:], atol=1e-6)
+    np.testing.assert_allclose(narrow[keep], s.score(ids, n_pad).values[keep][:, 8:], atol=1e-6)
     wide = save(tiny_estimator(n_ctx=16), tmp_path / "short", sha)
     with pytest.raises(ScorerError, match="n_ctx 16"):
-        scorer("occlusion", wide).score(ids, n_pad)
+        scorer("occlusion", wide).score(ids, n_pad).values
 
 
 def test_occlusion_refusals(tmp_path, est_ckpt, sha):
@@ -300,7 +300,7 @@ def test_decomposition_equals_brute_force(est_ckpt, few_rows):
     from entroweight.models.checkpoint import load_checkpoint
 
     ids, n_pad = few_rows
-    got = scorer("decomposition", est_ckpt).score(ids, n_pad)
+    got = scorer("decomposition", est_ckpt).score(ids, n_pad).values
     model, _ = load_checkpoint(est_ckpt)
     want = brute_force(model, model, ids, n_pad, N_CTX, N_CTX)
     np.testing.assert_allclose(got, want, atol=2e-4)
@@ -322,19 +322,19 @@ def test_decomposition_slides_over_wider_data(tmp_path, sha, few_rows):
     model = tiny_estimator(seed=3, n_ctx=12)
     ckpt = save(model, tmp_path / "n12", sha)
     ids, n_pad = few_rows
-    got = scorer("decomposition", ckpt).score(ids, n_pad)
+    got = scorer("decomposition", ckpt).score(ids, n_pad).values
     np.testing.assert_allclose(got, brute_force(model, model, ids, n_pad, 12, 12), atol=2e-4)
 
 
 def test_two_model(tmp_path, sha, est_ckpt, few_rows):
     ids, n_pad = few_rows
     # identical checkpoints: exactly the one-model form
-    same = scorer("two_model", est_ckpt, checkpoint_short=str(est_ckpt)).score(ids, n_pad)
-    np.testing.assert_allclose(same, scorer("decomposition", est_ckpt).score(ids, n_pad), atol=1e-6)
+    same = scorer("two_model", est_ckpt, checkpoint_short=str(est_ckpt)).score(ids, n_pad).values
+    np.testing.assert_allclose(same, scorer("decomposition", est_ckpt).score(ids, n_pad).values, atol=1e-6)
     # context N and N − 1: the long model's windows minus the short model's, sliding
     long, short = tiny_estimator(seed=1, n_ctx=12), tiny_estimator(seed=2, n_ctx=11)
     ck_long, ck_short = save(long, tmp_path / "long", sha), save(short, tmp_path / "short", sha)
-    got = scorer("two_model", ck_long, checkpoint_short=str(ck_short)).score(ids, n_pad)
+    got = scorer("two_model", ck_long, checkpoint_short=str(ck_short)).score(ids, n_pad).values
     np.testing.assert_allclose(got, brute_force(long, short, ids, n_pad, 12, 11), atol=2e-4)
     with pytest.raises(ScorerError, match="n_ctx 10"):
         make_scorer(
@@ -370,7 +370,7 @@ def test_grad_input_matches_finite_differences(rows):
 
 def test_grad_input_scorer(est_ckpt, few_rows):
     ids, n_pad = few_rows
-    v = scorer("grad_input", est_ckpt).score(ids, n_pad)
+    v = scorer("grad_input", est_ckpt).score(ids, n_pad).values
     mask = real(n_pad, N_CTX)
     assert (v[~mask] == 0).all() and v[mask].min() >= 0 and v[mask].max() <= 1
     for r in range(len(v)):
@@ -384,15 +384,15 @@ def test_grad_input_scorer(est_ckpt, few_rows):
 def test_excess_loss_against_itself_is_zero(est_ckpt, rows):
     ids, n_pad = rows
     s = scorer("excess_loss", est_ckpt, reference=str(est_ckpt))
-    np.testing.assert_array_equal(s.score(ids, n_pad), 0.0)
+    np.testing.assert_array_equal(s.score(ids, n_pad).values, 0.0)
     assert s.config()["scorer"] == "excess_loss" and len(s.config()["reference"]["checkpoint_sha256"]) == 64
 
 
 def test_excess_loss_is_the_difference_of_losses(tmp_path, sha, est_ckpt, rows):
     ids, n_pad = rows
     other = save(tiny_estimator(seed=7), tmp_path / "other", sha)
-    got = scorer("excess_loss", est_ckpt, reference=str(other)).score(ids, n_pad)
-    want = scorer("causal_loss", est_ckpt).score(ids, n_pad) - scorer("causal_loss", other).score(ids, n_pad)
+    got = scorer("excess_loss", est_ckpt, reference=str(other)).score(ids, n_pad).values
+    want = scorer("causal_loss", est_ckpt).score(ids, n_pad).values - scorer("causal_loss", other).score(ids, n_pad).values
     np.testing.assert_allclose(got, want, atol=1e-6)
     assert np.abs(got).max() > 0.1
 

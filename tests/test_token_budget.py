@@ -24,7 +24,7 @@ from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import read_file_metadata
-from entroweight.scorers import make_scorer
+from entroweight.scorers import Batching, make_scorer
 from entroweight.scorers.base import plan_batches
 from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.workflows.cli import main
@@ -137,17 +137,17 @@ def test_token_budget_equals_the_per_row_path(case, checkpoints, rows):
     if case == "grad_input":  # one backward per position: a few rows of each kind suffice
         ids, n_pad = ids[:6], n_pad[:6]
     per_row = make(case, checkpoints, batch_size=1)
-    want = np.concatenate([per_row.score(ids[i : i + 1], n_pad[i : i + 1]) for i in range(len(ids))])
+    want = np.concatenate([per_row.score(ids[i : i + 1], n_pad[i : i + 1]).values for i in range(len(ids))])
     s = make(case, checkpoints)
-    s.set_batching(BUDGET)
-    got = s.score(ids, n_pad)
+    scored = s.score(ids, n_pad, Batching(batch_tokens=BUDGET))
+    got = scored.values
     assert np.abs(want).max() > 0
     # min-max normalised scorers: values in [0, 1] per row, so 1e-5 of the row's range (the batch's
     # float rounding, ~1e-7 of a raw value, is divided by a row's max − min); excess_loss: a difference
     # of two CEs of a few nats each, so it carries both CEs' rounding (seen: 1.9e-6 on a value of 0.09)
     atol = 1e-5 if case in ("grad_input", "occlusion_l1", "excess_loss") else 1e-6
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol)
-    computed, real = s.padding_counts()
+    computed, real = scored.computed, scored.real
     assert real == int((N_CTX - n_pad).sum()) * (2 if case == "excess_loss" else 1)
     assert computed >= real
 
@@ -177,14 +177,14 @@ def test_cross_tokenizer_token_budget_equals_the_per_window_path(aggregate, chec
     s.setup(load_tokenizer(tokenizer_dir))
     assert s._start is not None and s.context == 16 and s.stride == 8  # long rows take several windows
     batched = s._model_losses
-    s._model_losses = lambda texts_ids: per_window_losses(s, texts_ids)
-    want = s.score(ids, n_pad)
+    s._model_losses = lambda texts_ids, batching: (per_window_losses(s, texts_ids), 0, 0)
+    want = s.score(ids, n_pad).values
     s._model_losses = batched
-    s.set_batching(BUDGET)
-    got = s.score(ids, n_pad)
+    scored = s.score(ids, n_pad, Batching(batch_tokens=BUDGET))
+    got = scored.values
     assert np.abs(want).max() > 0
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    computed, real = s.padding_counts()
+    computed, real = scored.computed, scored.real
     assert computed > real > 0  # windows of several lengths shared forwards (pads computed, masked)
     assert s.dtype == "fp32" and next(s._model.parameters()).dtype == torch.float32
 
@@ -226,7 +226,7 @@ def test_stage_with_a_token_budget_writes_the_per_row_values_and_the_pad_fractio
     run_stage(stage, out, progress=False)
     t = pq.read_table(next(out.glob("part-*.parquet")))
     per_row = make("causal_loss_hf", checkpoints, batch_size=1)
-    want = np.concatenate([per_row.score(ids[i : i + 1], n_pad[i : i + 1]) for i in range(len(ids))])
+    want = np.concatenate([per_row.score(ids[i : i + 1], n_pad[i : i + 1]).values for i in range(len(ids))])
     got = np.stack(t.column("entropy").to_numpy(zero_copy_only=False))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # the shard's row order
     np.testing.assert_array_equal(np.stack(t.column("input_ids").to_numpy(zero_copy_only=False)), ids)

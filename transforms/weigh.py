@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from entroweight.schemas.weighted import WEIGHT_DTYPES, encode_weights, weighable  # noqa: F401
-
+from entroweight.schemas.arrow import WEIGHTED_COLUMNS
+from entroweight.schemas.weighted import ENTROPY, encode_excluded, encode_weights, lists, weighable
 
 
 class NonFiniteScores(ValueError):
@@ -72,15 +73,10 @@ class WeighConfig(BaseModel):
         return self
 
 
-def real_mask(n_pad: np.ndarray, width: int, exclude: np.ndarray | None = None) -> np.ndarray:
-    """True on the positions that get a weight: not pads, not `exclude`d (e.g. packed separators)."""
-    return weighable(n_pad, width, exclude)
-
-
 def check_finite(values: np.ndarray, n_pad: np.ndarray, first_row: int = 0) -> None:
     """Raise NonFiniteScores naming the rows (counted from `first_row`) with NaN/inf on real tokens."""
     x = np.asarray(values)
-    bad = ~np.isfinite(x) & real_mask(n_pad, x.shape[1])
+    bad = ~np.isfinite(x) & weighable(n_pad, x.shape[1])
     if bad.any():
         rows = np.flatnonzero(bad.any(axis=1)) + first_row
         shown = ", ".join(map(str, rows[:10])) + (f" and {len(rows) - 10} more" if len(rows) > 10 else "")
@@ -103,7 +99,7 @@ def normalize(
     """(B, T) raw values -> e in [0, 1] (float32); pads (and `exclude`) 0. For `topk`, e = 0 on kept
     tokens, 1 on the rest."""
     x = np.asarray(values, dtype=np.float64)
-    mask = real_mask(n_pad, x.shape[1], exclude)
+    mask = weighable(n_pad, x.shape[1], exclude)
     if cfg.method == "topk":
         e = np.where(x >= topk_threshold(cfg), 0.0, 1.0)
     elif cfg.method == "raw":
@@ -137,7 +133,29 @@ def weigh(
     w = e if cfg.invert else 1.0 - e
     if cfg.floor:
         w = np.maximum(w, cfg.floor)
-    return np.where(real_mask(n_pad, w.shape[1], exclude), w, 0.0).astype(np.float32)
+    return np.where(weighable(n_pad, w.shape[1], exclude), w, 0.0).astype(np.float32)
+
+
+def weighted_batch(
+    sequences: pa.RecordBatch,
+    values: np.ndarray,
+    excluded: np.ndarray | None,
+    cfg: WeighConfig,
+    schema: pa.Schema,
+    first_row: int = 0,
+) -> pa.RecordBatch:
+    """The one path from a batch of sequences and their raw values to weighted sequences: weigh
+    (exclusions honoured), encode, and lay out as `schema` (a weighted_sequence_schema; its entropy
+    column kept or not). The score stage, the weigh stage and a workflow's `values_from` all come
+    here, so the same values and options give the same bytes whichever command wrote them."""
+    n_pad = sequences.column("n_pad").to_numpy().astype(np.int64)
+    weights = encode_weights(weigh(values, n_pad, cfg, first_row, excluded), cfg.dtype)
+    columns = {name: sequences.column(name) for name in schema.names if name not in WEIGHTED_COLUMNS}
+    columns[ENTROPY] = lists(np.asarray(values, dtype=np.float32), pa.float32())
+    columns["excluded"] = encode_excluded(excluded, len(values))
+    columns["weight"] = lists(weights, schema.field("weight").type.value_type)
+    arrays = [columns[name].cast(schema.field(name).type) for name in schema.names]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
 def entropy_quantiles(scored: str | Path, n: int = 101, max_tokens: int = 5_000_000) -> tuple[float, ...]:
@@ -152,7 +170,7 @@ def entropy_quantiles(scored: str | Path, n: int = 101, max_tokens: int = 5_000_
         if "entropy" not in table.column_names or table.num_rows == 0:
             continue
         e = np.stack(table.column("entropy").to_numpy(zero_copy_only=False))
-        vals = e[real_mask(table.column("n_pad").to_numpy(), e.shape[1])]
+        vals = e[weighable(table.column("n_pad").to_numpy(), e.shape[1])]
         chunks.append(vals)
         total += vals.size
         if total >= max_tokens:

@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from entroweight import __version__
+from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import run_lock
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.weigh import WeighStage
@@ -35,7 +36,6 @@ from .steps import (
     DataStep,
     EvalStep,
     HoldoutStep,
-    LimitedScoreStage,
     ReportStep,
     Step,
     StepFailed,
@@ -260,7 +260,7 @@ class Runner:
             options = dict(s.options)  # validated with the spec (the scorer's Options model)
             if s.checkpoint_from:
                 options["checkpoint"] = str(wf.model_dir(s.checkpoint_from))
-            return LimitedScoreStage(
+            return ScoreStage(
                 wf.tokens_dir(),
                 s.scorer,
                 options,

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from entroweight.pipelines import StageError, run_stage
-from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import preview_run, read_manifests
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas.tokenizer import TOKENIZER_FILE
@@ -175,19 +174,6 @@ class TokenizerStep(Step):
         path, sha = save_tokenizer(tok, self.out)
         write_json_atomic({"key": self.key(), "sha256": sha}, self.out / STEP_FILE)
         return "ran", f"{tok.get_vocab_size()} tokens -> {path}"
-
-
-class LimitedScoreStage(ScoreStage):
-    """The score stage over the first `limit` input shards only: slow scorers score a subset. Raising
-    the limit later scores the rest incrementally (the shard config does not change)."""
-
-    def __init__(self, *args, limit: int | None = None, **kw):
-        super().__init__(*args, **kw)
-        self.limit = limit
-
-    def plan_inputs(self):
-        inputs = super().plan_inputs()
-        return inputs[: self.limit] if self.limit else inputs
 
 
 class DataStep(Step):

@@ -1,0 +1,226 @@
+"""One weighing path: scoring with a weighting W writes the same shard bytes (provenance aside) as
+scoring with the default and re-weighing with W, for every scorer, weighting method and layout
+(left-padded, split, packed); and a document step (--min-mean-weight) plugs into both stages.
+
+The cases are enumerated from the code: every built-in scorer (scorers.registry.BUILTIN), every
+weighting method (WeighConfig's `method` choices), every layout the tokenize stage writes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import typing
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from entroweight.models.checkpoint import save_checkpoint
+from entroweight.models.estimator import EntropyEstimator
+from entroweight.models.llama import Llama
+from entroweight.pipelines import StageError, run_stage
+from entroweight.pipelines.score import ScoreStage
+from entroweight.pipelines.tokenize import TokenizeStage
+from entroweight.pipelines.weigh import WeighStage
+from entroweight.pipelines.verify import verify_dir
+from entroweight.schemas import read_file_metadata
+from entroweight.schemas.datadir import DataDir
+from entroweight.schemas.weighted import excluded_mask, weights_matrix
+from entroweight.scorers.registry import BUILTIN
+from entroweight.transforms.select import MinMeanWeight
+from entroweight.transforms.weigh import WeighConfig, entropy_quantiles
+
+N_CTX = 24
+VOCAB = 1024
+LAYOUTS = {"left": {"overflow": "truncate"}, "split": {"overflow": "split"}, "packed": {"pack": True}}
+METHODS = typing.get_args(WeighConfig.model_fields["method"].annotation)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory, c4_path, tokenizer_dir):
+    """12 C4 documents of mixed lengths (some longer than a row) in each layout, one shard each."""
+    src = tmp_path_factory.mktemp("src") / "c4.jsonl.gz"
+    with gzip.open(c4_path, "rt", encoding="utf-8") as f:
+        docs = [json.loads(next(f)) for _ in range(12)]
+    with gzip.open(src, "wt", encoding="utf-8") as f:
+        for i, d in enumerate(docs):
+            d["text"] = " ".join(d["text"].split()[: 3 + 4 * i])
+            f.write(json.dumps(d) + "\n")
+    out = {}
+    for name, kw in LAYOUTS.items():
+        out[name] = tmp_path_factory.mktemp(f"tok-{name}")
+        run_stage(TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX, **kw), out[name], progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, layouts, tokenizer_dir):
+    sha = read_file_metadata(next(layouts["left"].glob("part-*.parquet")))["tokenizer_sha256"]
+    root = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+
+    def estimator(n_ctx):
+        cfg = EntropyEstimator.Config(
+            vocab_size=VOCAB, n_ctx=n_ctx, injection="token", encoder="mixer", decoder="llama",
+            encoder_config={"d_model": 16, "n_layers": 1},
+            decoder_config={"d_model": 16, "n_layers": 1, "n_heads": 2},
+            embed_dim=8, noise="none", init_std=0.2,
+        )  # fmt: skip
+        return EntropyEstimator(cfg).eval()
+
+    def save(model, name, kind):
+        return str(
+            save_checkpoint(model, kind, root / name, tokenizer_sha256=sha, n_ctx=model.config.n_ctx, pad_id=0)
+        )
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_dir = root / "hf"
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    ).save_pretrained(hf_dir)
+    shutil.copy(tokenizer_dir / "tokenizer.json", hf_dir / "tokenizer.json")
+    llama = Llama(Llama.Config(vocab_size=VOCAB, n_ctx=N_CTX, d_model=16, n_layers=1, n_heads=2, d_ff=32))
+    return {
+        "est": save(estimator(N_CTX), "est", "estimator"),
+        "short": save(estimator(N_CTX - 1), "short", "estimator"),
+        "llama": save(llama.eval(), "llama", "llama"),
+        "hf": str(hf_dir),
+    }
+
+
+# every built-in scorer, with the options that make it run on the tiny models above
+SCORERS = {
+    "causal_loss": lambda m: {"checkpoint": m["llama"]},
+    "cross_tokenizer": lambda m: {"model": m["hf"], "context": 8},
+    "occlusion": lambda m: {"checkpoint": m["est"]},
+    "decomposition": lambda m: {"checkpoint": m["est"]},
+    "two_model": lambda m: {"checkpoint": m["est"], "checkpoint_short": m["short"]},
+    "grad_input": lambda m: {"checkpoint": m["est"]},
+    "excess_loss": lambda m: {"checkpoint": m["llama"], "reference": m["hf"], "cross_tokenizer": True},
+}
+
+
+def test_every_builtin_scorer_is_covered():
+    assert set(SCORERS) == set(BUILTIN)
+
+
+def data_table(directory) -> pa.Table:
+    """The shard's data: its columns and their types, without the file metadata (provenance)."""
+    (f,) = DataDir(directory).files
+    t = pq.read_table(f)
+    return t.replace_schema_metadata(None)
+
+
+def weightings(default_dir) -> dict[str, WeighConfig]:
+    q = entropy_quantiles(default_dir)
+    out = {
+        "minmax": WeighConfig(method="minmax", clip=(0.1, 0.9), floor=0.05, dtype="uint8"),
+        "quantile": WeighConfig(method="quantile", quantiles=q, invert=True),
+        "raw": WeighConfig(method="raw", dtype="uint8"),
+        "topk": WeighConfig(method="topk", quantiles=q, keep=0.6),
+    }
+    assert set(out) == set(METHODS)  # a new method must be added here
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("scorer", list(SCORERS))
+def test_scoring_with_w_equals_reweighing_with_w(scorer, layout, layouts, models, tokenizer_dir, tmp_path):
+    options = {**SCORERS[scorer](models), "dtype": "fp32"}
+    tok = str(tokenizer_dir / "tokenizer.json")
+
+    def score(out, w=None):
+        run_stage(ScoreStage(layouts[layout], scorer, options, w, tokenizer=tok), out, progress=False)
+        return out
+
+    default = score(tmp_path / "default")
+    cases = weightings(default)
+    # every method on the separator-holding case, one method (chosen by the case) elsewhere: a scorer
+    # that excludes positions is cross_tokenizer (and excess_loss through it) on packed rows
+    pick = (list(SCORERS).index(scorer) + list(LAYOUTS).index(layout)) % len(cases)
+    names = list(cases) if (scorer == "cross_tokenizer" and layout == "packed") else [list(cases)[pick]]
+    for name in names:
+        w = cases[name]
+        direct = data_table(score(tmp_path / f"score-{name}", w))
+        run_stage(WeighStage(default, w), tmp_path / f"weigh-{name}", progress=False)
+        again = data_table(tmp_path / f"weigh-{name}")
+        assert direct.schema.equals(again.schema), name
+        for col in direct.column_names:
+            assert direct.column(col).equals(again.column(col)), (name, col)
+    if layout == "packed" and scorer in ("cross_tokenizer", "excess_loss"):
+        t = pq.read_table(DataDir(default).files[0])
+        excluded = excluded_mask(t.column("excluded"), N_CTX)
+        assert excluded is not None and excluded.any()  # separators are stored...
+        assert (weights_matrix(t.column("weight"))[excluded] == 0).all()  # ...and weigh 0
+
+
+def test_quantiles_leave_excluded_positions_out(layouts, models, tokenizer_dir, tmp_path):
+    options = {**SCORERS["cross_tokenizer"](models), "dtype": "fp32"}
+    out = tmp_path / "s"
+    run_stage(
+        ScoreStage(layouts["packed"], "cross_tokenizer", options, tokenizer=str(tokenizer_dir / "tokenizer.json")),
+        out,
+        progress=False,
+    )
+    t = pq.read_table(DataDir(out).files[0])
+    e = np.stack(t.column("entropy").to_numpy(zero_copy_only=False))
+    n_pad = t.column("n_pad").to_numpy()
+    keep = (np.arange(N_CTX)[None, :] >= n_pad[:, None]) & ~excluded_mask(t.column("excluded"), N_CTX)
+    want = np.quantile(e[keep], np.linspace(0, 1, 101))
+    np.testing.assert_allclose(entropy_quantiles(out), want)
+
+
+@pytest.mark.parametrize("layout", ["left", "split"])
+def test_min_mean_weight_drops_whole_documents_as_counted_rejects(layout, layouts, models, tmp_path):
+    options = {**SCORERS["causal_loss"](models), "dtype": "fp32"}
+    base = tmp_path / "all"
+    run_stage(ScoreStage(layouts[layout], "causal_loss", options), base, progress=False)
+    t = pq.read_table(DataDir(base).files[0])
+    w = weights_matrix(t.column("weight"))
+    real = np.arange(N_CTX)[None, :] >= t.column("n_pad").to_numpy()[:, None]
+    doc_ids = t.column("doc_id").to_pylist()
+    docs = list(dict.fromkeys(doc_ids))
+    mean = {d: w[np.array(doc_ids) == d][real[np.array(doc_ids) == d]].mean() for d in docs}
+    threshold = float(np.median(list(mean.values())))
+    low = {d for d in docs if mean[d] < threshold}
+    assert 0 < len(low) < len(docs)
+
+    # the step on the score stage, and on the weigh stage reading the unfiltered output: same result
+    for name, stage in {
+        "score": ScoreStage(layouts[layout], "causal_loss", options, steps=[MinMeanWeight(threshold)]),
+        "weigh": WeighStage(base, WeighConfig(), steps=[MinMeanWeight(threshold)]),
+    }.items():
+        out = tmp_path / name
+        run_stage(stage, out, progress=False)
+        kept = pq.read_table(DataDir(out).files[0])
+        assert set(kept.column("doc_id").to_pylist()) == set(docs) - low  # all rows of a dropped document
+        (m,) = DataDir(out).parts[0:1]
+        manifest = m.manifest
+        assert manifest.rejected == {"low_weight": len(low)}
+        assert manifest.docs_in == len(docs) and manifest.docs_out == len(docs) - len(low)
+        assert manifest.rows_in == t.num_rows and manifest.rows_out == kept.num_rows
+        rejects = pq.read_table(DataDir(out).rejects_location(m.name)).to_pylist()
+        assert {r["id"] for r in rejects} == low and {r["reason"] for r in rejects} == {"low_weight"}
+        assert verify_dir(out) == []
+
+
+def test_min_mean_weight_is_refused_on_packed_rows_before_anything_is_written(layouts, models, tmp_path):
+    options = {**SCORERS["causal_loss"](models), "dtype": "fp32"}
+    out = tmp_path / "out"
+    with pytest.raises(StageError, match="packed row holds parts of several"):
+        run_stage(ScoreStage(layouts["packed"], "causal_loss", options, steps=[MinMeanWeight(0.5)]), out)
+    assert not out.exists() or not any(out.iterdir())
