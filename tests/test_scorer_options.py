@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from entroweight.options import options_table
 from entroweight.scorers import (
     OptionsError,
     Scorer,
@@ -23,7 +24,6 @@ from entroweight.scorers import (
     get_scorer_class,
     make_scorer,
 )
-from entroweight.options import options_table
 from entroweight.scorers.registry import BUILTIN
 from entroweight.workflows.cli import main
 from entroweight.workflows.spec import SpecError, load_workflow
