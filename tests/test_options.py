@@ -34,8 +34,14 @@ def options(command: str) -> dict[str, click.Option]:
         return {o: p for p in cmd.get_params(ctx) if isinstance(p, click.Option) for o in p.opts}
 
 
+def default(p: click.Option):
+    """What the command receives when the flag is not given."""
+    with click.Context(click.Command("c")) as ctx:
+        return p.get_default(ctx)
+
+
 def described(p: click.Option) -> tuple:
-    return (p.type.name, getattr(p.type, "choices", None), p.default, p.nargs, p.is_flag, p.help)
+    return (p.type.name, getattr(p.type, "choices", None), default(p), p.nargs, p.is_flag, p.help)
 
 
 def test_score_and_weigh_take_the_same_weighting_flags():
@@ -48,7 +54,7 @@ def test_score_and_weigh_take_the_same_weighting_flags():
         assert described(score[flag]) == described(weigh[flag]), flag
         assert score[flag].help == info.description
         if not score[flag].is_flag:
-            assert score[flag].default == info.default, flag
+            assert default(score[flag]) == info.default, flag
     assert "--option" not in weigh  # every weighting field has its flag
 
 
@@ -59,7 +65,7 @@ def test_every_builtin_scorer_option_is_a_score_flag():
             flag = "--" + key.replace("_", "-")
             assert flag in score, f"{name}.{key} has no flag"
             assert field.description in score[flag].help
-            assert score[flag].default in (None, False)  # not given: the scorer's own default
+            assert default(score[flag]) in (None, False)  # not given: the scorer's own default
 
 
 def test_the_workflow_weighting_is_the_weighting_and_the_runner_builds_it_whole():

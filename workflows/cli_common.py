@@ -77,8 +77,11 @@ def model_options(model, skip=(), flags=None, prefix="", **overrides) -> list[cl
             continue
         flag = "--" + (flags or {}).get(name, (field.alias or name).replace("_", "-"))
         kw = {"help": field.description, **_click_type(field.annotation)}
-        if not kw.get("is_flag") and not field.is_required() and field.default is not None:
-            kw |= {"default": field.default, "show_default": True}
+        if not field.is_required():
+            kw |= {
+                "default": field.default,
+                "show_default": field.default is not None and not kw.get("is_flag"),
+            }
         kw.update(overrides.get(name, {}))
         options.append(click.Option([flag, prefix + name], **kw))
     return options

@@ -45,8 +45,7 @@ def scorer_flags() -> list[click.Option]:
         kw = _click_type(fields[0][1].annotation)
         if key in PATHS:
             kw["type"] = Location(exists=True)
-        if not kw.get("is_flag"):
-            kw["default"] = None  # not given: the scorer's own default
+        kw["default"] = False if kw.get("is_flag") else None  # not given: the scorer's own default
         params.append(click.Option([flag(key), SCORER + key], help=_help(fields, len(BUILTIN)), **kw))
     return params
 
