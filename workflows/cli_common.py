@@ -77,7 +77,9 @@ def model_options(model, skip=(), flags=None, prefix="", **overrides) -> list[cl
             continue
         flag = "--" + (flags or {}).get(name, (field.alias or name).replace("_", "-"))
         kw = {"help": field.description, **_click_type(field.annotation)}
-        if not field.is_required():
+        if kw.get("is_flag") and field.default is True:  # on unless turned off
+            flag += f"/--no-{flag[2:]}"
+        if not field.is_required() and field.default_factory is None:
             kw |= {
                 "default": field.default,
                 "show_default": field.default is not None and not kw.get("is_flag"),
