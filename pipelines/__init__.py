@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
 import time
+from types import ModuleType
 
 from entroweight import storage
 from entroweight.storage import AnyPath, remove_stale_tmp
@@ -19,20 +22,27 @@ from .stage import (
     run_lock,
 )
 
-ENGINES = ("local", "beam", "ray")
-# The optional engines: the module each imports, installed by the extra of the engine's name.
-OPTIONAL_ENGINES = {"beam": "apache_beam", "ray": "ray"}
+# Each engine is the module of its name beside this one: `OPTIONS` (its knobs: EngineOption per keyword
+# of `run`), `run(plan, progress, **options) -> list[ShardResult]` and, where it has something to set up
+# before the run is planned and to tear down after, `session(**options)` (a context manager).
+# The table gives each engine the library it needs, installed by the extra of the engine's name.
+ENGINES = {"local": None, "beam": "apache_beam", "ray": "ray"}
+
+
+def engine_module(engine: str) -> ModuleType:
+    """The engine's module; importing it imports no engine library (that happens when it runs)."""
+    return importlib.import_module(f"{__name__}.{engine}")
 
 
 def require_engine(engine: str) -> None:
     """Refuse an unknown engine, or an optional one whose library is not installed, before any work."""
     if engine not in ENGINES:
         raise StageError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    module = OPTIONAL_ENGINES.get(engine)
+    library = ENGINES[engine]
     # find_spec, not import: importing Beam takes seconds and logs; the engine imports it when it runs
-    if module and importlib.util.find_spec(module) is None:
+    if library and importlib.util.find_spec(library) is None:
         raise StageError(
-            f"--engine {engine} needs {module}, which is not installed: pip install 'entroweight[{engine}]'"
+            f"--engine {engine} needs {library}, which is not installed: pip install 'entroweight[{engine}]'"
         )
 
 
@@ -55,58 +65,40 @@ def run_stage(
     require_engine(engine)
     check_out_dir(stage, out_dir)
     inputs = stage.plan_inputs()
-    connected = None
-    if engine == "ray" and engine_options.get("address"):
-        from .ray import start_ray
-
-        connected, _ = start_ray(engine_options["address"])
-    out_dir = storage.path(out_dir)  # a local path or a URL (s3://, gs://, memory://)
-    created = not out_dir.exists() if storage.is_local(out_dir) else not storage.listing(out_dir)
-    try:
+    module = engine_module(engine)
+    with getattr(module, "session", _no_session)(**engine_options):
+        out_dir = storage.path(out_dir)  # a local path or a URL (s3://, gs://, memory://)
+        created = not out_dir.exists() if storage.is_local(out_dir) else not storage.listing(out_dir)
         lock = run_lock(out_dir, wait)
-    except BaseException:
-        if connected is not None:
-            connected.shutdown()
-        raise
-    try:
-        plan = plan_run(stage, out_dir, overwrite=overwrite, inputs=inputs)
-        start = time.perf_counter()
-        if not plan.todo:
-            results = []
-        elif engine == "local":
-            from .local import run_local
+        try:
+            plan = plan_run(stage, out_dir, overwrite=overwrite, inputs=inputs)
+            start = time.perf_counter()
+            results = module.run(plan, progress=progress, **engine_options) if plan.todo else []
+            # A worker that died mid-shard (SIGKILL, OOM) left its temp file; we hold the lock and the
+            # engine is done, so nothing else writes here: clear them now rather than at the next run.
+            remove_stale_tmp(out_dir)
+            try:  # after the shards: a full disk fails them first, each named, and a rerun writes it
+                stage.carry(plan.out_dir)
+                carry_error = None
+            except OSError as e:
+                carry_error = f"cannot write what {plan.out_dir} carries (its tokenizer): {e.strerror or e}"
+            summary = finish_run(plan, results, time.perf_counter() - start)  # raises for failed shards
+            if carry_error:
+                raise StageError(carry_error)
+            return summary
+        finally:
+            lock.release()
+            if created and not has_shards(out_dir):  # refused before any shard: leave no directory behind
+                storage.remove_tree(out_dir)
 
-            results = run_local(plan, progress=progress)
-        elif engine == "beam":
-            from .beam import run_beam
 
-            results = run_beam(plan, progress=progress, **engine_options)
-        else:
-            from .ray import run_ray
-
-            results = run_ray(plan, progress=progress, **engine_options)
-        # A worker that died mid-shard (SIGKILL, OOM) left its temp file; we hold the lock and the
-        # engine is done, so nothing else writes here: clear them now rather than at the next run.
-        remove_stale_tmp(out_dir)
-        try:  # after the shards: a full disk fails them first, each named, and a rerun writes it
-            stage.carry(plan.out_dir)
-            carry_error = None
-        except OSError as e:
-            carry_error = f"cannot write what {plan.out_dir} carries (its tokenizer): {e.strerror or e}"
-        summary = finish_run(plan, results, time.perf_counter() - start)  # raises for failed shards
-        if carry_error:
-            raise StageError(carry_error)
-        return summary
-    finally:
-        lock.release()
-        if connected is not None:
-            connected.shutdown()
-        if created and not has_shards(out_dir):  # refused before any shard: leave no directory behind
-            storage.remove_tree(out_dir)
+def _no_session(**options):
+    return contextlib.nullcontext()
 
 
 __all__ = [
     "ENGINES",
+    "engine_module",
     "LockHeld",
     "RunSummary",
     "Stage",

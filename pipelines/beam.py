@@ -33,7 +33,32 @@ from tqdm.auto import tqdm
 from entroweight import storage
 from entroweight.schemas.manifest import ShardInput
 
-from .stage import RunPlan, ShardResult, ShardTask, Stage, manifest_name, reconcile_results, run_task
+from .stage import (
+    EngineOption,
+    RunPlan,
+    ShardResult,
+    ShardTask,
+    Stage,
+    manifest_name,
+    reconcile_results,
+    run_task,
+)
+
+OPTIONS = {
+    "options": EngineOption(
+        "--beam-option",
+        dict,
+        None,
+        "Beam pipeline option, e.g. runner=DataflowRunner (repeatable). Default: in-process FnApiRunner.",
+    ),
+    "workers": EngineOption(
+        "--workers",
+        int,
+        None,
+        "SDK worker processes (embedded: direct_num_workers), or the runner's own "
+        "(Dataflow max_num_workers, Flink parallelism).",
+    ),
+}
 
 # per-run directories under the output directory (or temp_location), each deleted by its own run;
 # hidden: datasets skips it
@@ -157,7 +182,7 @@ def _read_lines(element):
             yield line, results
 
 
-def run_beam(
+def run(
     plan: RunPlan, options: dict | None = None, workers: int | None = None, progress: bool = True
 ) -> list[ShardResult]:
     beam = _import_beam()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from .stage import RunPlan, ShardResult, StageError, run_task
+from .stage import EngineOption, RunPlan, ShardResult, StageError, run_task
+
+OPTIONS: dict[str, EngineOption] = {}  # nothing to set: one process, one shard after another
 
 
-def run_local(plan: RunPlan, progress: bool = True) -> list[ShardResult]:
+def run(plan: RunPlan, progress: bool = True) -> list[ShardResult]:
     stage = plan.stage
     try:
         stage.setup()  # once: the tokenizer or model stays loaded across shards

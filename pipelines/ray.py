@@ -12,6 +12,7 @@ Embedded default: `ray.init()` in this process sized to the machine, shut down a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -20,7 +21,26 @@ import time
 
 from tqdm.auto import tqdm
 
-from .stage import RunPlan, ShardResult, Stage, StageError, reconcile_results, run_task
+from .stage import EngineOption, RunPlan, ShardResult, Stage, StageError, reconcile_results, run_task
+
+OPTIONS = {
+    "address": EngineOption(
+        "--ray-address",
+        str,
+        None,
+        "Ray cluster address (HOST:PORT or auto; default: a local Ray in process).",
+    ),
+    "workers": EngineOption(
+        "--workers", int, None, "actors in the pool (default: as many as the cluster's resources fit)."
+    ),
+    "wait_nodes": EngineOption(
+        "--ray-wait-nodes",
+        float,
+        0,
+        "Wait up to SECONDS for nodes with what a worker needs (GPU nodes still starting) before "
+        "refusing; the pool also grows as nodes join.",
+    ),
+}
 
 IN_FLIGHT_PER_ACTOR = 2  # one running, one queued: no idle gap between shards, little memory
 GROW_EVERY = 10.0  # seconds between looks at the cluster for nodes that joined
@@ -169,7 +189,20 @@ def actor_env(resources: dict[str, float]) -> dict[str, str]:
     }
 
 
-def run_ray(
+@contextlib.contextmanager
+def session(address: str | None = None, **options):
+    """A cluster at `address` is connected before the run is planned, so that one that cannot be reached
+    is refused before --out is written, and disconnected after. The embedded Ray starts in `run`:
+    not at all when every shard is done."""
+    ray, started = start_ray(address) if address else (None, False)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def run(
     plan: RunPlan,
     address: str | None = None,
     workers: int | None = None,
@@ -178,13 +211,13 @@ def run_ray(
 ) -> list[ShardResult]:
     ray, started = start_ray(address)
     try:
-        return _run(ray, plan, workers, progress, embedded=not address, wait_nodes=wait_nodes)
+        return _run_pool(ray, plan, workers, progress, embedded=not address, wait_nodes=wait_nodes)
     finally:
         if started:
             ray.shutdown()
 
 
-def _run(
+def _run_pool(
     ray, plan: RunPlan, workers: int | None, progress: bool, embedded: bool, wait_nodes: float = 0
 ) -> list[ShardResult]:
     stage = plan.stage

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from entroweight.options import refusal_lines
 from entroweight.transforms.prefetch import prefetch
 
 
@@ -32,23 +33,20 @@ def flag(key: str) -> str:
 
 
 class OptionsError(ScorerError):
-    """Options a scorer's `Options` model refuses. `problems` holds (key, message) pairs (key "" for
-    the options as a whole; "{valid}" in a message stands for the valid keys) so that each front end
-    names keys its own way (`--dtype`, `scores[0].options.dtype`); str() names them as CLI flags."""
+    """Options a scorer's `Options` model refuses. `lines(where)` names each key the caller's way
+    (`--dtype`, `scores[0].options.dtype`); str() names them as CLI flags."""
 
-    def __init__(self, scorer: str, problems: list[tuple[str, str]], valid: list[str]):
-        self.scorer, self.problems, self.valid = scorer, problems, valid
-        super().__init__(self.render(flag, flag))
+    def __init__(self, scorer: str, error: ValidationError, valid: list[str]):
+        self.scorer, self.error, self.valid = scorer, error, valid
+        super().__init__(self.render(flag))
 
-    def lines(self, where, name=str) -> list[str]:
+    def lines(self, where: Callable[[str], str], name: Callable[[str], str] | None = None) -> list[str]:
         """One per problem; `where(key)` names a key given by the caller, `name(key)` a valid key."""
-        valid = ", ".join(name(k) for k in self.valid)
-        return [
-            f"{where(key)}: {message.replace('{valid}', valid)}" if key else message
-            for key, message in self.problems
-        ]
+        valid = ", ".join(map(name or where, self.valid))
+        unknown = f"does not apply to the {self.scorer} scorer (its options: {valid})"
+        return refusal_lines(self.error, lambda loc: where(str(loc[0])), unknown)
 
-    def render(self, where, name=str) -> str:
+    def render(self, where: Callable[[str], str], name: Callable[[str], str] | None = None) -> str:
         return f"the {self.scorer} scorer's options are refused: " + "; ".join(self.lines(where, name))
 
 
@@ -96,18 +94,7 @@ def validate_options(cls: type[Scorer], options: dict[str, Any]) -> ScorerOption
     try:
         return cls.Options.model_validate(options)
     except ValidationError as e:
-        valid = list(cls.Options.model_fields)
-        problems = []
-        for err in e.errors():
-            key = ".".join(str(p) for p in err["loc"])
-            if err["type"] == "extra_forbidden":
-                message = f"does not apply to the {cls.name} scorer (its options: {{valid}})"
-            elif err["type"] == "missing":
-                message = "is required"
-            else:
-                message = err["msg"].removeprefix("Value error, ")
-            problems.append((key, message))
-        raise OptionsError(cls.name, problems, valid) from None
+        raise OptionsError(cls.name, e, list(cls.Options.model_fields)) from None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ refused with the scorer's valid keys instead of being ignored.
 from __future__ import annotations
 
 import importlib
-import typing
 from importlib.metadata import entry_points
 
 from .base import Scorer, ScorerError, ScorerOptions, validate_options
@@ -71,21 +70,3 @@ def make_scorer(name: str, **options) -> Scorer:
     """A scorer built from validated options (every field of its Options model, defaults filled in)."""
     cls = get_scorer_class(name)
     return cls(**validate_options(cls, options).model_dump())
-
-
-def options_table(name: str) -> str:
-    """A scorer's options as a markdown table (docs/scoring.md carries the built-ins')."""
-    rows = ["| option | type | default | |", "|---|---|---|---|"]
-    for key, f in get_scorer_class(name).Options.model_fields.items():
-        default = "required" if f.is_required() else f"`{f.default}`"
-        rows.append(f"| `{key}` | {_type_name(f.annotation)} | {default} | {f.description or ''} |")
-    return "\n".join(rows)
-
-
-def _type_name(annotation) -> str:
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is typing.Literal:
-        return " / ".join(f"`{a}`" for a in args)
-    if args:  # a union: X | None
-        return " or ".join(_type_name(a) for a in args)
-    return "none" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))

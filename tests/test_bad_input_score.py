@@ -66,7 +66,10 @@ def refused(res, out, *needles):
         (["--metric", "l1"], ["--metric: does not apply to the causal_loss scorer (its options: "]),
         (["--aggregate", "sum"], ["--aggregate: does not apply to the causal_loss scorer"]),
         (["--option", "dtyp=fp32"], ["--option dtyp: does not apply to the causal_loss scorer", "--dtype"]),
-        (["--option", "dtype=fp8"], ["--option dtype: Input should be 'bf16', 'fp16' or 'fp32'"]),
+        (
+            ["--option", "dtype=fp8"],
+            ["--option dtype: unknown dtype 'fp8'; input should be 'bf16', 'fp16' or 'fp32'"],
+        ),
         (["--dtype", "fp32", "--option", "dtype=bf16"], ["--option dtype: already given as --dtype"]),
         (["--option", "dtype"], ["--option takes KEY=VALUE"]),
         (

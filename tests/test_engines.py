@@ -104,7 +104,7 @@ def local_out(tmp_path_factory, inputs, tokenizer_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """One in-process Ray for this module's Ray runs (run_ray leaves a Ray it did not start running)."""
+    """One in-process Ray for this module's Ray runs (the Ray engine leaves a Ray it did not start running)."""
     from entroweight.pipelines.ray import start_ray
 
     ray, _ = start_ray(None)

@@ -46,6 +46,8 @@ def test_imports_flow_one_way(layer):
     assert not bad, "imports reaching up the layers:\n" + "\n".join(bad)
 
 
-def test_the_storage_layer_is_below_every_layer():
-    """entroweight/storage.py serves every layer (schemas included), so it imports none of them."""
-    assert imported_layers(ROOT / "entroweight" / "storage.py") == set()
+@pytest.mark.parametrize("module", ["storage.py", "options.py"])
+def test_the_package_roots_shared_modules_are_below_every_layer(module):
+    """entroweight/storage.py (the storage layer) and entroweight/options.py (how a refusal of options
+    is worded) serve every layer, schemas included, so they import none of them."""
+    assert imported_layers(ROOT / "entroweight" / module) == set()

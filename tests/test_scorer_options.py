@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from entroweight.options import options_table
 from entroweight.scorers import (
     OptionsError,
     Scorer,
@@ -23,7 +24,7 @@ from entroweight.scorers import (
     get_scorer_class,
     make_scorer,
 )
-from entroweight.scorers.registry import BUILTIN, options_table
+from entroweight.scorers.registry import BUILTIN
 from entroweight.workflows.cli import main
 from entroweight.workflows.spec import SpecError, load_workflow
 
@@ -69,11 +70,11 @@ def test_unknown_keys_and_bad_values_name_the_key_and_the_valid_ones():
     assert "'banana' is not a torch device" in msg
     with pytest.raises(ScorerError, match="unknown scorer 'causal_los'; available: causal_loss"):
         check_options("causal_los", {})
-    with pytest.raises(OptionsError, match="--metric: Input should be 'l1' or 'cosine'"):
+    with pytest.raises(OptionsError, match="--metric: unknown metric 'l2'; input should be 'l1' or 'cosine'"):
         check_options("occlusion", {"checkpoint": "c", "metric": "l2"})
     with pytest.raises(OptionsError, match="--metric: does not apply to the causal_loss"):
         check_options("causal_loss", {"model": "x", "metric": "l1"})
-    with pytest.raises(OptionsError, match="--checkpoint-short: is required"):
+    with pytest.raises(OptionsError, match="--checkpoint-short: required, not given"):
         check_options("two_model", {"checkpoint": "c"})
     with pytest.raises(OptionsError, match="exactly one of --model"):
         check_options("excess_loss", {"reference": "r"})
@@ -96,11 +97,12 @@ def test_option_strings_are_read_as_their_types():
 
 
 def test_docs_list_every_builtin_scorers_options():
-    """docs/scoring.md carries each built-in's table as `options_table` writes it (regenerate with
-    `python -c "from entroweight.scorers.registry import options_table; print(options_table(NAME))"`)."""
+    """docs/scoring.md carries each built-in's table as `options_table` writes it (the table to paste is
+    in the failure's message)."""
     docs = (ROOT / "docs" / "scoring.md").read_text()
     for name in sorted(BUILTIN):
-        assert options_table(name) in docs, f"docs/scoring.md: the options table of {name} is stale"
+        table = options_table(get_scorer_class(name).Options)
+        assert table in docs, f"docs/scoring.md: the options table of {name} is stale; it is now:\n{table}"
 
 
 # -- entry-point scorers validate the same way
@@ -207,12 +209,12 @@ def test_a_typo_in_a_workflows_scorer_options_is_refused_with_its_path(tmp_path)
         ),
         (
             "scorer: occlusion\n    checkpoint_from: causal\n    options: {metric: l2, batch_size: 0}",
-            r"scores\[0\]\.options\.batch_size: Input should be greater than or equal to 1\n"
-            r"scores\[0\]\.options\.metric: Input should be 'l1' or 'cosine'",
+            r"scores\[0\]\.options\.batch_size: Input should be greater than or equal to 1 \(got 0\)\n"
+            r"scores\[0\]\.options\.metric: unknown metric 'l2'; input should be 'l1' or 'cosine'",
         ),
         (
             "scorer: causal_loss\n    checkpoint_from: causal\n    weighting: {quantiles_from: s}",
-            r"quantiles_from applies to methods quantile and topk only",
+            r"scores\[0\]\.weighting\.quantiles_from: applies to methods quantile and topk only",
         ),
         ("scorer: causal_loss\n    options: {device: banana, model: m}", r"'banana' is not a torch device"),
     ],

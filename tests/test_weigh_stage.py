@@ -145,12 +145,13 @@ def test_refusals_exit_2_before_output(scored, tokens, model, tmp_path):
     out = tmp_path / "o"
     cases = [
         ((tokens,), "not scored"),  # a tokenized directory: nothing to re-weigh
-        ((scored, "--weighting", "nope"), "method"),
-        ((scored, "--option", "flor=0.2"), "flor"),  # a typo is refused, not ignored
-        ((scored, "--option", "floor"), "KEY=VALUE"),
-        ((scored, "--option", "clip=[0.1,"), "not a YAML"),
-        ((scored, "--quantiles-from", scored), "does not apply"),
-        ((scored, "--floor", "1.5"), "floor"),
+        ((scored, "--weighting", "nope"), "--weighting"),
+        ((scored, "--flor", "0.2"), "--flor"),  # a typo is refused, not ignored
+        ((scored, "--clip", "0.5", "0.1"), "--clip: must be 0 <= LO < HI <= 1"),
+        ((scored, "--keep", "0.5"), "--keep: applies to topk weighting only"),
+        ((scored, "--weighting", "topk", "--invert", "--keep", "0.5"), "--invert: topk weights are 0 or 1"),
+        ((scored, "--quantiles-from", scored), "applies to --weighting quantile or topk only"),
+        ((scored, "--floor", "1.5"), "--floor: Input should be less than or equal to 1 (got 1.5)"),
     ]
     for args, words in cases:
         code, output = cli("weigh", *args, "--out", out)
@@ -164,11 +165,12 @@ def test_refusals_exit_2_before_output(scored, tokens, model, tmp_path):
         WeighStage(tmp_path, WeighConfig())
 
 
-def test_option_passes_any_weighting_field(scored, tmp_path):
-    """--option KEY=VALUE reaches WeighConfig unchanged: a field added there needs no CLI change."""
-    code, output = cli(
-        "weigh", scored, "--out", tmp_path / "f", "--option", "floor=0.25", "--option", "invert=true"
-    )
+def test_weigh_takes_the_weighting_flags_of_score(scored, tmp_path):
+    """Before, weigh had no --keep (only `--option keep=0.6`): the flags of both commands are now made
+    from one model, and a topk selection reads its quantiles from the scored directory itself."""
+    code, output = cli("weigh", scored, "--out", tmp_path / "f", "--weighting", "topk", "--keep", "0.25")
     assert code == 0, output
     meta = read_file_metadata(next((tmp_path / "f").glob("part-*.parquet")))
-    assert meta["weighting"]["floor"] == 0.25 and meta["weighting"]["invert"] is True
+    assert meta["weighting"]["method"] == "topk" and meta["weighting"]["keep"] == 0.25
+    w = matrix(table(tmp_path / "f"), "weight").astype(np.float32)
+    assert set(np.unique(w)) <= {0.0, 1.0}

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from entroweight.options import refusal_lines
+
 from .losses import LOSSES
 
 LossName = Literal[tuple(LOSSES)]  # type: ignore[valid-type]  # the registry's names, nowhere else
@@ -124,17 +126,4 @@ CHECKED_APART = ("model", "model_config", "tokenizer")
 
 def refusal(e: ValidationError) -> str:
     """A pydantic refusal as one line per field: `lr: Input should be greater than 0 (got 0.0)`."""
-    lines = []
-    for err in e.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "config"
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "not a training option"
-        elif err["type"] == "missing":
-            msg = "required, not given"
-        elif err["type"] == "literal_error":
-            msg = f"unknown {where} {err['input']!r}; {msg.lower()}"
-        elif "input" in err and not isinstance(err["input"], dict):
-            msg = f"{msg} (got {err['input']!r})"
-        lines.append(f"{where}: {msg}")
-    return "; ".join(lines)
+    return "; ".join(refusal_lines(e, unknown="not a training option"))

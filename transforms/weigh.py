@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from entroweight.schemas.arrow import WEIGHTED_COLUMNS
 from entroweight.schemas.weighted import ENTROPY, encode_excluded, encode_weights, lists, weighable
@@ -32,45 +32,81 @@ class NonFiniteScores(ValueError):
     """A scorer returned NaN or inf on real tokens; the message names the rows."""
 
 
-class WeighConfig(BaseModel):
-    """Recorded in the file metadata (`weighting`)."""
+METHODS = ("minmax", "quantile", "raw", "topk")
+# the methods on one scale for a whole dataset: they read reference quantiles of its values
+GLOBAL_SCALE = ("quantile", "topk")
+
+
+class WeighOptions(BaseModel):
+    """How raw values become weights, as a user chooses it: the one declaration from which `score`'s
+    and `weigh`'s flags, a workflow's `weighting:` keys and the docs' tables are generated. Each
+    refusal is attributed to the field it is about, so every front end names it its own way."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["minmax", "quantile", "raw", "topk"] = "minmax"
-    quantiles: tuple[float, ...] | None = None  # reference values at evenly spaced ranks (quantile, topk)
-    keep: float | None = None  # topk: the fraction of the dataset's tokens that weigh 1
-    clip: tuple[float, float] | None = None  # on e, before 1 - e; then rescaled to [0, 1]
-    floor: float = 0.0
-    invert: bool = False
-    dtype: Literal["float16", "uint8"] = "float16"
+    method: Literal[METHODS] = Field(  # type: ignore[valid-type]
+        "minmax",
+        description="minmax: per row; quantile: ranks on the dataset's scale; raw: w = 1 − value clipped "
+        "to [0, 1] (the write-up's cosine weight); topk: w = 1 on the dataset's top keep fraction by "
+        "value, 0 elsewhere (Rho-1).",
+    )
+    keep: float | None = Field(
+        None, gt=0, le=1, validate_default=True, description="topk: the fraction of the tokens kept (0.6)."
+    )
+    clip: tuple[float, float] | None = Field(
+        None, description="Clip the normalised value to [LO, HI], then rescale to [0, 1]."
+    )
+    floor: float = Field(0.0, ge=0, le=1, description="Minimum weight of a real token.")
+    invert: bool = Field(False, description="w = e instead of 1 − e (Rho-1: keep the high-excess tokens).")
+    dtype: Literal["float16", "uint8"] = Field(
+        "float16", description="Storage of the weights: float16, or uint8 holding round(255·w)."
+    )
 
-    @field_validator("floor")
+    @field_validator("keep")
     @classmethod
-    def _floor(cls, v):
-        if not 0.0 <= v <= 1.0:
-            raise ValueError(f"floor must be in [0, 1], not {v}")
+    def _keep(cls, v, info: ValidationInfo):
+        method = info.data.get("method")  # absent when the method itself was refused
+        if method == "topk" and v is None:
+            raise ValueError("topk weighting needs it: the fraction of the tokens kept, in (0, 1]")
+        if method not in (None, "topk") and v is not None:
+            raise ValueError(f"applies to topk weighting only, not {method}")
         return v
 
-    @model_validator(mode="after")
-    def _check(self):
-        if self.method in ("quantile", "topk"):
-            q = self.quantiles
-            if not q or len(q) < 2 or np.any(np.diff(q) < 0):
-                raise ValueError(
-                    f"{self.method} weighting needs reference quantiles (at least 2, ascending): "
-                    "compute them with entropy_quantiles(SCORED_DIR)"
-                )
-        if self.method == "topk":
-            if self.keep is None or not 0.0 < self.keep <= 1.0:
-                raise ValueError(f"topk weighting needs keep in (0, 1] (the fraction kept), not {self.keep}")
-            if self.clip is not None or self.invert:
-                raise ValueError("topk weights are 0 or 1: clip and invert do not apply")
-        elif self.keep is not None:
-            raise ValueError(f"keep is a topk option, not one of {self.method} weighting")
-        if self.clip is not None and not 0.0 <= self.clip[0] < self.clip[1] <= 1.0:
-            raise ValueError(f"clip must be 0 <= lo < hi <= 1, not {self.clip}")
-        return self
+    @field_validator("clip")
+    @classmethod
+    def _clip(cls, v, info: ValidationInfo):
+        if v is not None and info.data.get("method") == "topk":
+            raise ValueError("topk weights are 0 or 1: clip does not apply")
+        if v is not None and not 0.0 <= v[0] < v[1] <= 1.0:
+            raise ValueError(f"must be 0 <= LO < HI <= 1, not {v}")
+        return v
+
+    @field_validator("invert")
+    @classmethod
+    def _invert(cls, v, info: ValidationInfo):
+        if v and info.data.get("method") == "topk":
+            raise ValueError("topk weights are 0 or 1: invert does not apply")
+        return v
+
+
+class WeighConfig(WeighOptions):
+    """The options and, for a method on a global scale, the reference quantiles read from a scored
+    dataset. Recorded in the file metadata (`weighting`)."""
+
+    quantiles: tuple[float, ...] | None = Field(
+        None, validate_default=True, description="Reference values at evenly spaced ranks (quantile, topk)."
+    )
+
+    @field_validator("quantiles")
+    @classmethod
+    def _quantiles(cls, q, info: ValidationInfo):
+        method = info.data.get("method")
+        if method in GLOBAL_SCALE and (not q or len(q) < 2 or np.any(np.diff(q) < 0)):
+            raise ValueError(
+                f"{method} weighting needs reference quantiles (at least 2, ascending): "
+                "compute them with entropy_quantiles(SCORED_DIR)"
+            )
+        return q
 
 
 def check_finite(values: np.ndarray, n_pad: np.ndarray, first_row: int = 0) -> None:

@@ -13,7 +13,7 @@ import click
 
 from entroweight import __version__
 
-from .cli_common import Location, _fail, engine_options, run_stage_cli
+from .cli_common import GeneratedOptions, Location, _fail, engine_options, run_stage_cli, stage_options
 
 # Command modules added by other areas; each exports COMMANDS, a list of click commands.
 COMMAND_MODULES = (
@@ -67,7 +67,7 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
     click.echo(f"wrote {path} ({tok.get_vocab_size()} tokens, sha256 {sha})")
 
 
-@main.command()
+@main.command(cls=GeneratedOptions, generated=[engine_options])
 @click.argument("sources", nargs=-1, required=True)
 @click.option("--tokenizer", required=True, help="A tokenizer.json or a directory holding one.")
 @click.option("--n-ctx", type=int, default=512, show_default=True)
@@ -95,7 +95,7 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
     "branch, resolved once and recorded; a later run on the same --out that finds another revision "
     "is refused, so pin the recorded one here or write a new --out.",
 )
-@engine_options
+@stage_options
 def tokenize(
     sources,
     tokenizer,

@@ -46,46 +46,77 @@ class Location(click.ParamType):
         return value
 
 
-def config_options(model, skip=(), **overrides):
+class GeneratedOptions(click.Command):
+    """A command some of whose options are generated from models that import heavy libraries (the
+    scorers torch, the engines pyarrow): `generated`, functions returning click Options, are called
+    when the command parses its arguments or shows its help, not each time `entroweight` starts."""
+
+    def __init__(self, *args, generated=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generated = list(generated)
+
+    def get_params(self, ctx):
+        while self.generated:
+            self.params += self.generated.pop(0)()
+        return super().get_params(ctx)
+
+
+def model_options(model, skip=(), flags=None, prefix="", **overrides) -> list[click.Option]:
     """One click option per field of a pydantic `model` (its name, type, choices, help and default),
     so that a command's flags are derived from the config it fills in; the model's own fields come
     first, then those it inherits. `given_options` tells what the user typed from the defaults.
+    `flags`: a field's flag where it is not the field's name (`method` -> `--weighting`); `prefix`: of
+    the parameter names, keeping the model's fields apart from the command's other parameters.
     `overrides`: extra click arguments per field (a param type, required=True); fields marked
     `json_schema_extra={"cli": False}` and those in `skip` get no option."""
     own = [n for n in model.model_fields if n in model.__annotations__]
-    names = own + [n for n in model.model_fields if n not in own]
+    options = []
+    for name in own + [n for n in model.model_fields if n not in own]:
+        field = model.model_fields[name]
+        if name in skip or (field.json_schema_extra or {}).get("cli") is False:
+            continue
+        flag = "--" + (flags or {}).get(name, (field.alias or name).replace("_", "-"))
+        kw = {"help": field.description, **_click_type(field.annotation)}
+        if kw.get("is_flag") and field.default is True:  # on unless turned off
+            flag += f"/--no-{flag[2:]}"
+        if not field.is_required() and field.default_factory is None:
+            kw |= {
+                "default": field.default,
+                "show_default": field.default is not None and not kw.get("is_flag"),
+            }
+        kw.update(overrides.get(name, {}))
+        options.append(click.Option([flag, prefix + name], **kw))
+    return options
+
+
+def config_options(model, skip=(), **overrides):
+    """`model_options` as a decorator (for a model light enough to import when `entroweight` starts)."""
 
     def decorate(f):
-        for name in reversed(names):
-            field = model.model_fields[name]
-            if name in skip or (field.json_schema_extra or {}).get("cli") is False:
-                continue
-            kind = _cli_type(field.annotation)
-            kw = {"help": field.description}
-            if kind is bool:
-                kw["is_flag"] = True
-            else:
-                kw["type"] = click.Choice(kind) if isinstance(kind, tuple) else kind
-                if not field.is_required() and field.default is not None:
-                    kw |= {"default": field.default, "show_default": True}
-            kw.update(overrides.get(name, {}))
-            f = click.option(f"--{(field.alias or name).replace('_', '-')}", name, **kw)(f)
+        f.__click_params__ = (
+            getattr(f, "__click_params__", []) + model_options(model, skip, **overrides)[::-1]
+        )
         return f
 
     return decorate
 
 
-def _cli_type(annotation):
-    """The click type of a field's annotation: bool, int, float, str, or a Literal's choices (a tuple);
-    `X | None` is X."""
+def _click_type(annotation) -> dict:
+    """The click arguments of a field's type: a flag for bool, a Literal's choices, two values for a
+    pair, else int, float or str; `X | None` is X."""
     import types
     import typing
 
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    if typing.get_origin(annotation) is typing.Literal:
-        return typing.get_args(annotation)
-    return annotation if annotation in (bool, int, float) else str
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is bool:
+        return {"is_flag": True}
+    if origin is typing.Literal:
+        return {"type": click.Choice(args)}
+    if origin is tuple and Ellipsis not in args:
+        return {"type": args[0], "nargs": len(args)}
+    return {"type": annotation if annotation in (int, float) else str}
 
 
 def given_options(ctx: click.Context, values: dict) -> dict:
@@ -95,35 +126,104 @@ def given_options(ctx: click.Context, values: dict) -> dict:
     return {k: v for k, v in values.items() if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
 
 
-def engine_options(f):
-    """--engine and the options each engine takes; shared by every stage command."""
-    f = click.option(
-        "--engine", type=click.Choice(["local", "beam", "ray"]), default="local", show_default=True
-    )(f)
-    f = click.option(
-        "--beam-option",
-        "beam_options",
-        multiple=True,
-        metavar="KEY=VALUE",
-        help="Beam pipeline option, e.g. runner=DataflowRunner (repeatable). Default: in-process FnApiRunner.",
-    )(f)
-    f = click.option(
-        "--ray-address", default=None, help="Ray cluster address (default: a local Ray in process)."
-    )(f)
-    f = click.option(
-        "--ray-wait-nodes",
-        type=float,
-        default=0,
-        metavar="SECONDS",
-        help="Ray: wait up to this long for nodes with what a worker needs (GPU nodes still starting) "
-        "before refusing; the pool also grows as nodes join.",
-    )(f)
-    f = click.option(
-        "--workers",
-        type=int,
-        default=None,
-        help="Parallel workers (beam: direct_num_workers; ray: concurrency).",
-    )(f)
+# -- the weighting's flags (score and weigh): transforms/weigh.py's WeighOptions, two fields renamed
+WEIGHTING_FLAGS = {"method": "weighting", "dtype": "weight-dtype"}
+WEIGHTING = "weighting_"  # the prefix of their parameter names
+
+
+def weighting_flag(field: str) -> str:
+    return "--" + WEIGHTING_FLAGS.get(field, field.replace("_", "-"))
+
+
+def weighting_options() -> list[click.Option]:
+    from entroweight.transforms.weigh import WeighOptions
+
+    return model_options(WeighOptions, flags=WEIGHTING_FLAGS, prefix=WEIGHTING)
+
+
+def weigh_config(params: dict, quantiles_from: str | None):
+    """The WeighConfig of the weighting flags in `params` (taken out of it), with the reference
+    quantiles of `quantiles_from` for a method on a global scale; a refusal names the flags."""
+    from pydantic import ValidationError
+
+    from entroweight.options import refusal_lines
+    from entroweight.transforms.weigh import GLOBAL_SCALE, WeighConfig, entropy_quantiles
+
+    fields = take(params, WEIGHTING)
+    if fields["clip"] is not None:
+        fields["clip"] = tuple(fields["clip"])
+    if quantiles_from and fields["method"] not in GLOBAL_SCALE:
+        _fail(
+            f"--quantiles-from applies to --weighting {' or '.join(GLOBAL_SCALE)} only, not "
+            f"{fields['method']}: drop it or change --weighting"
+        )
+    try:
+        quantiles = entropy_quantiles(quantiles_from) if quantiles_from else None
+        return WeighConfig(**fields, quantiles=quantiles)
+    except ValidationError as e:
+        _fail("; ".join(refusal_lines(e, lambda loc: weighting_flag(loc[0]))))
+    except ValueError as e:  # no entropies to read
+        _fail(str(e))
+
+
+def take(params: dict, prefix: str) -> dict:
+    """The parameters named with `prefix`, taken out of `params`, under their own names."""
+    return {k.removeprefix(prefix): params.pop(k) for k in [k for k in params if k.startswith(prefix)]}
+
+
+# -- the engines' flags: each engine's OPTIONS (pipelines/<engine>.py); one flag two engines share is one
+ENGINE = "engine_"  # the prefix of their parameter names
+
+
+def engine_options() -> list[click.Option]:
+    """--engine and the knobs of every engine."""
+    from entroweight.pipelines import ENGINES, engine_module
+
+    shared: dict[str, list] = {}  # flag -> (engine, keyword, EngineOption) of each engine taking it
+    for engine in ENGINES:
+        for key, option in engine_module(engine).OPTIONS.items():
+            shared.setdefault(option.flag, []).append((engine, key, option))
+    params = [
+        click.Option(["--engine"], type=click.Choice(list(ENGINES)), default="local", show_default=True)
+    ]
+    for flag, takers in shared.items():
+        _, key, option = takers[0]
+        assert all((k, o.type) == (key, option.type) for _, k, o in takers), f"{flag}: engines disagree"
+        text = option.help if len(takers) == 1 else " ".join(f"{e}: {o.help}" for e, _, o in takers)
+        if option.type is dict:
+            kw = {"multiple": True, "metavar": "KEY=VALUE", "callback": _key_values}
+        else:
+            kw = {"type": option.type, "default": option.default}
+        params.append(click.Option([flag, ENGINE + key], help=text, **kw))
+    return params
+
+
+def _key_values(ctx, param, values) -> dict:
+    pairs = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"takes KEY=VALUE, not {item!r}")
+        pairs[key.strip().lstrip("-")] = value
+    return pairs
+
+
+def engine_kwargs(params: dict) -> dict:
+    """--engine and the options of that engine, taken out of a command's `params` (the other engines'
+    are dropped): what run_stage and the workflow runner take."""
+    from entroweight.pipelines import engine_module, require_engine
+    from entroweight.pipelines.stage import StageError
+
+    engine, knobs = params.pop("engine"), take(params, ENGINE)
+    try:
+        require_engine(engine)
+    except StageError as e:
+        _fail(str(e))
+    return {"engine": engine, **{k: knobs[k] for k in engine_module(engine).OPTIONS}}
+
+
+def stage_options(f):
+    """What a stage command takes beside the engine: shared by every stage command."""
     f = click.option(
         "--overwrite", is_flag=True, help="Delete shards of another config in --out instead of refusing."
     )(f)
@@ -133,33 +233,12 @@ def engine_options(f):
     return f
 
 
-def _engine_kwargs(engine, beam_options, ray_address, workers, ray_wait_nodes: float = 0) -> dict:
-    if engine == "beam":
-        return {"options": dict(_kv(o) for o in beam_options), "workers": workers}
-    if engine == "ray":
-        return {"address": ray_address, "workers": workers, "wait_nodes": ray_wait_nodes}
-    return {}
-
-
-def _kv(option: str) -> tuple[str, str]:
-    if "=" not in option:
-        _fail(f"--beam-option takes KEY=VALUE, not {option!r}")
-    k, v = option.split("=", 1)
-    return k.strip().lstrip("-"), v
-
-
-def run_stage_cli(stage, out, engine, beam_options, ray_address, workers, overwrite, wait, ray_wait_nodes=0):
+def run_stage_cli(stage, out, overwrite, wait, **params):
+    """Run `stage` into `out` on the engine of `params` (the command's engine flags); exit codes above."""
     from entroweight.pipelines import LockHeld, StageError, StageFailed, run_stage
 
     try:
-        summary = run_stage(
-            stage,
-            out,
-            engine=engine,
-            overwrite=overwrite,
-            wait=wait,
-            **_engine_kwargs(engine, beam_options, ray_address, workers, ray_wait_nodes),
-        )
+        summary = run_stage(stage, out, overwrite=overwrite, wait=wait, **engine_kwargs(params))
     except LockHeld as e:
         _fail(str(e), EXIT_LOCKED)
     except StageError as e:

@@ -4,26 +4,63 @@ from __future__ import annotations
 
 import click
 
-from .cli_common import Location, _fail, engine_options, run_stage_cli
-
-# the dedicated flags that are scorer options: aliases of `--option KEY=VALUE`, validated by the scorer
-SCORER_FLAGS = (
-    "model",
-    "checkpoint",
-    "dtype",
-    "batch_size",
-    "device",
-    "aggregate",
-    "context",
-    "stride",
-    "metric",
-    "baseline",
-    "checkpoint_short",
-    "reference",
-    "cross_tokenizer",
-    "allow_pickle",
-    "trust_remote_code",
+from .cli_common import (
+    WEIGHTING,
+    GeneratedOptions,
+    Location,
+    _click_type,
+    _fail,
+    engine_options,
+    run_stage_cli,
+    stage_options,
+    take,
+    weigh_config,
+    weighting_options,
 )
+
+SCORER = "scorer_option_"  # the prefix of the scorer flags' parameter names
+# scorer options that name one of our checkpoints: checked for existence as the flag is read
+PATHS = {"checkpoint", "checkpoint_short"}
+
+
+def scorer_flags() -> list[click.Option]:
+    """--scorer, and one flag per option of the built-in scorers (the union of their Options models):
+    each is an alias of `--option KEY=VALUE`, and the chosen scorer's model refuses one it does not take."""
+    from entroweight.scorers.base import flag
+    from entroweight.scorers.registry import BUILTIN, get_scorer_class
+
+    takers: dict[str, list] = {}  # option -> (scorer, field) of each built-in that takes it
+    for scorer in BUILTIN:
+        for key, field in get_scorer_class(scorer).Options.model_fields.items():
+            takers.setdefault(key, []).append((scorer, field))
+    params = [
+        click.Option(
+            ["--scorer"],
+            required=True,
+            help=" | ".join(BUILTIN)
+            + ", or a scorer registered under the `entroweight.scorers` entry points.",
+        )
+    ]
+    for key, fields in takers.items():
+        kw = _click_type(fields[0][1].annotation)
+        if key in PATHS:
+            kw["type"] = Location(exists=True)
+        kw["default"] = False if kw.get("is_flag") else None  # not given: the scorer's own default
+        params.append(click.Option([flag(key), SCORER + key], help=_help(fields, len(BUILTIN)), **kw))
+    return params
+
+
+def _help(fields: list, n_scorers: int) -> str:
+    """A flag's help from each scorer's field: its description and default, and which scorers take it."""
+    texts: dict[str, list[str]] = {}
+    for scorer, f in fields:
+        shown = f.default is not None and f.default is not False  # a flag's "off" says nothing
+        default = " (required)" if f.is_required() else f" [default: {f.default}]" * shown
+        texts.setdefault(f"{f.description}{default}", []).append(scorer)
+    if len(texts) == 1:
+        ((text, scorers),) = texts.items()
+        return f"{text} Scorers: {'all' if len(scorers) == n_scorers else ', '.join(scorers)}."
+    return " ".join(f"{', '.join(scorers)}: {text}" for text, scorers in texts.items())
 
 
 def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str]]:
@@ -37,44 +74,18 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
         if not sep or not key:
             _fail(f"--option takes KEY=VALUE, not {item!r}")
         if key in options:
-            given = f"--{key.replace('_', '-')}" if key in dedicated else f"--option {key}"
+            given = "--" + key.replace("_", "-") if key in dedicated else f"--option {key}"
             _fail(f"--option {key}: already given as {given}")
         options[key] = value
     return options, dedicated
 
 
-@click.command()
+@click.command(cls=GeneratedOptions, generated=[scorer_flags, weighting_options, engine_options])
 @click.argument("data_dir", type=Location(exists=True, file_okay=False))
-@click.option(
-    "--scorer",
-    required=True,
-    help="causal_loss | cross_tokenizer | occlusion | decomposition | two_model | grad_input | excess_loss, "
-    "or a scorer registered under the `entroweight.scorers` entry points.",
-)
-@click.option(
-    "--model",
-    default=None,
-    help="HF causal LM: hub id (meta-llama/Llama-3.2-1B), directory, or .gguf file.",
-)
-@click.option("--checkpoint", default=None, type=Location(exists=True), help="One of our checkpoints.")
 @click.option(
     "--tokenizer",
     default=None,
     help="The data's tokenizer.json (needed by cross_tokenizer; checked against the data's sha256).",
-)
-@click.option(
-    "--aggregate",
-    type=click.Choice(["mean", "sum"]),
-    default=None,
-    help="cross_tokenizer: model-token CE onto data tokens (default mean).",
-)
-@click.option(
-    "--weighting",
-    type=click.Choice(["minmax", "quantile", "raw", "topk"]),
-    default="minmax",
-    show_default=True,
-    help="raw: w = 1 - value clipped to [0, 1] (the write-up's cosine weight); topk: w = 1 on the top "
-    "--keep fraction of the dataset's tokens by value, 0 elsewhere (Rho-1).",
 )
 @click.option(
     "--quantiles-from",
@@ -82,14 +93,8 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
     type=Location(exists=True),
     help="--weighting quantile/topk: a scored directory whose entropy quantiles set the global scale.",
 )
-@click.option("--keep", type=float, default=None, help="--weighting topk: the fraction of tokens kept (0.6).")
-@click.option("--clip", nargs=2, type=float, default=None, help="Clip normalised entropy to [LO, HI].")
-@click.option("--floor", type=float, default=0.0, show_default=True, help="Minimum weight of a real token.")
-@click.option("--invert", is_flag=True, help="w = e instead of 1 - e (Rho-1: keep the high-excess tokens).")
-@click.option("--weight-dtype", type=click.Choice(["float16", "uint8"]), default="float16", show_default=True)
 @click.option("--drop-entropy", is_flag=True, help="Do not store the raw `entropy` column.")
 @click.option("--out", required=True, type=Location(file_okay=False))
-@click.option("--batch-size", type=int, default=None, help="Rows per forward pass (default: the scorer's).")
 @click.option(
     "--batch-tokens",
     type=click.IntRange(min=1),
@@ -104,79 +109,26 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
     show_default=True,
     help="CPUs each worker asks the engine for (its reading, tokenizing and writing beside the model).",
 )
-@click.option("--device", default=None, help="cpu | cuda | cuda:N (default cpu).")
-@click.option(
-    "--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="Default: bf16 where native."
-)
-@click.option("--context", type=int, default=None, help="cross_tokenizer: model tokens per window (2048).")
-@click.option("--stride", type=int, default=None, help="cross_tokenizer: new tokens per later window.")
-@click.option(
-    "--metric",
-    type=click.Choice(["l1", "cosine"]),
-    default=None,
-    help="occlusion: L1 of the logit difference (min-max per row; default) or 1 - cosine.",
-)
-@click.option(
-    "--baseline",
-    type=click.Choice(["empty", "remove"]),
-    default=None,
-    help="occlusion: compare with an empty row's embedding in its place (default) or with it removed "
-    "(the write-up's literal occlusion; see docs/scoring.md).",
-)
 @click.option(
     "--option",
     "generic_options",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Any option of the scorer (repeatable), e.g. --option dtype=fp32; docs/scoring.md lists each "
-    "scorer's. The dedicated flags above are aliases.",
+    help="Any option of the scorer (repeatable), e.g. --option dtype=fp32: those of your own scorer "
+    "(docs/scoring.md lists the built-ins'). The scorer flags are aliases.",
 )
-@click.option(
-    "--checkpoint-short",
-    default=None,
-    type=Location(exists=True),
-    help="two_model: the checkpoint of context N-1 (--checkpoint is the one of context N).",
-)
-@click.option(
-    "--reference",
-    default=None,
-    help="excess_loss: the reference model (our checkpoint directory, or an HF id/directory/.gguf).",
-)
-@click.option(
-    "--cross-tokenizer",
-    "cross_tokenizer",
-    is_flag=True,
-    help="excess_loss: the --reference is an HF model on another tokenizer (byte-level transfer, sum).",
-)
-@click.option(
-    "--allow-pickle",
-    is_flag=True,
-    help="Load .pt/.bin/.pth weights (torch.load weights_only=True) where no safetensors exist. "
-    "Pickles can run code: only for files you trust.",
-)
-@click.option(
-    "--trust-remote-code",
-    is_flag=True,
-    help="Let an HF model repository run its own modelling code (off: only transformers' built-in models).",
-)
-@engine_options
+@stage_options
 def score(
     data_dir,
     scorer,
     tokenizer,
-    weighting,
     quantiles_from,
-    keep,
-    clip,
-    floor,
-    invert,
-    weight_dtype,
     drop_entropy,
     out,
     generic_options,
     batch_tokens,
     cpus_per_worker,
-    **eng,
+    **params,
 ):
     """Score every token of DATA_DIR's shards, weigh it, write weighted parquet shards to --out."""
     from entroweight.models.checkpoint import CheckpointError
@@ -186,10 +138,9 @@ def score(
     from entroweight.scorers.base import flag
     from entroweight.scorers.hf import ModelLoadError
     from entroweight.transforms.tokenizer import TokenizerError
-    from entroweight.transforms.weigh import WeighConfig, entropy_quantiles
+    from entroweight.transforms.weigh import GLOBAL_SCALE
 
-    # what remains in `eng` after the scorer's flags are taken out: the engine options
-    options, dedicated = scorer_options({k: eng.pop(k) for k in SCORER_FLAGS}, generic_options)
+    options, dedicated = scorer_options(take(params, SCORER), generic_options)
     try:
         # every refusal that needs no model comes first: nothing is loaded, nothing written
         validated = check_options(scorer, options)
@@ -197,33 +148,20 @@ def score(
         _fail(e.render(lambda k: flag(k) if k in dedicated else f"--option {k}", flag))
     except ScorerError as e:
         _fail(str(e))
-    global_scale = weighting in ("quantile", "topk")  # the dataset's quantiles, not each row's range
-    if quantiles_from and not global_scale:
-        _fail("--quantiles-from applies to --weighting quantile or topk only: drop it or change --weighting")
-    if global_scale and not quantiles_from:
-        _fail(f"--weighting {weighting} needs --quantiles-from SCORED_DIR (a run scored with minmax)")
-    if (keep is not None) != (weighting == "topk"):
-        _fail("--keep (the fraction of tokens kept) goes with --weighting topk, and only with it")
+    method = params[WEIGHTING + "method"]
+    if method in GLOBAL_SCALE and not quantiles_from:
+        _fail(f"--weighting {method} needs --quantiles-from SCORED_DIR (a run scored with minmax)")
+    weigh = weigh_config(params, quantiles_from)
     try:
-        if eng["engine"] == "local":  # the workers are this process: a missing GPU is known now
+        if params["engine"] == "local":  # the workers are this process: a missing GPU is known now
             check_device(validated.device)
-        quantiles = entropy_quantiles(quantiles_from) if quantiles_from else None
-        weigh = WeighConfig(
-            method=weighting,
-            quantiles=quantiles,
-            keep=keep,
-            clip=tuple(clip) if clip else None,
-            floor=floor,
-            invert=invert,
-            dtype=weight_dtype,
-        )
         stage = ScoreStage(
             data_dir, scorer, options, weigh, not drop_entropy, tokenizer, batch_tokens, cpus_per_worker
         )
-        stage.row_progress = eng["engine"] == "local"
+        stage.row_progress = params["engine"] == "local"
     except (ScorerError, StageError, ModelLoadError, CheckpointError, TokenizerError, ValueError) as e:
         _fail(str(e))
-    run_stage_cli(stage, out, **eng)
+    run_stage_cli(stage, out, **params)
 
 
 COMMANDS = [score]

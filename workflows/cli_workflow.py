@@ -11,27 +11,24 @@ from pathlib import Path
 
 import click
 
-from .cli_common import EXIT_FAILED_SHARDS, EXIT_LOCKED, _engine_kwargs, _fail
-
-
-@click.command("run")
-@click.argument("workflow", type=click.Path(exists=True, dir_okay=False))
-@click.option("--engine", type=click.Choice(["local", "beam", "ray"]), default="local", show_default=True)
-@click.option(
-    "--beam-option",
-    "beam_options",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Beam pipeline option (repeatable).",
+from .cli_common import (
+    EXIT_FAILED_SHARDS,
+    EXIT_LOCKED,
+    GeneratedOptions,
+    _fail,
+    engine_kwargs,
+    engine_options,
 )
-@click.option("--ray-address", default=None, help="Ray cluster address (default: a local Ray in process).")
-@click.option("--workers", type=int, default=None, help="Parallel workers of the data stages.")
+
+
+@click.command("run", cls=GeneratedOptions, generated=[engine_options])
+@click.argument("workflow", type=click.Path(exists=True, dir_okay=False))
 @click.option("--dry-run", is_flag=True, help="Print which steps and shards are done and which would run.")
 @click.option("--overwrite", is_flag=True, help="Redo steps whose config changed instead of refusing.")
 @click.option("--wait", type=float, default=0, help="Seconds to wait for another run's lock on the run dir.")
-def run_cmd(workflow, engine, beam_options, ray_address, workers, dry_run, overwrite, wait):
+def run_cmd(workflow, dry_run, overwrite, wait, **params):
     """Run WORKFLOW (a YAML file) end to end; every step skips what is already done."""
-    from entroweight.pipelines import LockHeld, StageError, StageFailed, require_engine
+    from entroweight.pipelines import LockHeld, StageError, StageFailed
 
     from .runner import Runner, StepFailed, WorkflowError
     from .spec import SpecError, load_workflow
@@ -40,10 +37,11 @@ def run_cmd(workflow, engine, beam_options, ray_address, workers, dry_run, overw
         wf = load_workflow(workflow)
     except SpecError as e:
         _fail(str(e))
+    knobs = engine_kwargs(params)  # an engine that is not installed: refused before the first step
     runner = Runner(
         wf,
-        engine=engine,
-        engine_options=_engine_kwargs(engine, beam_options, ray_address, workers),
+        engine=knobs.pop("engine"),
+        engine_options=knobs,
         dry_run=dry_run,
         overwrite=overwrite,
         wait=wait,
@@ -51,7 +49,6 @@ def run_cmd(workflow, engine, beam_options, ray_address, workers, dry_run, overw
         workflow_file=str(Path(workflow).resolve()),
     )
     try:
-        require_engine(engine)  # before the first step: not after a tokenizer was trained
         runner.run()
     except LockHeld as e:
         _fail(str(e), EXIT_LOCKED)

@@ -246,15 +246,7 @@ class Runner:
         def build():
             w = s.weighting
             quantiles = entropy_quantiles(wf.score_dir(w.quantiles_from)) if w.quantiles_from else None
-            weigh = WeighConfig(
-                method=w.method,
-                quantiles=quantiles,
-                keep=w.keep,
-                clip=w.clip,
-                floor=w.floor,
-                invert=w.invert,
-                dtype=w.dtype,
-            )
+            weigh = WeighConfig(**w.model_dump(exclude={"quantiles_from"}), quantiles=quantiles)
             if s.values_from:  # an earlier step's values, weighed anew: no second scoring
                 return WeighStage(wf.score_dir(s.values_from), weigh, s.with_entropy)
             options = dict(s.options)  # validated with the spec (the scorer's Options model)

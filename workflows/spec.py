@@ -13,11 +13,21 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from entroweight.options import refusal_lines
 from entroweight.trainers import config as trainer_config
 from entroweight.trainers.config import LossName, LossSettings
 from entroweight.trainers.losses import LOSSES
+from entroweight.transforms.weigh import GLOBAL_SCALE, WeighOptions
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 TOKENS = "tokens"  # the data name of the tokenized (unweighted) dataset
@@ -109,26 +119,27 @@ class ModelSpec(TrainSettings):
     _name = field_validator("name")(_name)
 
 
-class Weighting(_Strict):
-    method: Literal["minmax", "quantile", "raw", "topk"] = "minmax"
-    quantiles_from: str | None = None  # quantile/topk: an earlier score step whose values set the scale
-    keep: float | None = Field(None, gt=0, le=1)  # topk: the fraction of the dataset's tokens kept
-    clip: tuple[float, float] | None = None
-    floor: float = Field(0.0, ge=0, le=1)
-    invert: bool = False
-    dtype: Literal["float16", "uint8"] = "float16"
+class Weighting(WeighOptions):
+    """The weighting's options (transforms/weigh.py), and where a method on a global scale reads its
+    reference quantiles: an earlier score step here, where the command line takes a directory."""
 
-    @model_validator(mode="after")
-    def _q(self):
-        if self.method in ("quantile", "topk") and not self.quantiles_from:
-            raise ValueError(f"method {self.method} needs quantiles_from: a score step scored with minmax")
-        if self.quantiles_from and self.method not in ("quantile", "topk"):
+    quantiles_from: str | None = Field(
+        None,
+        validate_default=True,
+        description="quantile, topk: an earlier score step (scored with minmax) whose values set the scale.",
+    )
+
+    @field_validator("quantiles_from")
+    @classmethod
+    def _q(cls, v, info: ValidationInfo):
+        method = info.data.get("method")
+        if method in GLOBAL_SCALE and not v:
+            raise ValueError(f"{method} weighting needs it: a score step scored with minmax")
+        if v and method not in (None, *GLOBAL_SCALE):
             raise ValueError(
-                "quantiles_from applies to methods quantile and topk only: drop it or change the method"
+                f"applies to methods {' and '.join(GLOBAL_SCALE)} only: drop it or change the method"
             )
-        if (self.method == "topk") != (self.keep is not None):
-            raise ValueError("keep (the fraction kept) goes with method topk, and only with it")
-        return self
+        return v
 
 
 class ScoreSpec(_Strict):
@@ -170,32 +181,26 @@ class ScoreSpec(_Strict):
     def option_problems(self, at: str) -> list[str]:
         """The scorer's Options model on these options (checkpoint_from standing in for the checkpoint it
         will give), one `path: message` line per problem; nothing is loaded."""
-        from entroweight.scorers import OptionsError, check_options
+        from entroweight.scorers import OptionsError, check_options, get_scorer_class
 
         if self.scorer is None:
             return []
-        options = dict(self.options)
-        if self.checkpoint_from is not None:
+        options, problems = dict(self.options), []
+        takes = get_scorer_class(self.scorer).Options.model_fields.get("checkpoint")
+        if self.checkpoint_from is not None and takes is None:
+            problems.append(f"{at}.checkpoint_from: the {self.scorer} scorer reads no checkpoint (drop it)")
+        elif self.checkpoint_from is not None or (takes is not None and takes.is_required()):
+            if self.checkpoint_from is None:
+                problems.append(
+                    f"{at}.checkpoint_from: the {self.scorer} scorer needs one of our checkpoints: "
+                    "set checkpoint_from: <models step>"
+                )
             options["checkpoint"] = f"<checkpoint of {self.checkpoint_from}>"
         try:
             check_options(self.scorer, options)
         except OptionsError as e:
-            # the checkpoint comes from checkpoint_from: say it in those terms
-            takes = "checkpoint" in e.valid
-            about_checkpoint = (
-                f"the {self.scorer} scorer needs one of our checkpoints: set checkpoint_from: <models step>"
-                if takes
-                else f"the {self.scorer} scorer reads no checkpoint (drop checkpoint_from)"
-            )
-            e.problems = [(k, about_checkpoint if k == "checkpoint" else m) for k, m in e.problems]
-
-            def where(key: str) -> str:
-                if key == "checkpoint":
-                    return f"{at}.checkpoint_from"
-                return f"{at}.options.{key}" if key else f"{at}.options"
-
-            return e.lines(where)
-        return []
+            problems += e.lines(lambda key: f"{at}.options.{key}")
+        return problems
 
 
 class ExperimentRun(LossSettings):
@@ -384,30 +389,10 @@ class _At(ValueError):
         super().__init__(f"{path}: {message}" if path else message)
 
 
-def _loc(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in ("function-after[_one(), TokenizerSpec]",) or str(part).startswith("function-"):
-            continue
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
 def format_errors(e: ValidationError) -> str:
-    lines = []
-    for err in e.errors():
-        msg = err["msg"].removeprefix("Value error, ")
-        where = _loc(err["loc"])
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key (check its spelling; docs/workflows.md lists the keys)"
-        if isinstance(err.get("ctx", {}).get("error"), _At):
-            lines.append(msg)  # already names its path
-        else:
-            lines.append(f"{where}: {msg}" if where else msg)
-    return "\n".join(lines)
+    return "\n".join(
+        refusal_lines(e, unknown="unknown key (check its spelling; docs/workflows.md lists the keys)")
+    )
 
 
 def parse_workflow(data: Any, origin: str = "workflow") -> Workflow:
