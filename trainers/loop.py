@@ -534,17 +534,27 @@ def _stop_if_not_finite(bad: float | None, step: int, loss: str, out: Path, save
 
 
 def _check_values(files: list, columns, rank: int, world: int, device) -> None:
-    """Refuse NaN/inf (and weights outside [0, 1]) in the loss's columns before the first step. Each
-    rank reads its share of the files once; then every rank raises, naming the first bad file."""
-    problems = value_problems(files[rank::world], columns)
+    """Refuse NaN/inf (and weights outside [0, 1]) in the loss's columns before the first step, and
+    weights that are all 0 (the loss would be 0 at every step and the model learn nothing). Each rank
+    reads its share of the files once; then every rank raises, naming the first bad file."""
+    problems, positive = value_problems(files[rank::world], columns)
     if world > 1:
         first = torch.tensor([files.index(problems[0][0]) if problems else len(files)], device=device)
         torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
         if int(first.item()) < len(files) and not (problems and problems[0][0] == files[int(first.item())]):
-            problems = value_problems([files[int(first.item())]], columns)
+            problems, _ = value_problems([files[int(first.item())]], columns)
+        count = torch.tensor([positive], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(count)
+        positive = int(count.item())
     if problems:
         more = f" ({len(problems) - 1} more file(s) too)" if len(problems) > 1 else ""
         raise DataError(problems[0][1] + more)
+    if "weight" in columns and positive == 0:
+        where = files[0].parent if len({f.parent for f in files}) == 1 else f"the {len(files)} files"
+        raise DataError(
+            f"every weight in {where} is 0: a weighted loss would be 0 at every step and train nothing; "
+            "weigh the data again (another --weighting), or train with --loss ce"
+        )
 
 
 def _trim_metrics(path: Path, step: int) -> None:
