@@ -24,6 +24,8 @@ from safetensors import SafetensorError
 from entroweight import storage
 from entroweight.models import build_model, model_class
 from entroweight.models.checkpoint import read_checkpoint_config
+from entroweight.schemas import ShardManifest
+from entroweight.schemas.manifest import is_manifest
 from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path
 
 from .checkpoint import METRICS, STATE, TOKENIZER, load_training_state, save_training_checkpoint
@@ -201,6 +203,46 @@ def _config_history(prev: dict, new: dict, step: int, allow: bool) -> list[dict]
     return [*history, {"step": step, "changed": changed, "train": new}]
 
 
+def data_shards(files) -> dict[str, str]:
+    """The fingerprint of the data a run reads, recorded in its checkpoint: each file by its key and its
+    content, the sha256 its stage manifest records (what workflow steps key on), else its size in bytes.
+    One listing and the manifests' small reads per directory."""
+    out: dict[str, str] = {}
+    for d in dict.fromkeys(str(f).rsplit("/", 1)[0] for f in files):
+        listed = storage.listing(d)
+        manifests = [storage.path(d) / n for n in sorted(listed) if is_manifest(n)]
+        shas = {}
+        for raw in storage.read_many(manifests):
+            m = ShardManifest.model_validate_json(raw)
+            if listed.get(m.output) == m.output_bytes:
+                shas[m.output] = m.output_sha256
+        for f in (f for f in files if str(f).rsplit("/", 1)[0] == d):
+            name = str(f).rsplit("/", 1)[1]
+            out[storage.key(f)] = f"sha256:{shas[name]}" if name in shas else f"bytes:{listed.get(name)}"
+    return out
+
+
+def _check_same_data(old: dict[str, str] | None, new: dict[str, str], allow: bool) -> None:
+    """Refuse a resume whose data changed since the checkpoint (a shard added, removed or rewritten),
+    naming what changed, unless `allow` (--allow-config-change)."""
+    if old is None or old == new or allow:
+        return  # None: a checkpoint written before runs recorded their data
+    kinds = {
+        "added": sorted(new.keys() - old.keys()),
+        "removed": sorted(old.keys() - new.keys()),
+        "changed": sorted(k for k in new.keys() & old.keys() if old[k] != new[k]),
+    }
+    said = "; ".join(
+        f"{kind} {', '.join(ks[:3])}" + (f" and {len(ks) - 3} more" if len(ks) > 3 else "")
+        for kind, ks in kinds.items()
+        if ks
+    )
+    raise TrainError(
+        f"--resume on data that changed since the checkpoint ({said}); resume on the data it was trained "
+        "on, or pass --allow-config-change to continue on the new data"
+    )
+
+
 def _as_list(x) -> list:
     return [x] if isinstance(x, str) else list(x)
 
@@ -277,6 +319,9 @@ def _resolve(cfg: TrainConfig, loss: Loss, rank: int, world: int, device, allow_
                 f"--model-config differs from the checkpoint's ({base_model_cfg}); drop it to resume"
             )
         history = _config_history(prev, settings, state["step"], allow_config_change)
+    shards = data_shards(info.files)
+    if cfg.resume:
+        _check_same_data(prev.get("data_shards"), shards, allow_config_change)
     meta = {
         "tokenizer_sha256": tok_sha or info.tokenizer_sha256,
         "vocab_size": mc.get("vocab_size", info.vocab_size),
@@ -284,6 +329,7 @@ def _resolve(cfg: TrainConfig, loss: Loss, rank: int, world: int, device, allow_
         "pad_id": info.pad_id,
         "loss": cfg.loss,
         "train": settings,
+        "data_shards": shards,
         **({"train_history": history} if history and len(history) > 1 else {}),
     }
     return _Run(out, tok_path, info.files, mc, meta, state, optim_sd)
