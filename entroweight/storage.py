@@ -409,7 +409,13 @@ class LockBusy(Exception):
 class Lease:
     """A lock on an object store: an object created only if absent (a conditional put, `If-None-Match: *`,
     which S3 and GCS honour), naming its holder and when it expires. A heartbeat renews it while held;
-    a holder that died stops renewing, and once its lease expires the next run takes it over."""
+    a holder that died stops renewing, and once its lease expires the next run takes it over.
+
+    On S3 every change is conditional on what was read: a takeover overwrites the stale lease only if it
+    is still the object read (`If-Match` its ETag), and a renewal only if it is still this holder's, so of
+    several contenders for one expired lease exactly one wins, and a holder that lost its lease (paused
+    past its TTL) never overwrites its successor's. Elsewhere (gs://, memory://) a takeover deletes the
+    stale object and creates anew (the create is conditional; the delete is not)."""
 
     def __init__(self, p: AnyPath, ttl: float = 120.0):
         self.path = path(p)
@@ -417,11 +423,33 @@ class Lease:
         self.holder = f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self._etag: str | None = None  # of the lease object this holder last wrote (S3)
+        fs, inner = filesystem(self.path)
+        self._s3 = hasattr(fs, "_call_s3")
+        self._fs, (self._bucket, _, self._key) = fs, inner.partition("/")
 
     def _record(self) -> bytes:
         return json.dumps({"holder": self.holder, "expires": time.time() + self.ttl}).encode()
 
+    # -- the object's conditional operations: (record, tag) read together; writes that hold only if
+    # the object is still absent / still the one with that tag
+    def _put(self, **condition) -> bool:
+        """A conditional PutObject of a fresh record; False when its precondition failed."""
+        try:
+            r = self._fs.call_s3(
+                "put_object", Bucket=self._bucket, Key=self._key, Body=self._record(), **condition
+            )
+        except OSError as e:
+            status = getattr(e.__cause__, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(e, FileExistsError) or status in (409, 412) or "pre-condition" in str(e):
+                return False  # 409: a concurrent conditional write won
+            raise
+        self._etag = r["ETag"]
+        return True
+
     def _try_create(self) -> bool:
+        if self._s3:
+            return self._put(IfNoneMatch="*")
         fs, inner = filesystem(self.path)
         try:
             with fs.open(inner, "xb") as f:
@@ -429,6 +457,34 @@ class Lease:
             return True
         except FileExistsError:
             return False
+
+    def _read(self) -> tuple[dict | None, str | None]:
+        """The lease's record and its ETag, from one GET (None, None when absent)."""
+        if not self._s3:
+            return self._current(), None
+        from fsspec.asyn import sync
+
+        async def get():
+            r = await self._fs._call_s3("get_object", Bucket=self._bucket, Key=self._key)
+            async with r["Body"] as body:
+                return await body.read(), r["ETag"]
+
+        try:
+            raw, etag = sync(self._fs.loop, get)
+        except FileNotFoundError:
+            return None, None
+        try:
+            return json.loads(raw), etag
+        except ValueError:  # a torn or foreign object: treat as expired
+            return {"holder": "?", "expires": 0}, etag
+
+    def _take_over(self, etag: str | None) -> bool:
+        """Replace the stale lease read with tag `etag` by ours; False when another contender changed it
+        first."""
+        if self._s3:
+            return self._put(IfMatch=etag)
+        remove(self.path)  # no conditional overwrite here: the conditional create decides the race
+        return self._try_create()
 
     def _current(self) -> dict | None:
         try:
@@ -443,13 +499,16 @@ class Lease:
         while True:
             if self._try_create():
                 break
-            current = self._current()
-            if current is not None and (current.get("expires", 0) < time.time() or _dead_here(current)):
-                remove(self.path)  # its holder stopped renewing: dead; the conditional put decides the race
+            current, etag = self._read()
+            if current is None:
+                continue  # released between our create and our read: try again
+            if current.get("expires", 0) < time.time() or _dead_here(current):
+                if self._take_over(etag):  # its holder stopped renewing: dead
+                    break
                 continue
             if time.monotonic() >= deadline:
-                who = (current or {}).get("holder", "?")
-                until = time.strftime("%H:%M:%S", time.localtime((current or {}).get("expires", 0)))
+                who = current.get("holder", "?")
+                until = time.strftime("%H:%M:%S", time.localtime(current.get("expires", 0)))
                 raise LockBusy(f"lease held by {who} until {until}, renewed while it runs")
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         self._beat = threading.Thread(target=self._renew, daemon=True, name="entroweight-lease")
@@ -458,13 +517,16 @@ class Lease:
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl / 3):
             with contextlib.suppress(Exception):
-                self.path.write_bytes(self._record())
+                if not self._s3:
+                    self.path.write_bytes(self._record())
+                elif not self._put(IfMatch=self._etag):
+                    return  # taken over while this holder was paused past its TTL: it is no longer ours
 
     def release(self) -> None:
         self._stop.set()
         if self._beat is not None:
             self._beat.join()
-        current = self._current()
+        current, _ = self._read()
         if current is not None and current.get("holder") == self.holder:
             remove(self.path)
 

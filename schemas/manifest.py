@@ -9,7 +9,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 # Bumped when the bytes a stage writes change for the same config: old shards then recompute.
-FORMAT_VERSION = 2  # 2: weighted shards carry `excluded`
+# 2: weighted shards carry `excluded`; a special token's string in a document is tokenized as text
+FORMAT_VERSION = 2
 
 
 def config_hash(config: dict[str, Any]) -> str:

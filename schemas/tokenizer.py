@@ -64,6 +64,34 @@ def resolve_tokenizer_path(
     return None
 
 
+def text_as_data(tok: Tokenizer, where: str | Path) -> Tokenizer:
+    """`tok`, set up to encode a document's text as data, never as control: the string of a special token
+    in the text ("<|eos|>", "<|pad|>": web text about language models quotes them) is encoded as the
+    ordinary text it is (the library's `encode_special_tokens`, transformers' `split_special_tokens`), so
+    no special id appears among real tokens and the tokens' bytes are the text's UTF-8 bytes; and no
+    truncation or padding (our stages cut and pad themselves). The flag is not saved with the file, so
+    every tokenizer that encodes text is loaded through here (transforms/tokenizer.py, trainers/bpb.py).
+    It costs nothing per document: the added-token matcher still runs and only drops the special matches.
+
+    A tokenizer whose model itself turns a special's string into the special (a unigram vocabulary that
+    holds its specials as pieces) is refused (TokenizerError): one probe encode of every special's string,
+    quoted inside words."""
+    tok.encode_special_tokens = True
+    tok.no_truncation()
+    tok.no_padding()
+    specials = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    if specials:
+        probe = " ".join(f"x{s}y" for s in specials.values())
+        hit = next((i for i in tok.encode(probe, add_special_tokens=False).ids if i in specials), None)
+        if hit is not None:
+            raise TokenizerError(
+                f"{where}: its model encodes the text {specials[hit]!r} as the special token {hit}, so a "
+                "document quoting it would become a control token; use a byte-level BPE (`entroweight "
+                "train-tokenizer`, Llama 3, GPT-2) or a tokenizer whose model vocabulary does not hold its specials"
+            )
+    return tok
+
+
 def check_vocab(vocab: dict[str, int], where: str | Path) -> None:
     """Refuse a vocabulary whose ids are not unique and dense (0..V-1): two strings on one id make text
     that no longer round-trips, and an id past the end reads outside every embedding table."""

@@ -28,6 +28,7 @@ from entroweight.schemas.tokenizer import (
     TokenizerError,
     check_vocab,
     resolve_tokenizer_path,
+    text_as_data,
 )
 
 from .losses import per_token_ce
@@ -81,9 +82,7 @@ def checkpoint_tokenizer(ckpt_dir, tokenizer=None, expect_sha: str | None = None
         raise CheckpointError(f"{path} is not the tokenizer the checkpoint was trained with (sha256 differs)")
     tok = Tokenizer.from_str(raw.decode("utf-8"))
     check_vocab(tok.get_vocab(with_added_tokens=True), path)
-    tok.no_truncation()
-    tok.no_padding()
-    return tok
+    return text_as_data(tok, path)
 
 
 def start_token(tok: Tokenizer) -> int | None:

@@ -149,10 +149,11 @@ def inspect_data(
     )
 
 
-def value_problems(files, columns) -> list[tuple[Path, str]]:
+def value_problems(files, columns) -> tuple[list[tuple[Path, str]], int]:
     """(file, message) for each file whose `weight` / `entropy` values (those of `columns` it has)
-    hold NaN or ±inf, or weights outside [0, 1]: one vectorised pass over those columns only."""
-    found = []
+    hold NaN or ±inf, or weights outside [0, 1], and how many weights are above 0 (a run whose weights
+    are all 0 would train on nothing): one vectorised pass over those columns only."""
+    found, positive = [], 0
     for f in files:
         pf = pq.ParquetFile(storage.open_input(f))
         cols = [c for c in columns if c in pf.schema_arrow.names]
@@ -161,13 +162,17 @@ def value_problems(files, columns) -> list[tuple[Path, str]]:
             table = pf.read_row_group(rg, columns=cols)
             for c in cols:
                 values = pc.list_flatten(table.column(c))
-                if pa.types.is_integer(values.type):
-                    continue  # uint8 weights are w·255: always in range
+                if pa.types.is_integer(values.type):  # uint8 weights are w·255: always in range
+                    positive += (
+                        int(pc.count(pc.filter(values, pc.greater(values, 0)))) if c == "weight" else 0
+                    )
+                    continue
                 v = values.to_numpy().astype(np.float32, copy=False)  # float16 math in numpy is slow
                 kinds = {f"{c} NaN or infinite": int(np.count_nonzero(~np.isfinite(v)))}
                 if c == "weight":
                     with np.errstate(invalid="ignore"):
                         kinds["weights outside [0, 1]"] = int(np.count_nonzero((v < 0) | (v > 1)))
+                        positive += int(np.count_nonzero(v > 0))
                 for kind, n in kinds.items():
                     counts[kind] = counts.get(kind, 0) + n
         bad = {k: n for k, n in counts.items() if n}
@@ -175,7 +180,7 @@ def value_problems(files, columns) -> list[tuple[Path, str]]:
             what = ", ".join(f"{n:,} {k}" for k, n in bad.items())
             stage = "scoring" if any(k.startswith("entropy") for k in bad) else "scoring (or weigh)"
             found.append((f, f"{f}: {what}; re-run the {stage} stage for this file, or train without it"))
-    return found
+    return found, positive
 
 
 def _footer(f: str) -> pq.FileMetaData:

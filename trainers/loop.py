@@ -24,6 +24,8 @@ from safetensors import SafetensorError
 from entroweight import storage
 from entroweight.models import build_model, model_class
 from entroweight.models.checkpoint import read_checkpoint_config
+from entroweight.schemas import ShardManifest
+from entroweight.schemas.manifest import is_manifest
 from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path
 
 from .checkpoint import METRICS, STATE, TOKENIZER, load_training_state, save_training_checkpoint
@@ -201,6 +203,46 @@ def _config_history(prev: dict, new: dict, step: int, allow: bool) -> list[dict]
     return [*history, {"step": step, "changed": changed, "train": new}]
 
 
+def data_shards(files) -> dict[str, str]:
+    """The fingerprint of the data a run reads, recorded in its checkpoint: each file by its key and its
+    content, the sha256 its stage manifest records (what workflow steps key on), else its size in bytes.
+    One listing and the manifests' small reads per directory."""
+    out: dict[str, str] = {}
+    for d in dict.fromkeys(str(f).rsplit("/", 1)[0] for f in files):
+        listed = storage.listing(d)
+        manifests = [storage.path(d) / n for n in sorted(listed) if is_manifest(n)]
+        shas = {}
+        for raw in storage.read_many(manifests):
+            m = ShardManifest.model_validate_json(raw)
+            if listed.get(m.output) == m.output_bytes:
+                shas[m.output] = m.output_sha256
+        for f in (f for f in files if str(f).rsplit("/", 1)[0] == d):
+            name = str(f).rsplit("/", 1)[1]
+            out[storage.key(f)] = f"sha256:{shas[name]}" if name in shas else f"bytes:{listed.get(name)}"
+    return out
+
+
+def _check_same_data(old: dict[str, str] | None, new: dict[str, str], allow: bool) -> None:
+    """Refuse a resume whose data changed since the checkpoint (a shard added, removed or rewritten),
+    naming what changed, unless `allow` (--allow-config-change)."""
+    if old is None or old == new or allow:
+        return  # None: a checkpoint written before runs recorded their data
+    kinds = {
+        "added": sorted(new.keys() - old.keys()),
+        "removed": sorted(old.keys() - new.keys()),
+        "changed": sorted(k for k in new.keys() & old.keys() if old[k] != new[k]),
+    }
+    said = "; ".join(
+        f"{kind} {', '.join(ks[:3])}" + (f" and {len(ks) - 3} more" if len(ks) > 3 else "")
+        for kind, ks in kinds.items()
+        if ks
+    )
+    raise TrainError(
+        f"--resume on data that changed since the checkpoint ({said}); resume on the data it was trained "
+        "on, or pass --allow-config-change to continue on the new data"
+    )
+
+
 def _as_list(x) -> list:
     return [x] if isinstance(x, str) else list(x)
 
@@ -277,6 +319,9 @@ def _resolve(cfg: TrainConfig, loss: Loss, rank: int, world: int, device, allow_
                 f"--model-config differs from the checkpoint's ({base_model_cfg}); drop it to resume"
             )
         history = _config_history(prev, settings, state["step"], allow_config_change)
+    shards = data_shards(info.files)
+    if cfg.resume:
+        _check_same_data(prev.get("data_shards"), shards, allow_config_change)
     meta = {
         "tokenizer_sha256": tok_sha or info.tokenizer_sha256,
         "vocab_size": mc.get("vocab_size", info.vocab_size),
@@ -284,6 +329,7 @@ def _resolve(cfg: TrainConfig, loss: Loss, rank: int, world: int, device, allow_
         "pad_id": info.pad_id,
         "loss": cfg.loss,
         "train": settings,
+        "data_shards": shards,
         **({"train_history": history} if history and len(history) > 1 else {}),
     }
     return _Run(out, tok_path, info.files, mc, meta, state, optim_sd)
@@ -534,17 +580,27 @@ def _stop_if_not_finite(bad: float | None, step: int, loss: str, out: Path, save
 
 
 def _check_values(files: list, columns, rank: int, world: int, device) -> None:
-    """Refuse NaN/inf (and weights outside [0, 1]) in the loss's columns before the first step. Each
-    rank reads its share of the files once; then every rank raises, naming the first bad file."""
-    problems = value_problems(files[rank::world], columns)
+    """Refuse NaN/inf (and weights outside [0, 1]) in the loss's columns before the first step, and
+    weights that are all 0 (the loss would be 0 at every step and the model learn nothing). Each rank
+    reads its share of the files once; then every rank raises, naming the first bad file."""
+    problems, positive = value_problems(files[rank::world], columns)
     if world > 1:
         first = torch.tensor([files.index(problems[0][0]) if problems else len(files)], device=device)
         torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
         if int(first.item()) < len(files) and not (problems and problems[0][0] == files[int(first.item())]):
-            problems = value_problems([files[int(first.item())]], columns)
+            problems, _ = value_problems([files[int(first.item())]], columns)
+        count = torch.tensor([positive], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(count)
+        positive = int(count.item())
     if problems:
         more = f" ({len(problems) - 1} more file(s) too)" if len(problems) > 1 else ""
         raise DataError(problems[0][1] + more)
+    if "weight" in columns and positive == 0:
+        where = files[0].parent if len({f.parent for f in files}) == 1 else f"the {len(files)} files"
+        raise DataError(
+            f"every weight in {where} is 0: a weighted loss would be 0 at every step and train nothing; "
+            "weigh the data again (another --weighting), or train with --loss ce"
+        )
 
 
 def _trim_metrics(path: Path, step: int) -> None:

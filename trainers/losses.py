@@ -40,9 +40,19 @@ def ce(logits, targets, mask, **_):
 
 
 def weighted_ce(logits, targets, mask, weight, normalize: str = "tokens", **_):
-    """Σ w_i·CE_i over real tokens, divided by their count (`normalize="tokens"`) or by Σ w_i ("weight")."""
-    w = weight.float() * mask
-    total = (per_token_ce(logits, targets) * w).sum()
+    """Σ w_i·CE_i over real tokens, divided by their count (`normalize="tokens"`) or by Σ w_i ("weight").
+
+    At its edges: a position of weight 0 (pads included) contributes exactly 0, even where its CE is
+    not finite, so a batch (or one DDP rank's share) whose weights are all 0 gives loss 0 and zero
+    gradients, never NaN, under both normalizations; `weight` must be floating point (w in [0, 1]: an
+    integer tensor would be the stored round(255·w) or weights truncated to 0 and 1), else TypeError."""
+    import torch
+
+    if not weight.is_floating_point():
+        raise TypeError(f"weighted_ce takes floating-point weights in [0, 1], not {weight.dtype}")
+    w = torch.where(mask.bool(), weight.float(), 0.0)
+    ce = per_token_ce(logits, targets)
+    total = torch.where(w > 0, ce * w, 0.0).sum()
     if normalize == "tokens":
         return total / mask.sum().clamp(min=1)
     if normalize == "weight":

@@ -93,9 +93,9 @@ def encode_exact(tok: LoadedTokenizer, text: str) -> tuple[np.ndarray, np.ndarra
 def encode_exact_batch(tok: LoadedTokenizer, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
     """`encode_exact` over many texts in one `encode_batch` call.
 
-    Special-token strings in the text ("<|endoftext|>") are encoded as plain text, never as specials."""
+    Special-token strings in the text ("<|endoftext|>") are encoded as plain text, never as specials:
+    every LoadedTokenizer is set up so (schemas/tokenizer.py `text_as_data`)."""
     tokenizer = tok.tokenizer
-    tokenizer.encode_special_tokens = True
     tb, nb = tok.token_bytes, tok.token_nbytes
     out = []
     for text, enc in zip(texts, tokenizer.encode_batch_fast(texts, add_special_tokens=False), strict=True):

@@ -19,6 +19,7 @@ from entroweight.schemas.tokenizer import (
     TokenizerError,
     check_vocab,
     resolve_tokenizer_path,
+    text_as_data,
     token_bytes,
 )
 
@@ -84,11 +85,9 @@ def tokenizer_from_bytes(raw: bytes, p) -> LoadedTokenizer:
         raise TokenizerError(
             f"{p} is not a valid tokenizers JSON file ({e}); re-create it with `entroweight train-tokenizer`"
         ) from e
-    # Our stages add specials themselves; a post-processor adding BOS would break byte accounting.
-    tok.no_truncation()
-    tok.no_padding()
     vocab = tok.get_vocab(with_added_tokens=True)
     check_vocab(vocab, p)  # a corrupt file is refused here, before any stage claims its --out
+    text_as_data(tok, p)  # a special's string in a document is text; we add specials ourselves
     return LoadedTokenizer(
         path=p.resolve() if storage.is_local(p) else p,
         tokenizer=tok,

@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from entroweight import storage
-from entroweight.schemas.tokenizer import BOS, EOS, PAD, TOKENIZER_FILE, resolve_tokenizer_path
+from entroweight.schemas.tokenizer import BOS, EOS, PAD, TOKENIZER_FILE, resolve_tokenizer_path, text_as_data
 
 from .sources import DocumentReader, SourceError, plan_inputs
 
@@ -86,10 +86,12 @@ def train_tokenizer(
     """A `vocab_size` tokenizer of `algorithm`: BPE on `base`'s pre-tokenizer (default DEFAULT_BASE),
     or an LZ78 dictionary (a related-work baseline, docs/baselines.md; `base` unused)."""
     if algorithm == "bpe":
-        return train_bpe(texts, vocab_size, base or DEFAULT_BASE, progress=progress)
-    from . import lz78
+        tok = train_bpe(texts, vocab_size, base or DEFAULT_BASE, progress=progress)
+    else:
+        from . import lz78
 
-    return lz78.to_tokenizers(lz78.train(texts, vocab_size, algorithm))
+        tok = lz78.to_tokenizers(lz78.train(texts, vocab_size, algorithm))
+    return text_as_data(tok, f"the trained {algorithm} tokenizer")
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> tuple[Path, str]:
