@@ -83,7 +83,7 @@ def bench_causal(spec: str, texts: list[str], n_rows: int, n_ctx: int, batch: in
     seqs = [e.ids for e in tok.tokenizer.encode_batch_fast(texts[:n_rows], add_special_tokens=False)]
     ids, n_pad = _left_pad(seqs, n_ctx, 0)
     real = int(ids.size - n_pad.sum())
-    scorer.score(ids[:batch], n_pad[:batch]).values  # warm-up: first-call allocations
+    scorer.score(ids[:batch], n_pad[:batch])  # warm-up: first-call allocations
     batches = _batches_of(ids, n_ctx - n_pad, batch, start)
     times = alternate(
         {
@@ -140,7 +140,7 @@ def bench_cross(spec, texts, n_rows, n_ctx, batch, data_tok, model, rounds) -> l
     model_losses = scorer._model_losses
     scorer._model_losses = lambda xs: [np.zeros(len(x)) for x in xs]
     t0 = time.perf_counter()
-    scorer.score(ids, n_pad).values
+    scorer.score(ids, n_pad)
     t_align = time.perf_counter() - t0
     scorer._model_losses = model_losses
     note = (
@@ -180,8 +180,8 @@ def bench_storage(n_rows_scored: int, spec: str, model) -> list[dict]:
     plus the weight column (float16, uint8: the score stage's encodings) of SmolLM2 cross-tokenizer
     weights on the first rows, written with the stage's parquet options."""
     from entroweight.pipelines import run_stage
-    from entroweight.pipelines.weighted import parquet_options
     from entroweight.pipelines.tokenize import TokenizeStage
+    from entroweight.pipelines.weighted import parquet_options
     from entroweight.transforms.tokenize import fixed_lists
     from entroweight.transforms.tokenizer import load_tokenizer
     from entroweight.transforms.weigh import WeighConfig, encode_weights, weigh

@@ -136,10 +136,18 @@ class ScoreStage(Stage):
         return scorer if isinstance(scorer, Scorer) else make_scorer(scorer, **options)
 
     def prepare(self) -> None:
-        """Every refusal that needs no model: inputs, tokenizer, the scorer's options and vocabulary,
-        the steps. Once; before anything is planned or written."""
-        if self._prepared:
-            return
+        """Every refusal that needs no model, once, before anything is planned or written: a
+        StageError (the CLI's exit 2) whatever part of the input refused it."""
+        if not self._prepared:
+            try:
+                self._prepare()
+            except StageError:
+                raise
+            except ValueError as e:  # the scorer's, the tokenizer's, the data directory's refusals
+                raise StageError(str(e)) from None
+            self._prepared = True
+
+    def _prepare(self) -> None:
         meta = self.input_meta
         if meta.get("padding_side", "left") != "left":
             raise StageError(
@@ -163,7 +171,6 @@ class ScoreStage(Stage):
         self.scorer.check_data_tokenizer(sha, self._tok)
         self._check_vocab()
         check_steps(self.steps, meta)
-        self._prepared = True
 
     def _check_vocab(self) -> None:
         """A model must have a row for every id of the data: refused here, not as an IndexError per shard.

@@ -316,8 +316,9 @@ def _check_score_input(m: ShardManifest, where: str, problems: list[str]) -> Non
             rows = ShardManifest.model_validate_json(manifest.read_bytes()).rows_out
         except (ValueError, OSError):  # the input directory is gone or was edited: nothing to compare
             continue
-        if rows != m.docs_in:
-            problems.append(f"{where}: scored {m.docs_in} rows, its input {src} has {rows}")
+        read = m.rows_in if m.rows_in is not None else m.docs_in  # manifests before rows_in: rows = docs
+        if rows != read:
+            problems.append(f"{where}: scored {read} rows, its input {src} has {rows}")
 
 
 def _check_carried_tokenizer(out: Path, meta: dict, problems: list[str]) -> None:

@@ -63,8 +63,18 @@ class WeighStage(Stage):
         return read_file_metadata(self.data.files[0])
 
     def prepare(self) -> None:
-        if self._prepared:
-            return
+        """Every refusal that needs no model, once, before anything is planned or written: a
+        StageError (the CLI's exit 2) whatever part of the input refused it."""
+        if not self._prepared:
+            try:
+                self._prepare()
+            except StageError:
+                raise
+            except ValueError as e:  # the scorer's, the tokenizer's, the data directory's refusals
+                raise StageError(str(e)) from None
+            self._prepared = True
+
+    def _prepare(self) -> None:
         for f in self.data.files:
             _check_values_stored(f)
         try:
@@ -73,7 +83,6 @@ class WeighStage(Stage):
             raise StageError(str(e)) from None
         self.tokenizer_path = storage.key(path) if path else None
         check_steps(self.steps, self.input_meta)
-        self._prepared = True
 
     def config(self) -> dict[str, Any]:
         # the input's config hash names its scorer and tokenizer; a re-scored input is another config

@@ -182,7 +182,7 @@ def test_occlusion_pads_narrow_data_to_the_model_width(tmp_path, est_ckpt, rows,
     np.testing.assert_allclose(narrow[keep], s.score(ids, n_pad).values[keep][:, 8:], atol=1e-6)
     wide = save(tiny_estimator(n_ctx=16), tmp_path / "short", sha)
     with pytest.raises(ScorerError, match="n_ctx 16"):
-        scorer("occlusion", wide).score(ids, n_pad).values
+        scorer("occlusion", wide).score(ids, n_pad)
 
 
 def test_occlusion_refusals(tmp_path, est_ckpt, sha):
@@ -392,7 +392,10 @@ def test_excess_loss_is_the_difference_of_losses(tmp_path, sha, est_ckpt, rows):
     ids, n_pad = rows
     other = save(tiny_estimator(seed=7), tmp_path / "other", sha)
     got = scorer("excess_loss", est_ckpt, reference=str(other)).score(ids, n_pad).values
-    want = scorer("causal_loss", est_ckpt).score(ids, n_pad).values - scorer("causal_loss", other).score(ids, n_pad).values
+    want = (
+        scorer("causal_loss", est_ckpt).score(ids, n_pad).values
+        - scorer("causal_loss", other).score(ids, n_pad).values
+    )
     np.testing.assert_allclose(got, want, atol=1e-6)
     assert np.abs(got).max() > 0.1
 

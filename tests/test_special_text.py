@@ -102,7 +102,9 @@ def test_the_stages_tokenizer_encodes_specials_as_text(tok_path):
     tok = load_tokenizer(tok_path)
     specials = specials_of(tok.tokenizer)
     texts = hostile_texts(tok.tokenizer)
-    for text, enc in zip(texts, tok.tokenizer.encode_batch_fast(texts, add_special_tokens=False), strict=True):
+    for text, enc in zip(
+        texts, tok.tokenizer.encode_batch_fast(texts, add_special_tokens=False), strict=True
+    ):
         assert_text(enc.ids, tok.token_bytes, specials, text)
 
 
@@ -127,7 +129,9 @@ def test_tokenize_records_the_texts_bytes_and_no_special_among_real_tokens(tok_p
     else:
         assert not np.isin(real, specials).any()
         by_doc: dict[str, int] = {}
-        for d, nb in zip(table.column("doc_id").to_pylist(), table.column("n_bytes").to_pylist(), strict=True):
+        for d, nb in zip(
+            table.column("doc_id").to_pylist(), table.column("n_bytes").to_pylist(), strict=True
+        ):
             by_doc[d] = by_doc.get(d, 0) + nb
         assert by_doc == {f"d{i}": len(t.encode("utf-8")) for i, t in enumerate(texts)}
 

@@ -25,8 +25,8 @@ from entroweight.models.llama import Llama
 from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.tokenize import TokenizeStage
-from entroweight.pipelines.weigh import WeighStage
 from entroweight.pipelines.verify import verify_dir
+from entroweight.pipelines.weigh import WeighStage
 from entroweight.schemas import read_file_metadata
 from entroweight.schemas.datadir import DataDir
 from entroweight.schemas.weighted import excluded_mask, weights_matrix
@@ -82,15 +82,24 @@ def models(tmp_path_factory, layouts, tokenizer_dir):
 
     def save(model, name, kind):
         return str(
-            save_checkpoint(model, kind, root / name, tokenizer_sha256=sha, n_ctx=model.config.n_ctx, pad_id=0)
+            save_checkpoint(
+                model, kind, root / name, tokenizer_sha256=sha, n_ctx=model.config.n_ctx, pad_id=0
+            )
         )
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_dir = root / "hf"
     LlamaForCausalLM(
-        LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+        )  # fmt: skip
     ).save_pretrained(hf_dir)
     shutil.copy(tokenizer_dir / "tokenizer.json", hf_dir / "tokenizer.json")
     llama = Llama(Llama.Config(vocab_size=VOCAB, n_ctx=N_CTX, d_model=16, n_layers=1, n_heads=2, d_ff=32))
@@ -172,7 +181,9 @@ def test_quantiles_leave_excluded_positions_out(layouts, models, tokenizer_dir, 
     options = {**SCORERS["cross_tokenizer"](models), "dtype": "fp32"}
     out = tmp_path / "s"
     run_stage(
-        ScoreStage(layouts["packed"], "cross_tokenizer", options, tokenizer=str(tokenizer_dir / "tokenizer.json")),
+        ScoreStage(
+            layouts["packed"], "cross_tokenizer", options, tokenizer=str(tokenizer_dir / "tokenizer.json")
+        ),
         out,
         progress=False,
     )

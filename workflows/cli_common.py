@@ -233,6 +233,25 @@ def stage_options(f):
     return f
 
 
+def document_step_options(f):
+    """The document steps of the stages that write weighted data (score, weigh): one flag each."""
+    return click.option(
+        "--min-mean-weight",
+        type=click.FloatRange(0.0, 1.0),
+        default=None,
+        help="Drop documents whose mean weight is below this (all their rows), counted as rejects "
+        "(reason low_weight). Not on packed rows.",
+    )(f)
+
+
+def document_steps(params: dict) -> list:
+    """The steps the flags of `document_step_options` ask for, in the order they run."""
+    from entroweight.transforms.select import MinMeanWeight
+
+    threshold = params.pop("min_mean_weight", None)
+    return [MinMeanWeight(threshold)] if threshold is not None else []
+
+
 def run_stage_cli(stage, out, overwrite, wait, **params):
     """Run `stage` into `out` on the engine of `params` (the command's engine flags); exit codes above."""
     from entroweight.pipelines import LockHeld, StageError, StageFailed, run_stage

@@ -10,6 +10,8 @@ from .cli_common import (
     Location,
     _click_type,
     _fail,
+    document_step_options,
+    document_steps,
     engine_options,
     run_stage_cli,
     stage_options,
@@ -117,6 +119,7 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
     help="Any option of the scorer (repeatable), e.g. --option dtype=fp32: those of your own scorer "
     "(docs/scoring.md lists the built-ins'). The scorer flags are aliases.",
 )
+@document_step_options
 @stage_options
 def score(
     data_dir,
@@ -156,7 +159,15 @@ def score(
         if params["engine"] == "local":  # the workers are this process: a missing GPU is known now
             check_device(validated.device)
         stage = ScoreStage(
-            data_dir, scorer, options, weigh, not drop_entropy, tokenizer, batch_tokens, cpus_per_worker
+            data_dir,
+            scorer,
+            options,
+            weigh,
+            not drop_entropy,
+            tokenizer,
+            batch_tokens,
+            cpus_per_worker,
+            steps=document_steps(params),
         )
         stage.row_progress = params["engine"] == "local"
     except (ScorerError, StageError, ModelLoadError, CheckpointError, TokenizerError, ValueError) as e:

@@ -9,6 +9,8 @@ from .cli_common import (
     GeneratedOptions,
     Location,
     _fail,
+    document_step_options,
+    document_steps,
     engine_options,
     run_stage_cli,
     stage_options,
@@ -28,6 +30,7 @@ from .cli_common import (
     "Default: SCORED_DIR itself.",
 )
 @click.option("--drop-entropy", is_flag=True, help="Do not store the raw `entropy` column in --out.")
+@document_step_options
 @stage_options
 def weigh_cmd(scored_dir, out, quantiles_from, drop_entropy, **params):
     """Re-weigh SCORED_DIR's stored entropies into --out (same rows, new weights); no model is run."""
@@ -39,7 +42,7 @@ def weigh_cmd(scored_dir, out, quantiles_from, drop_entropy, **params):
         quantiles_from = quantiles_from or scored_dir
     config = weigh_config(params, quantiles_from)
     try:
-        stage = WeighStage(scored_dir, config, with_entropy=not drop_entropy)
+        stage = WeighStage(scored_dir, config, with_entropy=not drop_entropy, steps=document_steps(params))
     except (StageError, ValueError) as e:
         _fail(str(e))
     run_stage_cli(stage, out, **params)
