@@ -228,6 +228,7 @@ class ScoreStage(Stage):
 
     # -- worker side
     def setup(self) -> None:
+        self.prepare()  # done on the driver when it planned the run: the pickled stage carries it
         check_device(self.scorer.device)
         if getattr(self, "_tok", None) is None:
             self._tok = None
