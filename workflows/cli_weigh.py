@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from .cli_common import Location, _fail, engine_options, run_stage_cli
@@ -71,7 +69,7 @@ def weigh_cmd(
     """Re-weigh SCORED_DIR's stored entropies into --out (same rows, new weights); no model is run."""
     from entroweight.pipelines.stage import StageError
     from entroweight.pipelines.weigh import WeighStage
-    from entroweight.schemas import read_file_metadata
+    from entroweight.schemas.datadir import DataDir
 
     named = {
         "method": weighting,
@@ -81,9 +79,8 @@ def weigh_cmd(
     }
     fields = dict(_option(o) for o in options) | {k: v for k, v in named.items() if v is not None}
     try:
-        if weight_dtype is None:
-            first = min(Path(scored_dir).glob("part-*.parquet"), default=None)
-            weight_dtype = (read_file_metadata(first) if first else {}).get("weight_dtype", "float16")
+        if weight_dtype is None:  # keep the input's encoding, read from its stored type (schemas/weighted.py)
+            weight_dtype = DataDir(scored_dir).weight_dtype or "float16"
         fields.setdefault("dtype", weight_dtype)
         config = _weigh_config(fields, scored_dir, quantiles_from)
         stage = WeighStage(scored_dir, config, with_entropy=not drop_entropy)
