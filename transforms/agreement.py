@@ -17,7 +17,7 @@ from scipy.stats import rankdata  # 1-based average ranks (ties share their mean
 
 from entroweight import storage
 from entroweight.schemas import read_file_metadata
-from entroweight.schemas.datadir import DataDir, DataDirError
+from entroweight.schemas.datadir import DataDirError, data_files
 from entroweight.schemas.weighted import EXCLUDED, WEIGHT, excluded_mask, matrix, weights_matrix
 
 COLUMNS = ("entropy", "weight")
@@ -29,16 +29,16 @@ class AgreementError(ValueError):
 
 def _read(dir_: str | Path, column: str) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """{seq_id: (real token ids, their `column` values)} of a weighted directory (score or weigh
-    output, local or a URL); positions the scorer excluded get NaN (left out of the comparison)."""
+    output, local or a URL) or one of its files; positions the scorer excluded get NaN (left out of the comparison)."""
     try:
-        d = DataDir(dir_).require(
-            "weighted", complete=False, hint="score it first (`entroweight score`), then compare"
+        _, files = data_files(
+            dir_, "weighted", complete=False, hint="score it first (`entroweight score`), then compare"
         )
     except DataDirError as e:
         raise AgreementError(str(e)) from None
-    meta = read_file_metadata(d.files[0])
+    meta = read_file_metadata(files[0])
     rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for f in d.files:
+    for f in files:
         with storage.open_input(f) as fh:
             names = pq.read_schema(fh).names
         if not {"seq_id", "input_ids", "n_pad"} <= set(names):
