@@ -182,7 +182,8 @@ def bench_storage(n_rows_scored: int, spec: str, model) -> list[dict]:
     from entroweight.pipelines import run_stage
     from entroweight.pipelines.tokenize import TokenizeStage
     from entroweight.pipelines.weighted import parquet_options
-    from entroweight.transforms.tokenize import fixed_lists
+    from entroweight.schemas.datadir import DataDir
+    from entroweight.schemas.weighted import lists, weight_type
     from entroweight.transforms.tokenizer import load_tokenizer
     from entroweight.transforms.weigh import WeighConfig, encode_weights, weigh
 
@@ -192,7 +193,7 @@ def bench_storage(n_rows_scored: int, spec: str, model) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bench-score-") as tmp:
         tmp = Path(tmp)
         run_stage(TokenizeStage([str(C4)], str(tok), n_ctx=512), tmp / "tokens", progress=False)
-        src = next((tmp / "tokens").glob("part-*.parquet"))
+        src = DataDir(tmp / "tokens").files[0]
         table = pq.read_table(src)
         real_all = int(table.num_rows * 512 - pc.sum(table.column("n_pad")).as_py())
         ids_pt = _column_bytes(src, "input_ids") / real_all
@@ -203,11 +204,11 @@ def bench_storage(n_rows_scored: int, spec: str, model) -> list[dict]:
         scorer = _cross_scorer(spec, 8, load_tokenizer(tok), model, "mean")
         values = scorer.score(ids, n_pad).values
         per_token = {}
-        for dtype, pa_type in (("float16", pa.float16()), ("uint8", pa.uint8())):
+        for dtype in ("float16", "uint8"):
             w = encode_weights(weigh(values, n_pad, WeighConfig(dtype=dtype)), dtype)
             path = tmp / f"{dtype}.parquet"
             pq.write_table(
-                pa.table({"weight": fixed_lists(w, pa_type)}), path, **parquet_options(dtype, False)
+                pa.table({"weight": lists(w, weight_type(dtype))}), path, **parquet_options(dtype, False)
             )
             per_token[dtype] = _column_bytes(path, "weight") / real
     note = (

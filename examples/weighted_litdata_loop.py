@@ -21,9 +21,10 @@ from litdata import StreamingDataLoader, StreamingDataset
 
 from entroweight.data import weighted_ce
 from entroweight.models.llama import Llama
+from entroweight.schemas.weighted import decode_weights
 
 
-def collate(samples: list[dict], pad_id: int, weight_scale: float) -> dict:
+def collate(samples: list[dict], pad_id: int) -> dict:
     n = max(len(s["input_ids"]) for s in samples)
     ids = torch.full((len(samples), n), pad_id, dtype=torch.long)
     weight = torch.zeros((len(samples), n), dtype=torch.float32)
@@ -31,18 +32,15 @@ def collate(samples: list[dict], pad_id: int, weight_scale: float) -> dict:
     for row, s in enumerate(samples):
         k = len(s["input_ids"])
         ids[row, :k] = torch.from_numpy(s["input_ids"].astype("int64"))
-        weight[row, :k] = torch.from_numpy(s["weight"].astype("float32")) * weight_scale
+        weight[row, :k] = torch.from_numpy(decode_weights(s["weight"]))  # uint8 or float16 -> w
         mask[row, :k] = True
     return {"input_ids": ids, "weight": weight, "mask": mask}
 
 
 def main(data: str, steps: int = 100, batch_size: int = 16, lr: float = 3e-3):
     meta = json.loads((Path(data) / "export.json").read_text())["metadata"]  # written by export-data
-    scale = 1 / 255 if meta["weight_dtype"] == "uint8" else 1.0  # uint8 weights are round(255·w)
     ds = StreamingDataset(data, shuffle=True, seed=0)
-    loader = StreamingDataLoader(
-        ds, batch_size=batch_size, collate_fn=lambda b: collate(b, meta["pad_id"], scale)
-    )
+    loader = StreamingDataLoader(ds, batch_size=batch_size, collate_fn=lambda b: collate(b, meta["pad_id"]))
     torch.manual_seed(0)
     cfg = Llama.Config(
         vocab_size=meta["vocab_size"], n_ctx=meta["n_ctx"], d_model=64, n_layers=2, n_heads=2, d_ff=192

@@ -1,4 +1,4 @@
-"""Scored shards -> a dataset another trainer reads natively, written with that trainer's own library.
+"""Weighted shards (the output of score or weigh) -> a dataset another trainer reads natively, written with that trainer's own library.
 
 - `megatron`: Megatron-LM / NeMo indexed datasets (megatron-core's `IndexedDatasetBuilder`): the
   documents' tokens in `text_document.{bin,idx}` and their weights in `text_document_weight.{bin,idx}`,
@@ -7,8 +7,8 @@
 - `hf`: the Hugging Face hub layout, parquet under `data/` and a README dataset card;
   `datasets.load_dataset(OUT)` and `push_to_hub` read it as is. One row per row, as for litdata.
 
-Every export holds real tokens only (pads dropped) and the weights exactly as scored (float16, or
-uint8 = round(255·w)); Megatron's indexed dataset has no float16, so float16 weights go to float32
+Every export holds real tokens only (pads dropped) and the weights exactly as stored (float16, or
+uint8: schemas/weighted.py); Megatron's indexed dataset has no float16, so float16 weights go to float32
 there (every float16 is a float32: no loss). `export.json` records the provenance and the counts.
 """
 
@@ -23,16 +23,15 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
 from entroweight import __version__, storage
 from entroweight.schemas import read_file_metadata
+from entroweight.schemas.datadir import DataDir, DataDirError
 from entroweight.schemas.exports import EXPORT_RECORD, MEGATRON_PREFIX, megatron_weight_prefix
+from entroweight.schemas.weighted import WEIGHT, describe_encoding, matrix, real_mask, row_lengths
 from entroweight.transforms.writer import write_json_atomic
-
-from .stage import SHARDS_FILE, read_manifests
 
 FORMATS = ("megatron", "litdata", "hf")
 # Formats asked for that this install cannot write, and why (checked before anything is read).
@@ -63,8 +62,9 @@ class Rows:
 @dataclass
 class Source:
     path: Path
-    files: list[Path]
+    files: list[str]
     meta: dict
+    weight_dtype: str  # how the shards store their weights ('uint8' or 'float16'), schemas/weighted.py
 
     @property
     def packed(self) -> bool:
@@ -86,46 +86,34 @@ class Source:
 
 
 def open_scored(src: str | Path) -> Source:
-    """The scored shards of `src` in shard order; refuses anything else, and an incomplete run."""
-    path = storage.path(src)  # local, or a URL (s3://, gs://)
-    hint = "run `entroweight score` on tokenized data first"
-    names = storage.listing(path)
-    manifests = read_manifests(path, names) if names else []
-    if not manifests:
-        raise ExportError(f"{src} is not a scored directory (no shard manifests); {hint}")
-    files = [path / m.output for m in manifests]
-    registry = path / SHARDS_FILE
-    planned = set(json.loads(registry.read_bytes()).values()) if SHARDS_FILE in names else set()
-    missing = sorted(planned - {m.shard for m in manifests}) + [
-        m.output for m in manifests if m.output not in names
-    ]
-    if missing:
-        raise ExportError(
-            f"{src} is incomplete ({', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
-            "not done): rerun its score command, so that no document is left out"
+    """The weighted shards of `src` (the output of score or weigh, local or a URL) in shard order;
+    refuses anything else, and an incomplete run."""
+    try:
+        d = DataDir(src).require(
+            "weighted", complete=True, hint="run `entroweight score` (or `weigh`) on tokenized data first"
         )
-    meta = read_file_metadata(files[0])
-    if meta.get("stage") != "score" or "weight" not in pq.read_schema(storage.open_input(files[0])).names:
-        raise ExportError(f"{src} is not scored (its shards have no weight column); {hint}")
-    return Source(path, files, meta)
+    except DataDirError as e:
+        raise ExportError(str(e)) from None
+    meta = read_file_metadata(d.files[0])
+    return Source(d.root, d.files, meta, d.weight_dtype)
 
 
-def read_rows(path: Path, packed: bool) -> Rows:
-    cols = ["doc_id", "input_ids", "n_pad", "weight"] + (["doc_ids"] if packed else [])
-    t = pq.read_table(storage.open_input(path), columns=cols)
-    lengths = pc.list_value_length(t.column("input_ids")).to_numpy()
+def read_rows(path: str | Path, packed: bool) -> Rows:
+    """One shard's real tokens and their weights as stored (uint8 or float16: the export keeps them)."""
+    cols = ["doc_id", "input_ids", "n_pad", WEIGHT] + (["doc_ids"] if packed else [])
+    with storage.open_input(path) as fh:
+        t = pq.read_table(fh, columns=cols)
+    ids = matrix(t.column("input_ids"))
+    width = ids.shape[1]
     n_pad = t.column("n_pad").to_numpy()
-    ids = pc.list_flatten(t.column("input_ids")).to_numpy()
-    weight = pc.list_flatten(t.column("weight")).to_numpy()
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    # left padding: a position is real from n_pad on within its row
-    real = np.arange(len(ids)) - np.repeat(starts, lengths) >= np.repeat(n_pad, lengths)
+    lengths = row_lengths(t.column("input_ids"))
+    real = real_mask(n_pad, width, lengths)  # row-major: each row's real tokens, rows in order
     return Rows(
-        shard=path.stem,
+        shard=str(path).rsplit("/", 1)[-1].removesuffix(".parquet"),
         doc_ids=np.asarray(t.column("doc_id").to_pylist(), dtype=object),
-        offsets=np.concatenate([[0], np.cumsum(lengths - n_pad)]).astype(np.int64),
+        offsets=np.concatenate([[0], np.cumsum(real.sum(axis=1))]).astype(np.int64),
         ids=ids[real],
-        weight=weight[real],
+        weight=matrix(t.column(WEIGHT), width=width)[real],
         window_docs=t.column("doc_ids").to_pylist() if packed else None,
     )
 
@@ -165,7 +153,7 @@ def _megatron(source: Source, out: Path, record: dict) -> None:
     # the token dtype GPTDatasetConfig expects (uint16 when the vocabulary fits)
     id_dtype = np.uint16 if source.meta["vocab_size"] <= 2**16 else np.int32
     # Megatron's indexed dataset has no float16: float32 holds every float16 exactly
-    weight_dtype = np.uint8 if source.meta.get("weight_dtype") == "uint8" else np.float32
+    weight_dtype = np.uint8 if source.weight_dtype == "uint8" else np.float32
     tokens = IndexedDatasetBuilder(get_bin_path(prefix), dtype=id_dtype)
     weights = IndexedDatasetBuilder(get_bin_path(weight_prefix), dtype=weight_dtype)
     for rows in source.rows(record["counts"]):
@@ -226,7 +214,7 @@ def dataset_card(schema: pa.Schema, record: dict) -> str:
         "dataset_info": {**features, "splits": [{"name": "train", "num_examples": c["rows"]}]},
         "tags": ["entroweight", "token-weights"],
     }
-    weight = "uint8: w = value / 255" if meta.get("weight_dtype") == "uint8" else "float16 in [0, 1]"
+    weight = describe_encoding(record["weight_dtype"])
     lines = [
         "---",
         yaml.safe_dump(header, sort_keys=False).rstrip(),
@@ -335,6 +323,7 @@ def export_data(
             "source": storage.key(source.path),
             "code_version": __version__,
             "metadata": source.meta,
+            "weight_dtype": source.weight_dtype,
             "counts": {},  # filled as the writer reads
             "bpb": bpb or [],
         }

@@ -19,12 +19,12 @@ import pyarrow.parquet as pq
 
 from entroweight import __version__, storage
 from entroweight.schemas import ShardManifest, StageRecord, config_hash
+from entroweight.schemas.datadir import DataDir
 from entroweight.schemas.manifest import (
     REJECTS_DIR,
     SHARDS_FILE,
     STAGE_FILE,
     ShardInput,
-    is_manifest,
     manifest_name,
 )
 from entroweight.storage import AnyPath, remove_stale_tmp, write_json_atomic
@@ -141,11 +141,9 @@ def manifest_path(out_dir: AnyPath, shard: str) -> AnyPath:
 
 
 def read_manifests(out_dir: AnyPath, names: dict[str, int] | None = None) -> list[ShardManifest]:
-    """Every shard manifest of `out_dir`: one listing (or the one given), then the files in parallel."""
-    names = storage.listing(out_dir) if names is None else names
-    out = storage.path(out_dir)
-    paths = [out / n for n in sorted(n for n in names if is_manifest(n))]
-    return [ShardManifest.model_validate_json(b) for b in storage.read_many(paths)]
+    """Every shard manifest of `out_dir`, whatever its config (the planner's bookkeeping): one listing
+    (or the one given), then the files in parallel, through DataDir (schemas/datadir.py)."""
+    return DataDir(out_dir, names).manifests
 
 
 def check_out_dir(stage: Stage, out_dir: AnyPath) -> None:

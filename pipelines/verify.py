@@ -2,7 +2,8 @@
 
 `verify_dir(path)` reads everything (manifests, `.shards.json`, `.stage.json`, every parquet and
 rejects file) and returns a list of problems, each naming the file and saying what to do; an empty
-list means the directory is what its manifests claim. It works on tokenized and scored directories.
+list means the directory is what its manifests claim. It works on tokenized and weighted (score or
+weigh) directories; the directory is listed through DataDir (schemas/datadir.py).
 
 What it checks:
 - bookkeeping: `.stage.json` parses; every shard of `.shards.json` has a manifest (else a shard
@@ -13,7 +14,8 @@ What it checks:
   byte totals equal the manifests'; a scored shard has as many rows as its input shard's manifest;
 - contracts: the schema the metadata implies; one tokenizer and one config (scorer) per directory;
   list lengths of input_ids / entropy / weight equal n_ctx; left pads hold pad_id; weights finite,
-  in [0, 1], 0 on pads; entropy finite.
+  in [0, 1], 0 on pads; entropy finite; `excluded` positions lie within their row's real tokens and
+  weigh 0. The weights' encoding is read from their stored type (schemas/weighted.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,20 @@ from entroweight.schemas import (
     sequence_schema,
     weighted_sequence_schema,
 )
+from entroweight.schemas.datadir import STAGE_KINDS, DataDir
+from entroweight.schemas.manifest import is_manifest
 from entroweight.schemas.tokenizer import CARRIED_TOKENIZER
+from entroweight.schemas.weighted import (
+    ENTROPY,
+    EXCLUDED,
+    WEIGHT,
+    excluded_mask,
+    matrix,
+    real_mask,
+    row_lengths,
+    weight_dtype,
+    weights_matrix,
+)
 from entroweight.transforms.writer import TMP_MARK, sha256_file
 
 from .stage import REJECTS_DIR, SHARDS_FILE, STAGE_FILE, manifest_path
@@ -49,8 +64,9 @@ _ROWS = 1024  # rows read at a time: bounded memory on large shards
 def verify_dir(path: str | Path) -> list[str]:
     """Problems found in the stage output directory `path` (local or a URL: s3://, gs://); [] when
     every shard checks out."""
-    out = storage.path(path)
-    files = storage.walk(out)  # one recursive listing: manifests, shards, strays
+    d = DataDir(path)
+    out = d.root
+    files = d.tree  # one recursive listing: manifests, shards, strays
     if not files and not (storage.is_local(out) and out.is_dir()):
         return [f"{out} is not a directory"]
     problems: list[str] = []
@@ -61,9 +77,7 @@ def verify_dir(path: str | Path) -> list[str]:
         return problems
     registry = _read_registry(out, problems)
     manifests: dict[str, ShardManifest] = {}
-    for name in sorted(
-        n for n in files if "/" not in n and n.startswith(".part-") and n.endswith(".manifest.json")
-    ):
+    for name in sorted(n for n in files if "/" not in n and is_manifest(n)):
         p = out / name
         m = _read_json_model(p, ShardManifest, problems)
         if m is not None:
@@ -204,7 +218,7 @@ def _check_shard(out: Path, m: ShardManifest, record: StageRecord, problems: lis
             f"{where}: file metadata says {meta.get('stage')} config {meta.get('config_hash')}, the directory "
             f"{record.stage} config {record.config_hash}"
         )
-    expected = _expected_schema(meta, record, where, problems)
+    expected = _expected_schema(meta, record, pf.schema_arrow, where, problems)
     if expected is not None:
         got = pa.schema([pa.field(f.name, f.type) for f in pf.schema_arrow])
         want = pa.schema([pa.field(f.name, f.type) for f in expected])
@@ -215,7 +229,7 @@ def _check_shard(out: Path, m: ShardManifest, record: StageRecord, problems: lis
                 _check_values(pf, m, meta, where, problems)
             except (OSError, pa.ArrowException) as e:  # a corrupt page: report it, check the other shards
                 problems.append(f"{where}: a page does not decode ({type(e).__name__}: {e})")
-    if record.stage in ("score", "weigh"):
+    if STAGE_KINDS.get(record.stage) == "weighted":
         _check_score_input(m, where, problems)
     return meta
 
@@ -240,14 +254,24 @@ def _check_rejects(out: Path, m: ShardManifest, problems: list[str]) -> None:
         problems.append(f"{where}: holds rejects {counts}, its manifest counts {dict(m.rejected)}")
 
 
-def _expected_schema(meta: dict, record: StageRecord, where: str, problems: list[str]) -> pa.Schema | None:
+def _expected_schema(
+    meta: dict, record: StageRecord, stored: pa.Schema, where: str, problems: list[str]
+) -> pa.Schema | None:
     try:
         vocab, packed = int(meta["vocab_size"]), bool(meta.get("packed", False))
-        if record.stage == "tokenize":
+        kind = STAGE_KINDS.get(record.stage)
+        if kind == "sequences":
             return sequence_schema(vocab, packed)
-        if record.stage in ("score", "weigh"):
+        if kind == "weighted":
             with_entropy = bool(record.config.get("with_entropy", True))
-            return weighted_sequence_schema(vocab, packed, meta.get("weight_dtype", "float16"), with_entropy)
+            # the weights' encoding is read from their stored type (schemas/weighted.py); a file
+            # whose metadata names another is inconsistent
+            dtype = weight_dtype(stored) if WEIGHT in stored.names else "float16"
+            if meta.get("weight_dtype", dtype) != dtype:
+                problems.append(
+                    f"{where}: weights are stored as {dtype}, its file metadata says {meta['weight_dtype']}"
+                )
+            return weighted_sequence_schema(vocab, packed, dtype, with_entropy)
     except (KeyError, ValueError, TypeError) as e:
         problems.append(f"{where}: file metadata lacks what the schema needs ({e})")
         return None
@@ -257,8 +281,8 @@ def _expected_schema(meta: dict, record: StageRecord, where: str, problems: list
 def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, problems: list[str]) -> None:
     n_ctx, pad_id = int(meta["n_ctx"]), int(meta["pad_id"])
     names = pf.schema_arrow.names
-    lists = [c for c in ("input_ids", "entropy", "weight") if c in names]
-    columns = [*lists, "n_pad", "n_bytes"]
+    lists = [c for c in ("input_ids", ENTROPY, WEIGHT) if c in names]
+    columns = [*lists, "n_pad", "n_bytes", *([EXCLUDED] if EXCLUDED in names else [])]
     real = n_bytes = 0
     bad: dict[str, int] = {}  # over the whole file: any problem also skips the totals check below
 
@@ -277,21 +301,31 @@ def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, 
         if any(layout.values()):
             continue  # this batch cannot be laid out as (rows, n_ctx); later batches are still checked
         rows = batch.num_rows
-        pad = np.arange(n_ctx)[None, :] < n_pad[:, None]
-        ids = _matrix(batch.column("input_ids"), rows, n_ctx)
+        pad = ~real_mask(n_pad, n_ctx)
+        ids = matrix(batch.column("input_ids"), width=n_ctx)
         flag("pads that are not pad_id", (ids[pad] != pad_id).sum())
         flag("token ids beyond the vocabulary", (ids >= int(meta["vocab_size"])).sum())
         real += int(rows * n_ctx - n_pad.sum())
         n_bytes += int(pc.sum(batch.column("n_bytes")).as_py() or 0)
-        if "weight" in lists:
-            w = _matrix(batch.column("weight"), rows, n_ctx)
-            if w.dtype.kind == "f":
-                w = w.astype(np.float32)
-                flag("weights NaN or infinite", (~np.isfinite(w)).sum())
+        excluded = None
+        if EXCLUDED in columns:
+            col = batch.column(EXCLUDED)
+            positions = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(np.int64)
+            starts = np.repeat(n_pad, row_lengths(col))
+            outside = (positions < starts) | (positions >= n_ctx)
+            flag("excluded positions outside their row's real tokens", outside.sum())
+            if not outside.any():
+                excluded = excluded_mask(col, n_ctx)
+        if WEIGHT in lists:
+            w = weights_matrix(batch.column(WEIGHT), n_ctx)
+            flag("weights NaN or infinite", (~np.isfinite(w)).sum())
+            with np.errstate(invalid="ignore"):
                 flag("weights outside [0, 1]", ((w < 0) | (w > 1)).sum())
             flag("pads with a weight other than 0", (w[pad] != 0).sum())
-        if "entropy" in lists:
-            e = _matrix(batch.column("entropy"), rows, n_ctx)
+            if excluded is not None:
+                flag("excluded positions with a weight other than 0", (w[excluded] != 0).sum())
+        if ENTROPY in lists:
+            e = matrix(batch.column(ENTROPY), width=n_ctx)
             flag("entropy NaN or infinite", (~np.isfinite(e)).sum())
     for kind, n in bad.items():
         problems.append(f"{where}: {n} {kind}")
@@ -300,11 +334,6 @@ def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, 
             problems.append(f"{where}: {real} real tokens, its manifest says {m.n_real_tokens}")
         if n_bytes != m.n_bytes:
             problems.append(f"{where}: n_bytes sum {n_bytes}, its manifest says {m.n_bytes}")
-
-
-def _matrix(col: pa.ListArray, rows: int, n_ctx: int) -> np.ndarray:
-    flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
-    return flat.reshape(rows, n_ctx)
 
 
 def _check_score_input(m: ShardManifest, where: str, problems: list[str]) -> None:

@@ -1,6 +1,8 @@
 """Data contracts: Arrow schemas of every table entroweight writes, and the JSON models beside them.
 
-Imports nothing of ours; every other layer reads its column names and metadata keys from here.
+Imports nothing of ours but the storage layer (entroweight/storage.py); every other layer reads its
+column names and metadata keys from here, decodes stored weights with the codec (`schemas.weighted`)
+and lists a data directory with `schemas.datadir.DataDir`.
 """
 
 from .arrow import (

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
+import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from entroweight import storage
@@ -26,6 +27,7 @@ from .manifest import (
     StageRecord,
     is_manifest,
 )
+from .weighted import WEIGHT, weight_dtype
 
 # what each stage's output is: the table of schemas/arrow.py its shards hold
 STAGE_KINDS = {"tokenize": "sequences", "score": "weighted", "weigh": "weighted"}
@@ -48,9 +50,12 @@ class Part:
 class DataDir:
     """One listing of `location`, then its record and manifests on demand (read in parallel)."""
 
-    def __init__(self, location):
+    def __init__(self, location, names: dict[str, int] | None = None):
+        """`names`: a listing of `location` already made (the stage planner's), so none is made again."""
         self.root = storage.path(location)
         self.location = storage.url(self.root)
+        if names is not None:
+            self.__dict__["names"] = names
 
     def __repr__(self) -> str:
         return f"DataDir({self.location!r})"
@@ -62,6 +67,40 @@ class DataDir:
     def names(self) -> dict[str, int]:
         """{file name: size} directly in the directory (one listing)."""
         return storage.listing(self.root)
+
+    @cached_property
+    def tree(self) -> dict[str, int]:
+        """{path relative to the directory (with /): size} of every file under it (one recursive
+        listing): what a checker of strays (`verify`) needs besides the parts."""
+        return storage.walk(self.root)
+
+    @cached_property
+    def is_file(self) -> bool:
+        """The location names one file, not a directory (a single parquet file given to a reader)."""
+        if self.names:
+            return False
+        if storage.is_local(self.root):
+            return self.root.is_file()
+        try:
+            return bool(self.root.is_file())
+        except (OSError, ValueError):
+            return False
+
+    @property
+    def exists(self) -> bool:
+        return bool(self.names) or (storage.is_local(self.root) and self.root.is_dir()) or self.is_file
+
+    @property
+    def foreign_files(self) -> list[str]:
+        """The parquet files of a directory no stage wrote (other tools' data, which the trainer reads
+        as it is): its non-hidden `*.parquet`, sorted. [] for a stage's output (read its `parts`)."""
+        if self.record is not None:
+            return []
+        return [
+            self.child(n)
+            for n in sorted(self.names)
+            if n.endswith(".parquet") and not n.startswith((".", "_"))
+        ]
 
     @cached_property
     def record(self) -> StageRecord | None:
@@ -111,6 +150,16 @@ class DataDir:
                 continue
             out.append(Part(self.child(m.output), m.output, size, m))
         return out
+
+    @cached_property
+    def weight_dtype(self) -> str | None:
+        """How a weighted directory stores its weights ('uint8' or 'float16'), from its first part's
+        stored type (schemas/weighted.py decides); None when it holds no weighted part."""
+        if not self.is_weighted or not self.parts:
+            return None
+        with storage.open_input(self.parts[0].location) as f:
+            schema = pq.read_schema(f)
+        return weight_dtype(schema) if WEIGHT in schema.names else None
 
     @property
     def files(self) -> list[str]:
@@ -163,3 +212,17 @@ class DataDir:
 
 def data_dir(location) -> DataDir:
     return location if isinstance(location, DataDir) else DataDir(location)
+
+
+def data_files(
+    location, kind: str | None = None, complete: bool = True, hint: str = "", foreign: bool = False
+) -> tuple[DataDir, list[str]]:
+    """What a reader given `location` reads: the file itself when it names one parquet file; else the
+    directory's committed parts (refused as `DataDir.require` says); with `foreign`, a directory no
+    stage wrote gives its `*.parquet` (other tools' data) instead of being refused."""
+    d = data_dir(location)
+    if d.is_file:
+        return d, [d.location]
+    if foreign and d.record is None and d.foreign_files:
+        return d, d.foreign_files
+    return d, d.require(kind, complete, hint).files

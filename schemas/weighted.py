@@ -70,6 +70,13 @@ def weight_dtype(stored: pa.Schema | pa.Field | pa.DataType | np.dtype | np.ndar
     raise CodecError(f"weights stored as {t} are neither uint8 (round(255·w)) nor floats in [0, 1]")
 
 
+def describe_encoding(dtype: str) -> str:
+    """How a reader of exported data turns stored weights back into w (for a dataset card)."""
+    if check_weight_dtype(dtype) == "uint8":
+        return f"uint8: w = value / {UINT8_SCALE:g}"
+    return "float16 in [0, 1]"
+
+
 def encode_weights(w: np.ndarray, dtype: str) -> np.ndarray:
     """Weights in [0, 1] -> their stored form: float16, or uint8 holding round(255·w)."""
     if check_weight_dtype(dtype) == "uint8":
@@ -127,10 +134,15 @@ def weights_matrix(col: pa.Array | pa.ChunkedArray, width: int | None = None) ->
     return decode_weights(matrix(col, width=width))
 
 
-def real_mask(n_pad: np.ndarray, width: int, lengths: np.ndarray | None = None) -> np.ndarray:
+def real_mask(n_pad: np.ndarray | None, width: int, lengths: np.ndarray | None = None) -> np.ndarray:
     """(rows, width) bool: True on real tokens. Left padding: position j is real iff j >= n_pad; rows
-    shorter than `width` (`lengths`) are real up to their length only."""
+    shorter than `width` (`lengths`) are real up to their length only. `n_pad` None (other tools' data,
+    without the column): no left padding, every position within the row's length is real."""
     j = np.arange(width)[None, :]
+    if n_pad is None:
+        if lengths is None:
+            raise CodecError("real_mask needs n_pad or the rows' lengths")
+        return j < np.asarray(lengths)[:, None]
     mask = j >= np.asarray(n_pad)[:, None]
     if lengths is not None:
         mask &= j < np.asarray(lengths)[:, None]

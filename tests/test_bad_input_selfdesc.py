@@ -246,21 +246,21 @@ def test_inspect_refuses_foreign_and_non_parquet(tmp_path, tokens):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     pq.write_table(pa.table({"text": ["a", "b"], "label": [0, 1]}), foreign / "part-00000.parquet")
-    refused(*cli("inspect", foreign), "not entroweight data", "input_ids")
+    refused(*cli("inspect", foreign), "is not a stage's output")  # a directory is read through DataDir
     refused(*cli("inspect", foreign / "part-00000.parquet"), "not entroweight data")
     notparquet = tmp_path / "notes.parquet"
     notparquet.write_text("just some text\n" * 20)
     refused(*cli("inspect", notparquet), "not a readable parquet file")
     empty = tmp_path / "empty"
     empty.mkdir()
-    refused(*cli("inspect", empty), "no part-*.parquet")
+    refused(*cli("inspect", empty), "is not a stage's output")
     code, output = cli("inspect", tokens)
     assert code == 0 and "rows" in output
 
 
 def test_compare_against_unscored_directory_says_so(tokens):
     code, output = cli("compare", tokens, tokens)
-    refused(code, output, "is not scored", "entroweight score")
+    refused(code, output, "holds the output of `tokenize`, not weighted data", "entroweight score")
     assert "--drop-entropy" not in output
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -19,6 +18,7 @@ from entroweight.pipelines import run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import METADATA_KEY, read_file_metadata
+from entroweight.schemas.datadir import DataDir
 from entroweight.transforms.agreement import AgreementError, compare_dirs, rankdata
 from entroweight.workflows.cli import main
 
@@ -96,9 +96,7 @@ def test_rankdata_ties():
 
 
 def test_compare_uses_sequences_in_both(tmp_path, scored):
-    part = tmp_path / "part"
-    part.mkdir()
-    shutil.copy(sorted(scored["cos"].glob("part-*.parquet"))[0], part)
+    part = DataDir(scored["cos"]).files[0]  # one shard of a directory: its sequences only
     res = compare_dirs(scored["l1"], part)
     assert res["n_sequences"] == 8 and res["only_a"] == 8 and res["only_b"] == 0
 
@@ -107,15 +105,13 @@ def test_compare_refusals(tmp_path, scored):
     with pytest.raises(AgreementError, match="different tokens"):
         compare_dirs(scored["l1"], scored["other"])
     # another tokenizer: same rows, metadata says otherwise
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for p in scored["cos"].glob("part-*.parquet"):
-        t = pq.read_table(p)
-        meta = {**read_file_metadata(p), "tokenizer_sha256": "f" * 64}
-        pq.write_table(t.replace_schema_metadata({METADATA_KEY: json.dumps(meta)}), bad / p.name)
+    bad = tmp_path / "bad.parquet"
+    p = DataDir(scored["cos"]).files[0]
+    meta = {**read_file_metadata(p), "tokenizer_sha256": "f" * 64}
+    pq.write_table(pq.read_table(p).replace_schema_metadata({METADATA_KEY: json.dumps(meta)}), bad)
     with pytest.raises(AgreementError, match="different tokenizers"):
         compare_dirs(scored["l1"], bad)
-    with pytest.raises(AgreementError, match="no part"):
+    with pytest.raises(AgreementError, match="is not a stage's output"):
         compare_dirs(scored["l1"], tmp_path)
 
 

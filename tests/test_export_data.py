@@ -8,6 +8,7 @@ The oracle is the scored parquet read row by row in Python (pads cut by n_pad, d
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import json
 import shutil
@@ -74,6 +75,11 @@ def scored_split(tmp_path_factory, scored):
     ids[5] = ids[4]
     t = t.set_column(t.schema.get_field_index("doc_id"), "doc_id", pa.array(ids, pa.string()))
     pq.write_table(t, f)  # the schema (and its entroweight metadata) is kept
+    # the manifest records the new bytes, so the shard stays a committed part (schemas/datadir.py)
+    m = out / ".part-00000.manifest.json"
+    record = json.loads(m.read_text())
+    record |= {"output_bytes": f.stat().st_size, "output_sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    m.write_text(json.dumps(record))
     return out
 
 
@@ -302,10 +308,10 @@ def test_hf_layout_loads_with_datasets(scored, tmp_path):
 @pytest.mark.parametrize(
     "case,message",
     [
-        ("unscored", "is not scored (its shards have no weight column)"),
-        ("empty", "not a scored directory (no shard manifests)"),
+        ("unscored", "holds the output of `tokenize`, not weighted data"),
+        ("empty", "is not a stage's output (no .stage.json)"),
         ("incomplete", "is incomplete (part-00001 not done)"),
-        ("shard_gone", "is incomplete (part-00002.parquet not done)"),
+        ("shard_gone", "is incomplete (part-00002 not done)"),
         ("mds", "MosaicML Streaming (mds) is not supported"),
         ("unknown", "unknown format 'parquet'"),
         ("out_is_src", "is inside the input"),

@@ -30,8 +30,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from entroweight import storage
-from entroweight.schemas import METADATA_KEY, ShardManifest
-from entroweight.schemas.manifest import STAGE_FILE, is_manifest
+from entroweight.schemas import METADATA_KEY
+from entroweight.schemas.datadir import DataDirError, data_files
+from entroweight.schemas.weighted import WEIGHT, matrix, real_mask, weight_dtype, weights_matrix
 
 
 class DataError(ValueError):
@@ -50,25 +51,30 @@ class Unit:
         return self.stop - self.start
 
 
-def parquet_files(paths) -> list[Path]:
-    """Parquet files of `paths` (files, or directories whose *.parquet are read, sorted); local paths
-    or URLs (s3://, gs://): a directory costs one listing."""
+def parquet_files(paths) -> list[str]:
+    """The parquet files to read for `paths` (local paths or URLs): a file itself; a stage's output
+    directory through its committed parts (schemas/datadir.py: refused while incomplete); a directory
+    no stage wrote (other tools' data) through its `*.parquet`."""
+    return _data(paths)[0]
+
+
+def _data(paths) -> tuple[list[str], list[list[int] | None]]:
+    """(files, each file's rows per row group as its manifest records them, or None)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    files: list = []
-    for p in map(storage.path, paths):
-        names = storage.listing(p)
-        if names:
-            files += [p / n for n in sorted(names) if n.endswith(".parquet") and not n.startswith((".", "_"))]
-        elif p.is_file():
-            files.append(p)
-        elif storage.is_local(p) and p.is_dir():
-            continue
-        else:
-            raise DataError(f"no such data file or directory: {p}")
+    files: list[str] = []
+    groups: list[list[int] | None] = []
+    for p in paths:
+        try:
+            d, found = data_files(p, hint="tokenize (and score) data first", foreign=True)
+        except DataDirError as e:
+            raise DataError(str(e)) from None
+        files += found
+        by_location = {part.location: part.manifest.output_row_groups for part in d.parts}
+        groups += [by_location.get(f) for f in found]
     if not files:
         raise DataError(f"no parquet files in {', '.join(map(str, paths))}; tokenize (and score) data first")
-    return files
+    return files, groups
 
 
 @dataclass
@@ -87,9 +93,9 @@ def inspect_data(
     paths, require=(), tokenizer_sha256: str | None = None, vocab_size: int | None = None
 ) -> DataInfo:
     """Check every file's schema and provenance before any training; raise DataError saying what to do."""
-    files = parquet_files(paths)
+    files, recorded = _data(paths)
     metas, common = [], None
-    groups = manifest_row_groups(files)
+    groups = recorded if all(g is not None for g in recorded) else None
     if groups is None:  # not all of them stage output with manifests: every file's footer
         read = footers(files)
         groups = [[md.row_group(i).num_rows for i in range(md.num_row_groups)] for md in read]
@@ -162,10 +168,9 @@ def value_problems(files, columns) -> tuple[list[tuple[Path, str]], int]:
             table = pf.read_row_group(rg, columns=cols)
             for c in cols:
                 values = pc.list_flatten(table.column(c))
-                if pa.types.is_integer(values.type):  # uint8 weights are w·255: always in range
-                    positive += (
-                        int(pc.count(pc.filter(values, pc.greater(values, 0)))) if c == "weight" else 0
-                    )
+                if c == WEIGHT and weight_dtype(values.type) == "uint8":
+                    # stored as round(255·w) (schemas/weighted.py): always in range
+                    positive += int(pc.count(pc.filter(values, pc.greater(values, 0))))
                     continue
                 v = values.to_numpy().astype(np.float32, copy=False)  # float16 math in numpy is slow
                 kinds = {f"{c} NaN or infinite": int(np.count_nonzero(~np.isfinite(v)))}
@@ -198,25 +203,6 @@ def footers(files) -> list[pq.FileMetaData]:
         return list(pool.map(_footer, names))
 
 
-def manifest_row_groups(files) -> list[list[int]] | None:
-    """Each file's rows per row group, from the manifests of the stage directories holding them (one
-    listing and one small read per manifest, in parallel: no parquet footer opened), or None when a
-    file has no manifest recording them (data written elsewhere, or before manifests recorded them)."""
-    dirs = dict.fromkeys(str(f).rsplit("/", 1)[0] for f in files)
-    found: dict[str, list[int]] = {}
-    for d in dirs:
-        listed = storage.listing(d)
-        if STAGE_FILE not in listed:
-            return None
-        paths = [storage.path(d) / n for n in sorted(listed) if is_manifest(n)]
-        for raw in storage.read_many(paths):
-            m = ShardManifest.model_validate_json(raw)
-            if m.output_row_groups is not None and listed.get(m.output) == m.output_bytes:
-                found[f"{d}/{m.output}"] = m.output_row_groups
-    keys = [str(f) for f in files]
-    return [found[k] for k in keys] if all(k in found for k in keys) else None
-
-
 def make_units(files: list[Path], n_streams: int, row_groups: list | None = None) -> list[Unit]:
     if row_groups is None:
         row_groups = [[md.row_group(i).num_rows for i in range(md.num_row_groups)] for md in footers(files)]
@@ -247,7 +233,7 @@ class WeightedTokens(IterableDataset):
     """Token sequences (and their per-token `weight`, `entropy`) from parquet, as torch tensors.
 
     Yields dicts: `input_ids` int64, `mask` bool (True on real tokens, False on pads), and where
-    the data has them `weight` float32 in [0, 1] (uint8 storage is read as w/255) and `entropy`
+    the data has them `weight` float32 in [0, 1] (decoded by schemas/weighted.py) and `entropy`
     float32. With `batch_size` each item is a stacked batch (B, T); without, one sequence (T,).
     Values at index i describe token i (shift by one against next-token logits).
 
@@ -309,7 +295,7 @@ class WeightedTokens(IterableDataset):
         return blocks
 
     def _read_block(self, block: list[Unit]) -> dict[str, np.ndarray]:
-        cols = ["input_ids", *self.columns]
+        cols = ["input_ids", *(["n_pad"] if "n_pad" in self.info.columns else []), *self.columns]
         parts = []
         for u in block:
             with storage.open_input(u.path) as fh:
@@ -321,7 +307,12 @@ class WeightedTokens(IterableDataset):
         where = f"{u.path} (row group {u.row_group}, rows {u.start}..{u.stop})"
         ids_col = table.column("input_ids").combine_chunks()
         lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False)
-        out = {"input_ids": _matrix(ids_col, lengths, self.pad_id, np.int64)}
+        width = int(lengths.max()) if len(lengths) else 0
+        ids = matrix(ids_col, np.int64, fill=max(self.pad_id, 0), width=width)
+        # the one real-token mask (schemas/weighted.py): from n_pad; other tools' data without the
+        # column: every position within the row's length
+        n_pad = table.column("n_pad").to_numpy() if "n_pad" in table.column_names else None
+        out = {"input_ids": ids, "mask": real_mask(n_pad, width, lengths)}
         for c in self.columns:
             col = table.column(c).combine_chunks()
             if not np.array_equal(pc.list_value_length(col).to_numpy(zero_copy_only=False), lengths):
@@ -329,20 +320,20 @@ class WeightedTokens(IterableDataset):
                     f"{where}: the {c!r} lists differ in length from input_ids; the file is corrupt or was "
                     "written by another tool: re-run the scoring stage for it"
                 )
-            m = _matrix(col, lengths, 0, np.float32)
-            if c == "weight":
-                if pa.types.is_uint8(col.type.value_type):
-                    m /= 255.0
-                elif np.isnan(m).any() or (m < 0).any() or (m > 1).any():
+            if c == WEIGHT:
+                m = weights_matrix(col, width)
+                if np.isnan(m).any() or (m < 0).any() or (m > 1).any():
                     raise DataError(
                         f"{where}: weights must lie in [0, 1] (found "
                         f"{'NaN' if np.isnan(m).any() else f'{np.nanmin(m):g}..{np.nanmax(m):g}'}); "
                         "re-run the weigh stage (it clips and min-max normalises)"
                     )
-            elif not np.isfinite(m).all():
-                raise DataError(
-                    f"{where}: {c} has NaN or infinite values; re-run the scoring stage for this file"
-                )
+            else:
+                m = matrix(col, np.float32, width=width)
+                if not np.isfinite(m).all():
+                    raise DataError(
+                        f"{where}: {c} has NaN or infinite values; re-run the scoring stage for this file"
+                    )
             out[c] = m
         return out
 
@@ -392,9 +383,7 @@ class WeightedTokens(IterableDataset):
             yield self._tensors({k: np.stack([r[k] for r in batch]) for k in batch[0]})
 
     def _tensors(self, row: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        out = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in row.items()}
-        out["mask"] = out["input_ids"] != self.pad_id
-        return out
+        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in row.items()}
 
     def state_dict(self) -> dict:
         return {"position": self.position, "seed": self.seed, "world_size": self.world_size}
@@ -406,18 +395,3 @@ class WeightedTokens(IterableDataset):
                 "resume with the same number of processes"
             )
         self.start = self.position = int(state["position"])
-
-
-def _matrix(col: pa.ListArray, lengths: np.ndarray, fill, dtype) -> np.ndarray:
-    """A list column as an (n, max_len) matrix; shorter rows padded on the right with `fill`."""
-    values = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-    n = len(lengths)
-    width = int(lengths.max()) if n else 0
-    if n and (lengths == width).all():
-        return values.reshape(n, width).copy()
-    out = np.full((n, width), fill, dtype=dtype)
-    pos = 0
-    for i, k in enumerate(lengths):
-        out[i, :k] = values[pos : pos + k]
-        pos += k
-    return out

@@ -19,6 +19,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from entroweight.schemas.exports import megatron_weight_prefix
+from entroweight.schemas.weighted import decode_weights
 
 
 class WeightedGPTDataset(GPTDataset):
@@ -33,8 +34,6 @@ class WeightedGPTDataset(GPTDataset):
             and np.array_equal(self.weights.document_indices, indexed_dataset.document_indices)
         ):
             raise ValueError(f"{prefix} does not align with {indexed_dataset.path_prefix} (other documents)")
-        # uint8 weights are round(255·w); float weights are w
-        self.weight_scale = 1 / 255 if self.weights.index.dtype == np.uint8 else 1.0
 
     def __getitem__(self, idx):
         sample = super().__getitem__(idx)  # Megatron's mask: 0 on pads (and eod when asked)
@@ -57,7 +56,7 @@ class WeightedGPTDataset(GPTDataset):
                 )
             )
         w = np.zeros(self.config.sequence_length + extra, dtype=np.float32)
-        flat = np.concatenate(parts).astype(np.float32) * self.weight_scale
+        flat = decode_weights(np.concatenate(parts))  # the stored form (uint8 or float) -> w
         w[: len(flat)] = flat
         # label j is token j + 1: its weight is the weight of that token (the last label is a pad
         # without the extra token: 0)

@@ -3,7 +3,7 @@
 The write-up's comparison (L1 vs cosine occlusion R² 0.42, L1 vs loss 0.01, decomposition vs a small
 causal model 0.33): R² is that of the least-squares line of one on the other, i.e. Pearson r².
 Sequences are matched by `seq_id` (their `input_ids` must then be equal) and only those in both
-directories count; pads never do. Everything is read into memory: meant for a sample (millions of
+directories count; pads never do, nor positions a scorer excluded (`excluded`, schemas/weighted.py). Everything is read into memory: meant for a sample (millions of
 tokens), not a whole corpus.
 """
 
@@ -12,11 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from scipy.stats import rankdata  # 1-based average ranks (ties share their mean), float64
 
+from entroweight import storage
 from entroweight.schemas import read_file_metadata
+from entroweight.schemas.datadir import DataDirError, data_files
+from entroweight.schemas.weighted import EXCLUDED, WEIGHT, excluded_mask, matrix, weights_matrix
 
 COLUMNS = ("entropy", "weight")
 
@@ -26,34 +28,40 @@ class AgreementError(ValueError):
 
 
 def _read(dir_: str | Path, column: str) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
-    files = sorted(Path(dir_).glob("part-*.parquet"))
-    if not files:
-        raise AgreementError(f"{dir_} holds no part-*.parquet: score it first (`entroweight score`)")
+    """{seq_id: (real token ids, their `column` values)} of a weighted directory (score or weigh
+    output, local or a URL) or one of its files; positions the scorer excluded get NaN (left out of the comparison)."""
+    try:
+        _, files = data_files(
+            dir_, "weighted", complete=False, hint="score it first (`entroweight score`), then compare"
+        )
+    except DataDirError as e:
+        raise AgreementError(str(e)) from None
     meta = read_file_metadata(files[0])
     rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for f in files:
-        names = pq.read_schema(f).names
+        with storage.open_input(f) as fh:
+            names = pq.read_schema(fh).names
         if not {"seq_id", "input_ids", "n_pad"} <= set(names):
             raise AgreementError(f"{f} is not entroweight data (no seq_id, input_ids, n_pad columns)")
-        if not set(COLUMNS) & set(names):
-            raise AgreementError(
-                f"{f} is not scored (no entropy or weight column): score {dir_} first (`entroweight score`)"
-            )
         if column not in names:
             hint = (
                 " (it was scored with --drop-entropy; compare --column weight)" if column == "entropy" else ""
             )
             raise AgreementError(f"{f} has no `{column}` column{hint}")
-        t = pq.read_table(f, columns=["seq_id", "input_ids", "n_pad", column])
-        n = t.num_rows
-        ids = pc.list_flatten(t.column("input_ids")).to_numpy(zero_copy_only=False)
-        vals = pc.list_flatten(t.column(column)).to_numpy(zero_copy_only=False).astype(np.float64)
-        if column == "weight" and vals.size and meta.get("weight_dtype") == "uint8":
-            vals = vals / 255.0
-        width = ids.size // max(n, 1)
-        ids, vals = ids.reshape(n, width), vals.reshape(n, width)
+        cols = ["seq_id", "input_ids", "n_pad", column] + ([EXCLUDED] if EXCLUDED in names else [])
+        with storage.open_input(f) as fh:
+            t = pq.read_table(fh, columns=cols)
+        ids = matrix(t.column("input_ids"))
+        width = ids.shape[1] if ids.ndim == 2 else 0
+        col = t.column(column)
+        vals = (weights_matrix(col, width) if column == WEIGHT else matrix(col, width=width)).astype(
+            np.float64
+        )
+        excluded = excluded_mask(t.column(EXCLUDED), width) if EXCLUDED in cols else None
+        if excluded is not None:
+            vals[excluded] = np.nan
         n_pad = t.column("n_pad").to_numpy()
-        for sid, r, p in zip(t.column("seq_id").to_pylist(), range(n), n_pad, strict=True):
+        for sid, r, p in zip(t.column("seq_id").to_pylist(), range(t.num_rows), n_pad, strict=True):
             rows[sid] = (ids[r, p:], vals[r, p:])
     return meta, rows
 
@@ -90,8 +98,9 @@ def compare_dirs(dir_a: str | Path, dir_b: str | Path, column: str = "entropy") 
                 f"sequence {sid} holds different tokens in {dir_a} and {dir_b}: they were not scored from "
                 "the same tokenized directory"
             )
-        xs.append(va)
-        ys.append(vb)
+        keep = ~(np.isnan(va) | np.isnan(vb))  # positions a scorer excluded count in neither
+        xs.append(va[keep])
+        ys.append(vb[keep])
     x, y = np.concatenate(xs), np.concatenate(ys)
     r = pearson(x, y)
     return {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -11,22 +10,27 @@ import pyarrow.parquet as pq
 
 from entroweight import storage
 from entroweight.schemas import read_file_metadata
+from entroweight.schemas.datadir import data_files
+from entroweight.schemas.weighted import (
+    ENTROPY,
+    EXCLUDED,
+    WEIGHT,
+    excluded_mask,
+    matrix,
+    real_mask,
+    row_lengths,
+    weights_matrix,
+)
 
 
-def parquet_files(path: str | Path) -> list:
-    """The shards of a stage's output directory (local or a URL), from one listing; or the one file."""
-    p = storage.path(path)
-    names = storage.listing(p)
-    if not names and p.is_file():
-        return [p]
-    files = [p / n for n in sorted(names) if n.startswith("part-") and n.endswith(".parquet")]
-    if not files:
-        raise FileNotFoundError(f"{path} holds no part-*.parquet file")
-    return files
+def parquet_files(path: str | Path) -> list[str]:
+    """The committed shards of a stage's output directory (local or a URL), or the one file; a
+    directory that is not a stage's output is refused (DataDirError)."""
+    return data_files(path, complete=False, hint="inspect reads what tokenize, score and weigh write")[1]
 
 
 def summarize(path: str | Path) -> dict:
-    files = parquet_files(path)
+    d, files = data_files(path, complete=False, hint="inspect reads what tokenize, score and weigh write")
     meta = read_file_metadata(files[0])
     schema = pq.read_schema(storage.open_input(files[0]))
     rows = real = total = n_bytes = 0
@@ -35,12 +39,13 @@ def summarize(path: str | Path) -> dict:
     entropies: list[np.ndarray] = []
     ids_min, ids_max = None, 0
     for f in files:
-        table = pq.read_table(storage.open_input(f))
+        with storage.open_input(f) as fh:
+            table = pq.read_table(fh)
         rows += table.num_rows
         if table.num_rows == 0:
             continue
         n_pad = table.column("n_pad").to_numpy()
-        lengths = pc.list_value_length(table.column("input_ids")).to_numpy()
+        lengths = row_lengths(table.column("input_ids"))
         total += int(lengths.sum())
         real_per_row = lengths - n_pad
         real += int(real_per_row.sum())
@@ -50,15 +55,16 @@ def summarize(path: str | Path) -> dict:
         lo, hi = pc.min_max(flat_ids).values()
         ids_min = lo.as_py() if ids_min is None else min(ids_min, lo.as_py())
         ids_max = max(ids_max, hi.as_py())
-        if "weight" in table.column_names:
-            w = pc.list_flatten(table.column("weight")).to_numpy(zero_copy_only=False).astype(np.float32)
-            if table.schema.field("weight").type.value_type.bit_width == 8:
-                w = w / 255.0
-            mask = _real_mask(lengths, n_pad)
-            weights.append(w[mask])
-        if "entropy" in table.column_names:
-            e = pc.list_flatten(table.column("entropy")).to_numpy(zero_copy_only=False)
-            entropies.append(e[_real_mask(lengths, n_pad)])
+        width = int(lengths.max())
+        # statistics over the weighable tokens: real, and not excluded by the scorer
+        mask = real_mask(n_pad, width, lengths)
+        excluded = excluded_mask(table.column(EXCLUDED), width) if EXCLUDED in table.column_names else None
+        if excluded is not None:
+            mask &= ~excluded
+        if WEIGHT in table.column_names:
+            weights.append(weights_matrix(table.column(WEIGHT), width)[mask])
+        if ENTROPY in table.column_names:
+            entropies.append(matrix(table.column(ENTROPY), np.float32, width=width)[mask])
     out = {
         "files": len(files),
         "schema": {f.name: str(f.type) for f in schema},
@@ -69,7 +75,7 @@ def summarize(path: str | Path) -> dict:
         "pad_fraction": round(1 - real / total, 4) if total else 0.0,
         "tokens_per_row": _stats(np.asarray(per_doc, dtype=np.float64)),
         "bytes_of_text": n_bytes,
-        "bytes_on_disk": sum(storage.size(f) for f in files),
+        "bytes_on_disk": sum(p.size for p in d.parts) if d.parts else sum(storage.size(f) for f in files),
         "id_range": [ids_min, ids_max],
     }
     if real:
@@ -78,31 +84,23 @@ def summarize(path: str | Path) -> dict:
         out["weight"] = _stats(np.concatenate(weights))
     if entropies:
         out["entropy"] = _stats(np.concatenate(entropies))
-    manifest_dir = files[0].parent
-    manifests = [
-        manifest_dir / n
-        for n in sorted(storage.listing(manifest_dir))
-        if n.startswith(".part-") and n.endswith(".manifest.json")
-    ]
-    if manifests and storage.key(files[0]) != storage.key(path):  # a directory, not one file
-        ms = [json.loads(b) for b in storage.read_many(manifests)]
+    if d.kind is not None:
+        out["kind"] = d.kind
+    if d.parts:  # a directory, not one file: its bookkeeping
+        ms = [p.manifest for p in d.parts]
         rejected: dict[str, int] = {}
         for m in ms:
-            for k, v in m.get("rejected", {}).items():
+            for k, v in m.rejected.items():
                 rejected[k] = rejected.get(k, 0) + v
-        out["docs_in"] = sum(m["docs_in"] for m in ms)
+        out["docs_in"] = sum(m.docs_in for m in ms)
         out["rejected"] = rejected
-        truncated = sum(m.get("extra", {}).get("n_truncated", 0) for m in ms)
+        truncated = sum(m.extra.get("n_truncated", 0) for m in ms)
         if truncated:  # tokenize --overflow truncate cut documents: say how much text is missing
             out["truncated_docs"] = truncated
-            out["bytes_dropped"] = sum(m.get("extra", {}).get("bytes_dropped", 0) for m in ms)
+            out["bytes_dropped"] = sum(m.extra.get("bytes_dropped", 0) for m in ms)
+        if d.missing:
+            out["missing_shards"] = d.missing
     return out
-
-
-def _real_mask(lengths: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
-    """Flat boolean mask of non-pad positions for left-padded rows."""
-    pos = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return pos >= np.repeat(n_pad, lengths)
 
 
 def _stats(x: np.ndarray) -> dict:

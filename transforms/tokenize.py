@@ -15,17 +15,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from entroweight.schemas import sequence_schema
+from entroweight.schemas.weighted import lists
 
 from .tokenizer import LoadedTokenizer
 
 OVERFLOW = ("split", "truncate")  # what happens to a document longer than n_ctx (module docstring)
-
-
-def fixed_lists(matrix: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
-    """A (rows, n) matrix as an Arrow list column without a Python loop."""
-    rows, n = matrix.shape
-    offsets = pa.array(np.arange(0, rows * n + 1, n, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1), type=value_type))
 
 
 class SequenceBuilder:
@@ -178,7 +172,7 @@ class SequenceBuilder:
         arrays = [
             pa.array(seq_ids, pa.string()),
             pa.array(doc_ids, pa.string()),
-            fixed_lists(matrix, self.ids_type),
+            lists(matrix, self.ids_type),
             pa.array(n_pad, pa.int32()),
             pa.array(n_bytes, pa.int64()),
         ]

@@ -195,18 +195,30 @@ def weighted_batch(
 
 
 def entropy_quantiles(scored: str | Path, n: int = 101, max_tokens: int = 5_000_000) -> tuple[float, ...]:
-    """`n` evenly spaced quantiles of the `entropy` column of a scored directory's real tokens
-    (the reference for `quantile` weighting; read from the first `max_tokens` real tokens)."""
+    """`n` evenly spaced quantiles of the `entropy` column of a weighted directory's (score or weigh
+    output, local or a URL) or one file's real tokens, the positions its scorer excluded left out (the
+    reference for `quantile` weighting; read from the first `max_tokens` such tokens)."""
     import pyarrow.parquet as pq
 
-    files = sorted(Path(scored).glob("part-*.parquet")) if Path(scored).is_dir() else [Path(scored)]
+    from entroweight import storage
+    from entroweight.schemas.datadir import data_files
+    from entroweight.schemas.weighted import ENTROPY, EXCLUDED, excluded_mask, matrix
+
+    hint = "quantiles are read from the entropies of a scored directory"
+    _, files = data_files(scored, kind="weighted", complete=False, hint=hint)
     chunks, total = [], 0
     for f in files:
-        table = pq.read_table(f, columns=["entropy", "n_pad"])
-        if "entropy" not in table.column_names or table.num_rows == 0:
+        with storage.open_input(f) as fh:
+            names = pq.read_schema(fh).names
+            if ENTROPY not in names:
+                continue
+            cols = [ENTROPY, "n_pad"] + ([EXCLUDED] if EXCLUDED in names else [])
+            table = pq.read_table(fh, columns=cols)
+        if table.num_rows == 0:
             continue
-        e = np.stack(table.column("entropy").to_numpy(zero_copy_only=False))
-        vals = e[weighable(table.column("n_pad").to_numpy(), e.shape[1])]
+        e = matrix(table.column(ENTROPY), np.float32)
+        excluded = excluded_mask(table.column(EXCLUDED), e.shape[1]) if EXCLUDED in cols else None
+        vals = e[weighable(table.column("n_pad").to_numpy(), e.shape[1], excluded)]
         chunks.append(vals)
         total += vals.size
         if total >= max_tokens:

@@ -165,11 +165,12 @@ def _check_inspectable(path: str) -> None:
     import pyarrow.parquet as pq
 
     from entroweight import storage
+    from entroweight.schemas.datadir import DataDirError
     from entroweight.transforms.inspect import parquet_files
 
     try:
         files = parquet_files(path)
-    except FileNotFoundError as e:
+    except (DataDirError, OSError) as e:
         _fail(str(e))
     for f in files:
         try:

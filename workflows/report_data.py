@@ -15,6 +15,18 @@ import numpy as np
 import pyarrow.parquet as pq
 import yaml
 
+from entroweight import storage
+from entroweight.schemas.datadir import DataDir
+from entroweight.schemas.weighted import (
+    ENTROPY,
+    EXCLUDED,
+    WEIGHT,
+    excluded_mask,
+    matrix,
+    real_mask,
+    weights_matrix,
+)
+
 from .spec import TOKENS, SpecError, Workflow, parse_workflow
 
 
@@ -39,36 +51,41 @@ def load_run(run_dir: str | Path) -> tuple[dict, Workflow]:
     return record, wf
 
 
-def read_scores(score_dir: Path, max_tokens: int) -> dict | None:
-    """Entropy/weight of real tokens (flat), mean entropy by context position, and the first rows."""
-    files = sorted(score_dir.glob("part-*.parquet"))
-    if not files:
+def read_scores(score_dir: str | Path, max_tokens: int) -> dict | None:
+    """Entropy/weight of real tokens (flat), mean entropy by context position, and the first rows, of a
+    weighted directory (score or weigh output; local or a URL); None when it holds no committed shard
+    yet. Positions the scorer excluded (`excluded`) stay out of the statistics."""
+    d = DataDir(score_dir)
+    if d.record is None or not d.parts:
         return None
+    d.require("weighted", complete=False, hint="the report reads scores")
+    files = d.files
     ent, wts, rows = [], [], []
     pos_sum = pos_n = None
     n_tokens = n_seq = 0
     for f in files:
-        names = pq.read_schema(f).names
-        cols = [c for c in ("input_ids", "n_pad", "entropy", "weight") if c in names]
-        t = pq.read_table(f, columns=cols)
-        ids = _matrix(t.column("input_ids"))
+        with storage.open_input(f) as fh:
+            names = pq.read_schema(fh).names
+            cols = [c for c in ("input_ids", "n_pad", ENTROPY, EXCLUDED, WEIGHT) if c in names]
+            t = pq.read_table(fh, columns=cols)
+        ids = matrix(t.column("input_ids"))
         n_pad = t.column("n_pad").to_numpy()
-        e = _matrix(t.column("entropy")).astype(np.float64) if "entropy" in names else None
-        w = _matrix(t.column("weight")).astype(np.float64) if "weight" in names else None
-        if w is not None and t.schema.field("weight").type.value_type.bit_width == 8:
-            w = w / 255.0
         width = ids.shape[1]
-        real = np.arange(width)[None, :] >= n_pad[:, None]
+        e = matrix(t.column(ENTROPY), np.float64, width=width) if ENTROPY in names else None
+        w = weights_matrix(t.column(WEIGHT), width).astype(np.float64) if WEIGHT in names else None
+        real = real_mask(n_pad, width)
+        excluded = excluded_mask(t.column(EXCLUDED), width) if EXCLUDED in names else None
+        counted = real if excluded is None else real & ~excluded
         if pos_sum is None:
             pos_sum, pos_n = np.zeros(width), np.zeros(width)
         if e is not None:
             # position = tokens of context before this one (left padding: column - n_pad)
             ctx = np.arange(width)[None, :] - n_pad[:, None]
-            np.add.at(pos_sum, ctx[real], e[real])
-            np.add.at(pos_n, ctx[real], 1)
-            ent.append(e[real])
+            np.add.at(pos_sum, ctx[counted], e[counted])
+            np.add.at(pos_n, ctx[counted], 1)
+            ent.append(e[counted])
         if w is not None:
-            wts.append(w[real])
+            wts.append(w[counted])
         for i in range(min(len(ids), 50 - len(rows))):
             rows.append((ids[i, n_pad[i] :], None if e is None else e[i, n_pad[i] :]))
         n_tokens += int(real.sum())
@@ -86,13 +103,6 @@ def read_scores(score_dir: Path, max_tokens: int) -> dict | None:
         "n_sequences": n_seq,
         "n_files": len(files),
     }
-
-
-def _matrix(col) -> np.ndarray:
-    """A fixed-width list column (left-padded or packed rows) as a (rows, n_ctx) array."""
-    arr = col.combine_chunks()
-    flat = arr.flatten().to_numpy(zero_copy_only=False)
-    return flat.reshape(len(arr), -1) if len(arr) else flat.reshape(0, 0)
 
 
 def read_metrics(ckpt: Path) -> list[dict]:
@@ -263,9 +273,7 @@ def headline(wf: Workflow) -> dict:
 
 def truncation(tokens_dir: Path) -> dict | None:
     """What the tokenized data lost (tokenize.overflow: truncate), where a reader of results looks."""
-    from entroweight.pipelines.stage import read_manifests
-
-    ms = read_manifests(tokens_dir) if Path(tokens_dir).is_dir() else []
+    ms = [p.manifest for p in DataDir(tokens_dir).parts]
     cut = sum(m.extra.get("n_truncated", 0) for m in ms)
     if not cut:
         return None
