@@ -28,7 +28,16 @@ import torch
 from .common import REPO, check_target, row
 
 # Benchmark modules, in pipeline order. A name with a dot is imported as a full module path (your own).
-MODULES = ("tokenize", "engines", "object_store", "scoring", "estimator_scoring", "models", "trainer")
+MODULES = (
+    "tokenize",
+    "corpora",
+    "engines",
+    "object_store",
+    "scoring",
+    "estimator_scoring",
+    "models",
+    "trainer",
+)
 COLUMNS = ("stage", "metric", "value", "bare", "ratio", "target", "ok?")
 
 

@@ -344,10 +344,11 @@ class _Streamed:
             for n in self.files.get(base, [])
         }
         dead = sorted(shards - kept)
-        for key in self.keys.get(base, []):
-            if self.registry.get(key) not in kept:
+        registered = {m.inputs[0].key: m.shard for m in chain}
+        for key in self.keys.get(base, []):  # what no longer holds: a shard redone, a resume point
+            if key not in registered:
                 self.registry.pop(key, None)
-        self.registry.update({m.inputs[0].key: m.shard for m in chain})
+        self.registry.update(registered)
         if complete:
             return None, chain, changed, dead
         shard = (
