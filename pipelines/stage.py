@@ -164,14 +164,18 @@ def read_manifests(out_dir: AnyPath, names: dict[str, int] | None = None) -> lis
 def check_out_dir(stage: Stage, out_dir: AnyPath) -> None:
     """Refuse an --out that is, holds or lies inside one of the stage's inputs: with --overwrite its
     shards would be deleted, and a rerun would read its own output as input."""
-    out, out_parents = storage.key(out_dir), storage.parents(out_dir)
+    out, out_parents = storage.key(out_dir), set(storage.parents(out_dir))
+    above: dict[str, set[str]] = {}  # a directory's key and those above it: once per directory
     for path in stage.input_paths():
-        src = storage.key(path)
+        parent, _, name = str(path).rstrip("/").rpartition("/")
+        if parent not in above:
+            above[parent] = {storage.key(parent), *storage.parents(parent)} if parent else set()
+        src = f"{storage.key(parent)}/{name}" if parent else storage.key(path)
         how = (
             "is"
             if out == src
             else "holds"
-            if out in storage.parents(path)
+            if out in above[parent]
             else "lies inside"
             if src in out_parents
             else ""
@@ -271,6 +275,7 @@ def _sort_shards(stage: Stage, inputs, registry: dict[str, str], manifests, name
     manifests = {m.shard: m for m in manifests}
     next_no = max((int(s.split("-")[1]) for s in registry.values()), default=-1) + 1
     todo, done, stale, remove = [], [], [], []
+    out_key = storage.key(out)  # once: it resolves the path
     streamed = None  # built at the first streamed input: one pass over the registry and the listing
     for inp in inputs:
         if stage.streams(inp):
@@ -279,7 +284,7 @@ def _sort_shards(stage: Stage, inputs, registry: dict[str, str], manifests, name
             base = streamed.bases.get(inp.uri)
             if base is None:
                 base, next_no = f"part-{next_no:05d}", next_no + 1
-            task, chain, changed, dead = streamed.resume(stage, inp, base, config_hash, out)
+            task, chain, changed, dead = streamed.resume(stage, inp, base, config_hash, out_key)
             done += chain
             stale += changed
             remove += dead
@@ -296,7 +301,7 @@ def _sort_shards(stage: Stage, inputs, registry: dict[str, str], manifests, name
                 done.append(m)
                 continue
             stale.append(shard)  # the input file changed since: recompute
-        todo.append(ShardTask(shard=shard, inputs=(inp,), out_dir=storage.key(out)))
+        todo.append(ShardTask(shard=shard, inputs=(inp,), out_dir=out_key))
     return todo, done, stale, remove
 
 
@@ -320,7 +325,7 @@ class _Streamed:
             if n.startswith(("part-", ".part-")):
                 self.files.setdefault(_base(n), []).append(n)
 
-    def resume(self, stage: Stage, inp: ShardInput, base: str, config_hash: str, out):
+    def resume(self, stage: Stage, inp: ShardInput, base: str, config_hash: str, out_key: str):
         """(task or None when done, its shards done, shards whose input changed, files to remove):
         the shards of `base` that chain from the input's first row on are kept; the rest is redone
         from where they end."""
@@ -356,7 +361,7 @@ class _Streamed:
         )
         rest = inp.model_copy(update={"start": pos})
         self.registry[rest.key] = shard  # the next shard, until it is made (verify: a hole)
-        task = ShardTask(shard=shard, inputs=(rest,), out_dir=storage.key(out), every=stage.shard_rows)
+        task = ShardTask(shard=shard, inputs=(rest,), out_dir=out_key, every=stage.shard_rows)
         return task, chain, changed, dead
 
 

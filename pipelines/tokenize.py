@@ -14,10 +14,10 @@ from entroweight.transforms.prefetch import prefetch
 from entroweight.transforms.sources import (
     Cut,
     DocumentReader,
-    expand_sources,
     plan_inputs,
     rejects_table,
     resolve_hub,
+    source_files,
 )
 from entroweight.transforms.tokenize import OVERFLOW, SequenceBuilder
 from entroweight.transforms.tokenizer import (
@@ -33,7 +33,7 @@ from .stage import REJECTS_DIR, ShardTask, Stage, next_shard
 
 class TokenizeStage(Stage):
     name = "tokenize"
-    _heavy = ("_tok",)
+    _heavy = ("_tok", "_listed")  # the listing too: 100,000 paths need not travel to workers
 
     def __init__(
         self,
@@ -98,13 +98,19 @@ class TokenizeStage(Stage):
             **({"hub_revisions": {s: h.revision for s, h in self.hub.items()}} if self.hub else {}),
         }
 
+    def _files(self) -> dict:
+        """The source files, listed once per stage object (planning and the --out check share them)."""
+        if getattr(self, "_listed", None) is None:
+            self._listed = source_files(self.sources)
+        return self._listed
+
     def plan_inputs(self):
-        return plan_inputs(self.sources, self.shard_docs, self.hub)
+        return plan_inputs(self.sources, self.shard_docs, self.hub, files=self._files())
 
     def input_paths(self) -> list[str]:
         # the sources as named (a directory, not only its files: --out may not lie inside it)
         named = [s for s in self.sources if not s.startswith("hf:") and not any(c in s for c in "*?[")]
-        globbed = [s for s in expand_sources(self.sources) if not s.startswith("hf:")]
+        globbed = [s for s in self._files() if not s.startswith("hf:")]
         return [*named, *globbed]
 
     def file_metadata(self) -> dict:

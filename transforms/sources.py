@@ -189,19 +189,21 @@ def source_files(specs: list[str]) -> dict[str, tuple[int, int | None] | None]:
         else:
             raise SourceError(f"no such file, directory or hub id: {spec}")
         files = [m for m in matches if file_format(m) and os.path.isfile(m)]
-        stage_dirs: dict[str, bool] = {}  # one check per directory, not per file
-        for f in files:
-            parent = os.path.dirname(f)
-            if stage_dirs.setdefault(parent, is_stage_output(f)):
-                raise SourceError(
-                    f"{f} belongs to the output of an entroweight stage ({STAGE_MARKER} beside it), "
-                    "not documents; name the documents it was made from"
-                )
         if not files:
             raise SourceError(f"{spec!r} names no readable input (suffixes: {', '.join(sorted(SUFFIXES))})")
+        real_dirs: dict[str, str] = {}  # a directory resolved, and checked for a stage's marker, once
         for f in files:
-            st = os.stat(f)
-            out[str(Path(f).resolve())] = (st.st_size, st.st_mtime_ns)
+            parent, name = os.path.split(f)
+            if parent not in real_dirs:
+                if is_stage_output(f):
+                    raise SourceError(
+                        f"{f} belongs to the output of an entroweight stage ({STAGE_MARKER} beside it), "
+                        "not documents; name the documents it was made from"
+                    )
+                real_dirs[parent] = os.path.realpath(parent or ".")
+            real = os.path.realpath(f) if os.path.islink(f) else os.path.join(real_dirs[parent], name)
+            st = os.stat(real)
+            out[real] = (st.st_size, st.st_mtime_ns)
     return out
 
 
@@ -265,17 +267,20 @@ class _ZstdFrames(io.RawIOBase):
 
 
 def plan_inputs(
-    specs: list[str], shard_docs: int | None = None, hub: dict[str, HubFiles] | None = None
+    specs: list[str],
+    shard_docs: int | None = None,
+    hub: dict[str, HubFiles] | None = None,
+    files: dict[str, tuple[int, int | None] | None] | None = None,
 ) -> list[ShardInput]:
     """One ShardInput per task, from listings and parquet footers only (no file body is opened):
     a JSON-lines file whole (its rows cannot be counted without reading it all: the task that reads
     it cuts it into shards of `shard_docs` as it goes), a parquet file whole or, with `shard_docs`,
     by runs of row groups, and a hub dataset's parquet by runs of row groups.
-    `hub`: the hub sources already resolved (resolve_hub)."""
+    `hub`: the hub sources already resolved (resolve_hub); `files`: source_files(specs), if listed."""
     if shard_docs is not None and shard_docs < 1:  # 0 or -1 once dropped every document, exit 0
         raise SourceError(f"--shard-docs must be at least 1, not {shard_docs}")
     shards: list[ShardInput] = []
-    files = source_files(specs)
+    files = source_files(specs) if files is None else files
     footers = _footers([f for f in files if shard_docs and file_format(f) == "parquet"])
     for spec, stat in files.items():
         if stat is None:
