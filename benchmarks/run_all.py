@@ -30,6 +30,7 @@ from .common import REPO, check_target, row
 # Benchmark modules, in pipeline order. A name with a dot is imported as a full module path (your own).
 MODULES = (
     "tokenize",
+    "corpora",
     "engines",
     "object_store",
     "scoring",

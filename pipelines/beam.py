@@ -264,13 +264,19 @@ def _progress(plan: RunPlan, enabled: bool, every: float = 0.5):
 
 def task_to_json(task: ShardTask) -> str:
     return json.dumps(
-        {"shard": task.shard, "out_dir": task.out_dir, "inputs": [i.model_dump() for i in task.inputs]}
+        {
+            "shard": task.shard,
+            "out_dir": task.out_dir,
+            "inputs": [i.model_dump() for i in task.inputs],
+            "every": task.every,
+        }
     )
 
 
 def task_from_json(line: str) -> ShardTask:
     d = json.loads(line)
-    return ShardTask(d["shard"], tuple(ShardInput.model_validate(i) for i in d["inputs"]), d["out_dir"])
+    inputs = tuple(ShardInput.model_validate(i) for i in d["inputs"])
+    return ShardTask(d["shard"], inputs, d["out_dir"], d["every"])
 
 
 def _quiet_beam() -> None:

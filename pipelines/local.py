@@ -21,9 +21,8 @@ def run(plan: RunPlan, progress: bool = True) -> list[ShardResult]:
         for task in plan.todo:
             result = run_task(stage, task)
             results.append(result)
-            if result.ok:
-                docs += result.manifest["docs_in"]
-                tokens += result.manifest["n_real_tokens"]
+            docs += sum(m["docs_in"] for m in result.manifests)
+            tokens += sum(m["n_real_tokens"] for m in result.manifests)
             elapsed = bar.format_dict["elapsed"] or 1e-9
             bar.set_postfix(
                 docs=docs, tok_s=f"{tokens / elapsed:,.0f}", failed=sum(not r.ok for r in results)

@@ -268,9 +268,8 @@ def _run_pool(
             except Exception as e:  # the actor died (OOM, node lost) or could not start (setup failed)
                 result = ShardResult(task.shard, error=_actor_error(e, task))
             results.append(result)
-            if result.ok:
-                docs += result.manifest["docs_in"]
-                tokens += result.manifest["n_real_tokens"]
+            docs += sum(m["docs_in"] for m in result.manifests)
+            tokens += sum(m["n_real_tokens"] for m in result.manifests)
             elapsed = max(time.perf_counter() - start, 1e-9)
             bar.set_postfix(
                 docs=docs, tok_s=f"{tokens / elapsed:,.0f}", failed=sum(not r.ok for r in results)

@@ -12,6 +12,7 @@ import os
 import time
 import traceback
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,15 +64,20 @@ class EngineOption:
 
 @dataclass(frozen=True)
 class ShardTask:
-    shard: str  # part-NNNNN
+    shard: str  # part-NNNNN, or part-NNNNN-KKKKK: the first shard of a streamed input's task
     inputs: tuple[ShardInput, ...]
     out_dir: str  # a local path or a URL (s3://...): every worker reaches it through entroweight.storage
+    # a streamed input (Stage.streams): a shard is committed every `every` rows, named shard, then
+    # next_shard(shard), ...; None: one shard
+    every: int | None = None
 
 
 @dataclass
 class ShardResult:
-    shard: str
-    manifest: dict | None = None  # ShardManifest as JSON: crosses process boundaries cheaply
+    shard: str  # the task's (first) shard
+    # one ShardManifest as JSON per shard committed (crosses process boundaries cheaply): one, or a
+    # streamed task's several; a failed task keeps those it committed before it failed
+    manifests: list[dict] = field(default_factory=list)
     error: str | None = None
 
     @property
@@ -98,8 +104,19 @@ class Stage(ABC):
         """Load what is expensive (tokenizer, model), once per worker."""
 
     @abstractmethod
-    def process(self, task: ShardTask) -> ShardManifest:
-        """Read the shard's input, write its parquet atomically, return its manifest (not yet written)."""
+    def process(self, task: ShardTask) -> ShardManifest | Iterator[ShardManifest]:
+        """Read the shard's input, write its parquet atomically, return its manifest (not yet written);
+        a streamed task yields one manifest per shard, each committed before it goes on."""
+
+    #: rows per shard of a streamed input (None: one shard per input)
+    shard_rows: int | None = None
+
+    def streams(self, inp: ShardInput) -> bool:
+        """Whether `inp` is read start to end by one task that commits a shard every `shard_rows` rows
+        (rows that cannot be counted without reading them all: JSON lines, compressed or not). Its
+        shards are named as they are made (part-NNNNN-KKKKK), and a killed task resumes after the
+        last one committed."""
+        return False
 
     def carry(self, out_dir: AnyPath) -> None:  # noqa: B027 - optional hook
         """Write what the output directory carries besides shards (its tokenizer); driver side, each run."""
@@ -136,6 +153,17 @@ class Stage(ABC):
         return config_hash({"stage": self.name, **self.config()})
 
 
+def next_shard(shard: str) -> str:
+    """The shard a streamed task writes after `shard`: part-NNNNN-KKKKK -> part-NNNNN-(KKKKK+1)."""
+    part, base, k = shard.split("-")  # a name without KKKKK has no next: a ValueError
+    return f"{part}-{base}-{int(k) + 1:05d}"
+
+
+def _base(name: str) -> str:
+    """part-NNNNN of a shard's file names (part-NNNNN[-KKKKK].parquet, .part-....manifest.json)."""
+    return "-".join(name.lstrip(".").split("-", 2)[:2]).split(".", 1)[0]
+
+
 def manifest_path(out_dir: AnyPath, shard: str) -> AnyPath:
     return storage.path(out_dir) / manifest_name(shard)
 
@@ -149,14 +177,18 @@ def read_manifests(out_dir: AnyPath, names: dict[str, int] | None = None) -> lis
 def check_out_dir(stage: Stage, out_dir: AnyPath) -> None:
     """Refuse an --out that is, holds or lies inside one of the stage's inputs: with --overwrite its
     shards would be deleted, and a rerun would read its own output as input."""
-    out, out_parents = storage.key(out_dir), storage.parents(out_dir)
+    out, out_parents = storage.key(out_dir), set(storage.parents(out_dir))
+    above: dict[str, set[str]] = {}  # a directory's key and those above it: once per directory
     for path in stage.input_paths():
-        src = storage.key(path)
+        parent, _, name = str(path).rstrip("/").rpartition("/")
+        if parent not in above:
+            above[parent] = {storage.key(parent), *storage.parents(parent)} if parent else set()
+        src = f"{storage.key(parent)}/{name}" if parent else storage.key(path)
         how = (
             "is"
             if out == src
             else "holds"
-            if out in storage.parents(path)
+            if out in above[parent]
             else "lies inside"
             if src in out_parents
             else ""
@@ -191,6 +223,7 @@ class RunPlan:
     todo: list[ShardTask]
     done: list[ShardManifest]
     stale: list[str] = field(default_factory=list)  # shards whose input changed: recomputed
+    registry: dict[str, str] = field(default_factory=dict)  # .shards.json as planned
 
 
 def plan_run(
@@ -228,25 +261,49 @@ def plan_run(
     # or a new input file never renumbers what exists.
     registry_file = out / SHARDS_FILE
     registry: dict[str, str] = json.loads(registry_file.read_bytes()) if SHARDS_FILE in names else {}
-    todo, done, stale = _sort_shards(
-        inputs, registry, read_manifests(out, names), names, record.config_hash, out
+    todo, done, stale, remove = _sort_shards(
+        stage, inputs, registry, read_manifests(out, names), names, record.config_hash, out
     )
     write_json_atomic(registry, registry_file)
     # output of a shard killed after its parquet but before its manifest: redo it from scratch
     for task in todo:
         if manifest_name(task.shard) in names:
             storage.remove(manifest_path(out, task.shard))
-    return RunPlan(stage=stage, out_dir=out, todo=todo, done=done, stale=stale)
+    # a streamed input's shards past the point it resumes from: manifests first, then the data
+    if remove:
+        rejects = storage.listing(out / REJECTS_DIR)
+        for shard in remove:
+            storage.remove(manifest_path(out, shard))
+        for shard in remove:
+            for name in (f"{shard}.parquet", f"{REJECTS_DIR}/{shard}.parquet"):
+                if name in names or name.removeprefix(f"{REJECTS_DIR}/") in rejects:
+                    storage.remove(out / name)
+    return RunPlan(stage=stage, out_dir=out, todo=todo, done=done, stale=stale, registry=registry)
 
 
-def _sort_shards(inputs, registry: dict[str, str], manifests, names, config_hash: str, out):
-    """(todo, done, stale) of `inputs`: a shard is done when its manifest has this config and this
-    input and its parquet is listed with the recorded size. New inputs get the next shard numbers in
-    `registry` (which the caller saves, or not for a preview)."""
+def _sort_shards(stage: Stage, inputs, registry: dict[str, str], manifests, names, config_hash: str, out):
+    """(todo, done, stale, shards to remove) of `inputs`: a shard is done when its manifest has this
+    config and this input and its parquet is listed with the recorded size. New inputs get the next
+    shard numbers in `registry` (which the caller saves, or not for a preview)."""
     manifests = {m.shard: m for m in manifests}
     next_no = max((int(s.split("-")[1]) for s in registry.values()), default=-1) + 1
-    todo, done, stale = [], [], []
+    todo, done, stale, remove = [], [], [], []
+    out_key = storage.key(out)  # once: it resolves the path
+    streamed = None  # built at the first streamed input: one pass over the registry and the listing
     for inp in inputs:
+        if stage.streams(inp):
+            if streamed is None:
+                streamed = _Streamed(registry, manifests, names)
+            base = streamed.bases.get(inp.uri)
+            if base is None:
+                base, next_no = f"part-{next_no:05d}", next_no + 1
+            task, chain, changed, dead = streamed.resume(stage, inp, base, config_hash, out_key)
+            done += chain
+            stale += changed
+            remove += dead
+            if task is not None:
+                todo.append(task)
+            continue
         shard = registry.get(inp.key)
         if shard is None:
             shard = registry[inp.key] = f"part-{next_no:05d}"
@@ -257,8 +314,68 @@ def _sort_shards(inputs, registry: dict[str, str], manifests, names, config_hash
                 done.append(m)
                 continue
             stale.append(shard)  # the input file changed since: recompute
-        todo.append(ShardTask(shard=shard, inputs=(inp,), out_dir=storage.key(out)))
-    return todo, done, stale
+        todo.append(ShardTask(shard=shard, inputs=(inp,), out_dir=out_key))
+    return todo, done, stale, remove
+
+
+class _Streamed:
+    """What planning a streamed input needs, indexed once: the shard number each file was given
+    (from the registry), and the manifests and files of each number."""
+
+    def __init__(self, registry: dict[str, str], manifests: dict[str, ShardManifest], names):
+        self.registry = registry
+        self.bases: dict[str, str] = {}  # uri -> part-NNNNN
+        self.keys: dict[str, list[str]] = {}  # part-NNNNN -> its registry keys
+        for key, shard in registry.items():
+            self.bases[key.rsplit("[", 1)[0]] = _base(shard)
+            self.keys.setdefault(_base(shard), []).append(key)
+        self.manifests: dict[str, list[ShardManifest]] = {}
+        for m in manifests.values():
+            self.manifests.setdefault(_base(m.shard), []).append(m)
+        self.files: dict[str, list[str]] = {}
+        self.names = names
+        for n in names:
+            if n.startswith(("part-", ".part-")):
+                self.files.setdefault(_base(n), []).append(n)
+
+    def resume(self, stage: Stage, inp: ShardInput, base: str, config_hash: str, out_key: str):
+        """(task or None when done, its shards done, shards whose input changed, files to remove):
+        the shards of `base` that chain from the input's first row on are kept; the rest is redone
+        from where they end."""
+        family = sorted(self.manifests.get(base, []), key=lambda m: (m.inputs[0].start, m.shard))
+        chain, pos, complete, changed = [], 0, False, []
+        for m in family:
+            (mi,) = m.inputs
+            if mi.model_copy(update={"start": 0, "stop": None}) != inp:
+                changed.append(m.shard)  # the file changed since
+            elif (
+                not complete
+                and mi.start == pos
+                and m.config_hash == config_hash
+                and _output_present(m, self.names)
+            ):
+                chain.append(m)
+                pos, complete = mi.stop, mi.stop is None
+        kept = {m.shard for m in chain}
+        shards = {
+            n.lstrip(".").removesuffix(".manifest.json").removesuffix(".parquet")
+            for n in self.files.get(base, [])
+        }
+        dead = sorted(shards - kept)
+        registered = {m.inputs[0].key: m.shard for m in chain}
+        for key in self.keys.get(base, []):  # what no longer holds: a shard redone, a resume point
+            if key not in registered:
+                self.registry.pop(key, None)
+        self.registry.update(registered)
+        if complete:
+            return None, chain, changed, dead
+        shard = (
+            next_shard(chain[-1].shard) if chain else base if stage.shard_rows is None else f"{base}-00000"
+        )
+        rest = inp.model_copy(update={"start": pos})
+        self.registry[rest.key] = shard  # the next shard, until it is made (verify: a hole)
+        task = ShardTask(shard=shard, inputs=(rest,), out_dir=out_key, every=stage.shard_rows)
+        return task, chain, changed, dead
 
 
 def preview_run(stage: Stage, out_dir: AnyPath) -> tuple[RunPlan, str]:
@@ -273,10 +390,10 @@ def preview_run(stage: Stage, out_dir: AnyPath) -> tuple[RunPlan, str]:
             tasks = [ShardTask(shard="", inputs=(inp,), out_dir=storage.key(out)) for inp in inputs]
             return RunPlan(stage, out, tasks, []), " (config changed: needs --overwrite)"
     registry = json.loads((out / SHARDS_FILE).read_bytes()) if SHARDS_FILE in names else {}
-    todo, done, stale = _sort_shards(
-        inputs, registry, read_manifests(out, names), names, stage.config_hash, out
+    todo, done, stale, _ = _sort_shards(
+        stage, inputs, registry, read_manifests(out, names), names, stage.config_hash, out
     )
-    return RunPlan(stage, out, todo, done, stale), ""
+    return RunPlan(stage, out, todo, done, stale, registry), ""
 
 
 def _output_present(m: ShardManifest, names: dict[str, int]) -> bool:
@@ -306,25 +423,47 @@ def _mismatch_message(out: AnyPath, old: StageRecord, new: StageRecord) -> str:
 
 
 def run_task(stage: Stage, task: ShardTask) -> ShardResult:
-    """Run one shard; any exception becomes a failed result naming the shard, never a crash of the run."""
+    """Run one task, committing each shard it makes; any exception becomes a failed result naming the
+    shard (keeping the shards committed before it), never a crash of the run."""
+    committed: list[dict] = []
+    made = None
     start = time.perf_counter()
     try:
-        manifest = stage.process(task)
-        manifest.seconds = round(time.perf_counter() - start, 3)
-        output = storage.path(task.out_dir) / manifest.output
-        with storage.open_input(output) as f:  # its size and footer, once, here: readers need no footer
-            footer = pq.read_metadata(f)
-            manifest.output_bytes = f.size if hasattr(f, "size") else os.fstat(f.fileno()).st_size
-        manifest.output_row_groups = [footer.row_group(i).num_rows for i in range(footer.num_row_groups)]
-        _test_delay()
-        write_json_atomic(json.loads(manifest.model_dump_json()), manifest_path(task.out_dir, task.shard))
-        return ShardResult(shard=task.shard, manifest=json.loads(manifest.model_dump_json()))
+        made = stage.process(task)
+        for manifest in [made] if isinstance(made, ShardManifest) else made:
+            manifest.seconds = round(time.perf_counter() - start, 3)
+            _commit(manifest, task.out_dir)
+            committed.append(json.loads(manifest.model_dump_json()))
+            start = time.perf_counter()
+        return ShardResult(shard=task.shard, manifests=committed)
     except Exception as e:
         inputs = ", ".join(i.key for i in task.inputs)
         detail = traceback.format_exc(limit=3) if not isinstance(e, (ValueError, OSError)) else ""
-        return ShardResult(
-            shard=task.shard, error=f"{type(e).__name__}: {e} (input {inputs}){detail and chr(10) + detail}"
+        # a streamed task that committed shards failed in the next one: name it, and what is kept
+        where = (
+            f"{next_shard(committed[-1]['shard'])} failed after {len(committed)} committed: "
+            if committed
+            else ""
         )
+        return ShardResult(
+            shard=task.shard,
+            manifests=committed,
+            error=f"{where}{type(e).__name__}: {e} (input {inputs}){detail and chr(10) + detail}",
+        )
+    finally:
+        if hasattr(made, "close"):  # a streamed task stopped early: its open shard is discarded
+            made.close()
+
+
+def _commit(manifest: ShardManifest, out_dir: str) -> None:
+    """Record the shard's parquet size and row groups in its manifest and write it: the commit."""
+    output = storage.path(out_dir) / manifest.output
+    with storage.open_input(output) as f:  # its size and footer, once, here: readers need no footer
+        footer = pq.read_metadata(f)
+        manifest.output_bytes = f.size if hasattr(f, "size") else os.fstat(f.fileno()).st_size
+    manifest.output_row_groups = [footer.row_group(i).num_rows for i in range(footer.num_row_groups)]
+    _test_delay()
+    write_json_atomic(json.loads(manifest.model_dump_json()), manifest_path(out_dir, manifest.shard))
 
 
 def _test_delay() -> None:
@@ -340,24 +479,67 @@ def reconcile_results(plan: RunPlan, results: list[ShardResult], missing_reason:
     counts as done only if its manifest reached the disk; otherwise it fails with `missing_reason`."""
     by_shard = {r.shard: r for r in results}
     out = []
+    names = None
     for task in plan.todo:
         result = by_shard.get(task.shard)
         if result is None:
-            try:
-                manifest = ShardManifest.model_validate_json(
-                    manifest_path(task.out_dir, task.shard).read_bytes()
-                )
-            except FileNotFoundError:
-                manifest = None
-            if manifest is not None and manifest.config_hash == plan.stage.config_hash:
-                names = storage.listing(plan.out_dir)
-                if list(manifest.inputs) == list(task.inputs) and _output_present(manifest, names):
-                    result = ShardResult(task.shard, manifest=json.loads(manifest.model_dump_json()))
-            if result is None:
+            names = storage.listing(plan.out_dir) if names is None else names
+            committed = _committed(plan, task, names)
+            result = ShardResult(task.shard, manifests=[json.loads(m.model_dump_json()) for m in committed])
+            if not _covers(task, committed):
                 inputs = ", ".join(i.key for i in task.inputs)
-                result = ShardResult(task.shard, error=f"{missing_reason} (input {inputs})")
+                result.error = f"{missing_reason} (input {inputs})"
         out.append(result)
     return out
+
+
+def _committed(plan: RunPlan, task: ShardTask, names: dict[str, int]) -> list[ShardManifest]:
+    """The shards of `task` whose manifests reached the store, in order, from its first row on."""
+    (inp,) = task.inputs
+    found, shard, pos = [], task.shard, inp.start
+    while manifest_name(shard) in names:
+        m = ShardManifest.model_validate_json(manifest_path(task.out_dir, shard).read_bytes())
+        (mi,) = m.inputs
+        same = mi.model_copy(update={"start": inp.start, "stop": inp.stop}) == inp
+        if not (same and mi.start == pos and m.config_hash == plan.stage.config_hash):
+            break
+        if not _output_present(m, names):
+            break
+        found.append(m)
+        if task.every is None or mi.stop == inp.stop:
+            break
+        shard, pos = next_shard(shard), mi.stop
+    return found
+
+
+def _covers(task: ShardTask, manifests: list[ShardManifest]) -> bool:
+    """Whether the shards committed cover the task's input to its end."""
+    return bool(manifests) and manifests[-1].inputs[0].stop == task.inputs[0].stop
+
+
+def _register(plan: RunPlan, results: list[ShardResult]) -> None:
+    """Record in .shards.json the shards streamed tasks made (their rows were unknown when planned),
+    and where each stopped short resumes: verify then finds every shard registered, and a hole named."""
+    by_shard = {r.shard: r for r in results}
+    changed = False
+    for task in plan.todo:
+        result = by_shard.get(task.shard)
+        if result is None or not result.manifests:
+            continue
+        (inp,) = task.inputs
+        manifests = [ShardManifest.model_validate(m) for m in result.manifests]
+        keys = {m.inputs[0].key: m.shard for m in manifests}
+        if keys == {inp.key: task.shard}:
+            continue  # one shard, as planned
+        if plan.registry.get(inp.key) == task.shard:
+            del plan.registry[inp.key]
+        plan.registry.update(keys)
+        if not _covers(task, manifests):  # the rest: the next shard's, until it is made
+            rest = inp.model_copy(update={"start": manifests[-1].inputs[0].stop})
+            plan.registry[rest.key] = next_shard(manifests[-1].shard)
+        changed = True
+    if changed:
+        write_json_atomic(plan.registry, storage.path(plan.out_dir) / SHARDS_FILE)
 
 
 @dataclass
@@ -392,10 +574,12 @@ class RunSummary:
 
 
 def finish_run(plan: RunPlan, results: list[ShardResult], seconds: float) -> RunSummary:
+    _register(plan, results)  # first: a failed run's committed shards stay registered
     failures = [r for r in results if not r.ok]
     if failures:
         raise StageFailed(plan.stage.name, failures)
-    manifests = plan.done + [ShardManifest.model_validate(r.manifest) for r in results]
+    made = [ShardManifest.model_validate(m) for r in results for m in r.manifests]
+    manifests = plan.done + made
     rejected: dict[str, int] = {}
     for m in manifests:
         for k, v in m.rejected.items():
@@ -404,7 +588,7 @@ def finish_run(plan: RunPlan, results: list[ShardResult], seconds: float) -> Run
         stage=plan.stage.name,
         out_dir=str(plan.out_dir),
         shards_done_before=len(plan.done),
-        shards_run=len(results),
+        shards_run=len(made),
         docs_in=sum(m.docs_in for m in manifests),
         rows_out=sum(m.rows_out for m in manifests),
         docs_out=sum(m.docs_out for m in manifests),

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator
 
 import pyarrow as pa
 
 from entroweight import __version__, storage
 from entroweight.schemas import FileMetadata, ShardManifest, with_file_metadata
+from entroweight.schemas.manifest import ShardInput
 from entroweight.transforms.prefetch import prefetch
-from entroweight.transforms.sources import DocumentReader, expand_sources, plan_inputs, resolve_hub
+from entroweight.transforms.sources import (
+    Cut,
+    DocumentReader,
+    plan_inputs,
+    rejects_table,
+    resolve_hub,
+    source_files,
+)
 from entroweight.transforms.tokenize import OVERFLOW, SequenceBuilder
 from entroweight.transforms.tokenizer import (
     LoadedTokenizer,
@@ -19,12 +28,12 @@ from entroweight.transforms.tokenizer import (
 )
 from entroweight.transforms.writer import AtomicParquetWriter, write_table_atomic
 
-from .stage import REJECTS_DIR, ShardTask, Stage
+from .stage import REJECTS_DIR, ShardTask, Stage, next_shard
 
 
 class TokenizeStage(Stage):
     name = "tokenize"
-    _heavy = ("_tok",)
+    _heavy = ("_tok", "_listed")  # the listing too: 100,000 paths need not travel to workers
 
     def __init__(
         self,
@@ -89,13 +98,19 @@ class TokenizeStage(Stage):
             **({"hub_revisions": {s: h.revision for s, h in self.hub.items()}} if self.hub else {}),
         }
 
+    def _files(self) -> dict:
+        """The source files, listed once per stage object (planning and the --out check share them)."""
+        if getattr(self, "_listed", None) is None:
+            self._listed = source_files(self.sources)
+        return self._listed
+
     def plan_inputs(self):
-        return plan_inputs(self.sources, self.shard_docs, self.hub)
+        return plan_inputs(self.sources, self.shard_docs, self.hub, files=self._files())
 
     def input_paths(self) -> list[str]:
         # the sources as named (a directory, not only its files: --out may not lie inside it)
         named = [s for s in self.sources if not s.startswith("hf:") and not any(c in s for c in "*?[")]
-        globbed = [s for s in expand_sources(self.sources) if not s.startswith("hf:")]
+        globbed = [s for s in self._files() if not s.startswith("hf:")]
         return [*named, *globbed]
 
     def file_metadata(self) -> dict:
@@ -117,74 +132,117 @@ class TokenizeStage(Stage):
     def carry(self, out_dir) -> None:
         carry_tokenizer(self.tok.path, out_dir)  # score, train, eval-bpb then need no --tokenizer
 
-    def process(self, task: ShardTask) -> ShardManifest:
-        out = storage.path(task.out_dir)
-        builder = SequenceBuilder(self.tok, self.n_ctx, self.pack, task.shard, self.overflow)
-        schema = with_file_metadata(builder.schema, self.file_metadata())
-        output = f"{task.shard}.parquet"
-        docs_in, rejected, rejects_file, rejects_sha = 0, collections.Counter(), None, None
-        readers = [DocumentReader(inp, self.text_column) for inp in task.inputs]
-        seen: set[str] = set()
-        duplicates_kept = 0  # ids seen before in this shard, kept (without --reject-duplicates)
+    @property
+    def shard_rows(self) -> int | None:
+        return self.shard_docs
 
-        def encoded(reader):
-            nonlocal duplicates_kept
-            for docs in prefetch(reader):
-                docs, n_dup = _duplicates(docs, seen, reader, self.reject_duplicates)
-                duplicates_kept += n_dup
-                yield docs, builder.encode(docs)
+    def streams(self, inp: ShardInput) -> bool:
+        return inp.fmt.startswith("jsonl")  # JSON lines: rows counted only by reading them
+
+    def process(self, task: ShardTask) -> Iterator[ShardManifest]:
+        """One pass over the task's input: a shard per Cut of the reader (every `task.every` rows and
+        at the end), each yielded to be committed before the next one is finished."""
+        (inp,) = task.inputs
+        out = storage.path(task.out_dir)
+        reader = DocumentReader(inp, self.text_column)
+        encode = SequenceBuilder(self.tok, self.n_ctx, self.pack, task.shard, self.overflow).encode
+        seen: set[str] = set()  # ids of the current shard: duplicates are counted per shard
+
+        def encoded():
+            for piece in prefetch(reader.pieces(task.every)):
+                if isinstance(piece, Cut):
+                    seen.clear()
+                    yield piece, None, None
+                    continue
+                docs, duplicates = _duplicates(piece, seen, reader, self.reject_duplicates)
+                yield docs, duplicates, encode(docs)
 
         # Three threads: read+parse, encode (releases the GIL), pad+write: the encoder never waits on I/O.
-        with AtomicParquetWriter(out / output, schema) as writer:
-            for reader in readers:
-                for docs, ids in prefetch(encoded(reader)):
-                    for batch in builder.add(docs, ids):
-                        writer.write(batch)
-            for batch in builder.finish():
-                writer.write(batch)
-            sha = writer.close()
-        for reader in readers:
-            docs_in += reader.docs_in
-            rejected.update(r["reason"] for r in reader.rejects)
-        if rejected:
-            rejects_file = f"{REJECTS_DIR}/{task.shard}.parquet"
-            table = pa.concat_tables([r.rejects_table() for r in readers])
-            rejects_sha = write_table_atomic(table, out / rejects_file)
+        shard = _Shard(self, out, task.shard)
+        try:
+            for piece, duplicates, ids in prefetch(encoded()):
+                if not isinstance(piece, Cut):
+                    shard.add(piece, duplicates, ids)
+                    continue
+                yield shard.close(piece, inp)
+                if piece.last:
+                    return
+                shard = _Shard(self, out, next_shard(shard.name))
+        except BaseException:
+            shard.abort()
+            raise
+
+
+class _Shard:
+    """One output shard of a tokenize task being written: its sequences, duplicates and writer."""
+
+    def __init__(self, stage: TokenizeStage, out, name: str):
+        self.stage, self.out, self.name = stage, out, name
+        self.builder = SequenceBuilder(stage.tok, stage.n_ctx, stage.pack, name, stage.overflow)
+        schema = with_file_metadata(self.builder.schema, stage.file_metadata())
+        self.writer = AtomicParquetWriter(out / f"{name}.parquet", schema)
+        self.rejects: list[dict] = []  # duplicate ids rejected (the reader's come with the Cut)
+        self.duplicates_kept = 0  # ids seen before in this shard, kept (without --reject-duplicates)
+        self.committed = False
+
+    def add(self, docs: pa.RecordBatch, duplicates: tuple[list[dict], int], ids) -> None:
+        rejects, kept = duplicates
+        self.rejects += rejects
+        self.duplicates_kept += kept
+        for batch in self.builder.add(docs, ids):
+            self.writer.write(batch)
+
+    def abort(self) -> None:
+        if not self.committed:
+            self.writer.abort()
+
+    def close(self, cut: Cut, inp: ShardInput) -> ShardManifest:
+        """Commit the parquet, then the rejects; the manifest (returned) is written by run_task, last."""
+        builder, stage = self.builder, self.stage
+        for batch in builder.finish():
+            self.writer.write(batch)
+        sha = self.writer.close()
+        self.committed = True
+        rejects = cut.rejects + self.rejects
+        rejects_file = rejects_sha = None
+        if rejects:
+            rejects_file = f"{REJECTS_DIR}/{self.name}.parquet"
+            rejects_sha = write_table_atomic(rejects_table(rejects), self.out / rejects_file)
         return ShardManifest(
-            shard=task.shard,
-            stage=self.name,
-            inputs=list(task.inputs),
-            output=output,
+            shard=self.name,
+            stage=stage.name,
+            inputs=[inp.model_copy(update={"start": cut.start, "stop": cut.stop})],
+            output=f"{self.name}.parquet",
             output_sha256=sha,
             rows_out=builder.n_seq,
-            docs_in=docs_in,
+            docs_in=cut.docs_in,
             docs_out=builder.docs_out,
-            rejected=dict(rejected),
+            rejected=dict(collections.Counter(r["reason"] for r in rejects)),
             rejects_file=rejects_file,
             rejects_sha256=rejects_sha,
-            n_tokens=builder.n_seq * self.n_ctx,
+            n_tokens=builder.n_seq * stage.n_ctx,
             n_real_tokens=builder.n_real_tokens,
             n_bytes=builder.n_bytes,
-            config_hash=self.config_hash,
+            config_hash=stage.config_hash,
             code_version=__version__,
             extra={
                 "n_truncated": builder.n_truncated,
                 "bytes_dropped": builder.bytes_dropped,
-                "duplicate_ids_kept": duplicates_kept,
+                "duplicate_ids_kept": self.duplicates_kept,
             },
         )
 
 
 def _duplicates(docs, seen: set[str], reader: DocumentReader, reject: bool):
-    """(docs, duplicates kept): a repeated id is rejected (counted) with `reject`, else kept and counted."""
-    keep, kept = [], 0
+    """(docs, (rejects, duplicates kept)): a repeated id is rejected with `reject`, else kept and counted."""
+    keep, kept, rejects = [], 0, []
     for i, doc_id in enumerate(docs.column("id").to_pylist()):
         if doc_id not in seen:
             seen.add(doc_id)
             keep.append(i)
         elif reject:
-            reader._reject(doc_id, "duplicate_id", "id seen before in this shard")
+            rejects.append(reader.reject_record(doc_id, "duplicate_id", "id seen before in this shard"))
         else:
             keep.append(i)
             kept += 1
-    return (docs.take(pa.array(keep, pa.int64())) if len(keep) < docs.num_rows else docs), kept
+    return (docs.take(pa.array(keep, pa.int64())) if len(keep) < docs.num_rows else docs), (rejects, kept)

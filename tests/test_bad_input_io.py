@@ -275,7 +275,11 @@ def test_symlinked_subdirectory_is_followed_and_a_loop_refused(tmp_path, c4_line
 
 
 def test_beam_shows_shard_progress(tmp_path, c4_lines, tokenizer_dir):
-    src = write(tmp_path / "c4.jsonl", c4_lines)
+    # one task per JSON-lines file (it cuts its own shards as it reads): the bar counts tasks
+    src = tmp_path / "src"
+    src.mkdir()
+    for k in range(3):
+        write(src / f"c4-{k}.jsonl", c4_lines[10 * k : 10 * k + 10])
     cmd = [
         sys.executable,
         "-m",
@@ -285,7 +289,7 @@ def test_beam_shows_shard_progress(tmp_path, c4_lines, tokenizer_dir):
         "--tokenizer",
         str(tokenizer_dir),
     ]
-    cmd += ["--out", str(tmp_path / "out"), "--shard-docs", "10", "--engine", "beam"]
+    cmd += ["--out", str(tmp_path / "out"), "--engine", "beam"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "tokenize (beam)" in res.stderr and "3/3" in res.stderr

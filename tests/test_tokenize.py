@@ -69,10 +69,22 @@ def test_every_format_reads_the_same_documents(c4_formats, name):
 
 @pytest.mark.parametrize("name", ["a.jsonl", "b.json.gz", "c.jsonl.zst", "d.parquet"])
 def test_large_files_split_into_shards_without_gaps(c4_formats, name):
+    """Parquet is planned by row groups from its footer; JSON lines, whose rows cannot be counted
+    without reading them, is one input cut as it is read: the same shards either way."""
     d, rows = c4_formats
     shards = plan_inputs([str(d / name)], shard_docs=50)
-    assert [(s.start, s.stop) for s in shards] == [(0, 50), (50, 100), (100, 120)]
-    texts = [t for s in shards for b in DocumentReader(s) for t in b.column("text").to_pylist()]
+    if name.endswith(".parquet"):
+        assert [(s.start, s.stop) for s in shards] == [(0, 50), (50, 100), (100, 120)]
+        pieces = [p for s in shards for p in DocumentReader(s).pieces()]
+        end = 120
+    else:
+        assert [(s.start, s.stop) for s in shards] == [(0, None)]
+        pieces = list(DocumentReader(shards[0]).pieces(every=50))
+        end = None  # the last shard runs to the end of the file
+    cuts = [(c.start, c.stop, c.docs_in, c.last) for c in pieces if isinstance(c, sources.Cut)]
+    assert cuts[-1] == (100, end, 20, True)
+    assert cuts[:-1] == [(0, 50, 50, name.endswith(".parquet")), (50, 100, 50, name.endswith(".parquet"))]
+    texts = [t for b in pieces if isinstance(b, pa.RecordBatch) for t in b.column("text").to_pylist()]
     assert texts == [r["text"] for r in rows]
 
 
@@ -268,7 +280,7 @@ def test_metadata_manifest_and_resume(tmp_path, tokenizer_dir, c4_path):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     first, out = tokenize(tmp_path, [tmp_path / "in.jsonl"], tokenizer_dir, shard_docs=40)
     assert first.shards_run == 3
-    meta = read_file_metadata(out / "part-00001.parquet")
+    meta = read_file_metadata(out / "part-00000-00001.parquet")
     tok = load_tokenizer(tokenizer_dir)
     for key in (
         "tokenizer_sha256",
@@ -281,20 +293,20 @@ def test_metadata_manifest_and_resume(tmp_path, tokenizer_dir, c4_path):
     ):
         assert key in meta
     assert meta["tokenizer_sha256"] == tok.sha256 and meta["n_ctx"] == 64 and meta["padding_side"] == "left"
-    assert METADATA_KEY in pq.read_schema(out / "part-00000.parquet").metadata
-    manifest = json.loads((out / ".part-00002.manifest.json").read_text())
+    assert METADATA_KEY in pq.read_schema(out / "part-00000-00000.parquet").metadata
+    manifest = json.loads((out / ".part-00000-00002.manifest.json").read_text())
     assert manifest["docs_out"] == 20 and manifest["rows_out"] >= 20  # long documents span rows
     assert manifest["config_hash"] == meta["config_hash"]
     from entroweight.transforms.writer import sha256_file
 
-    assert manifest["output_sha256"] == sha256_file(out / "part-00002.parquet")
+    assert manifest["output_sha256"] == sha256_file(out / "part-00000-00002.parquet")
 
-    # a killed run leaves a temp file and misses a shard: the rerun redoes only that shard
+    # a killed run leaves a temp file and misses a shard: the rerun resumes the file from that shard
     hashes = {p.name: sha256_file(p) for p in out.glob("part-*.parquet")}
-    (out / ".part-00001.manifest.json").unlink()
-    (out / "part-00001.parquet.tmp-deadbeef").write_bytes(b"partial")
+    (out / ".part-00000-00001.manifest.json").unlink()
+    (out / "part-00000-00001.parquet.tmp-deadbeef").write_bytes(b"partial")
     again, _ = tokenize(tmp_path, [tmp_path / "in.jsonl"], tokenizer_dir, shard_docs=40)
-    assert (again.shards_run, again.shards_done_before) == (1, 2)
+    assert (again.shards_run, again.shards_done_before) == (2, 1)
     assert not list(out.glob("*.tmp-*"))
     assert {p.name: sha256_file(p) for p in out.glob("part-*.parquet")} == hashes
     nothing, _ = tokenize(tmp_path, [tmp_path / "in.jsonl"], tokenizer_dir, shard_docs=40)

@@ -48,15 +48,18 @@ register(IdParity)
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory, c4_path, tokenizer_dir):
-    """40 C4 docs, 8 short ones (left pads) and 2 bad rows: 4 shards, n_ctx 32."""
-    src = tmp_path_factory.mktemp("vsrc") / "c4.jsonl"
+    """40 C4 docs, 8 short ones (left pads) and 2 bad rows: 4 files of 15 rows (the last 5), a shard
+    each (part-00000 ... part-00003), n_ctx 32."""
+    src = tmp_path_factory.mktemp("vsrc")
     with gzip.open(c4_path, "rt", encoding="utf-8") as f:
         lines = [next(f) for _ in range(40)]
     short = [json.dumps({"text": f"A short document, number {i}."}) + "\n" for i in range(0, 40, 5)]
     lines = [x for i, line in enumerate(lines) for x in ([short[i // 5], line] if i % 5 == 0 else [line])]
-    src.write_text("".join(lines) + '{"text": "  "}\nnot json\n')
+    lines += ['{"text": "  "}\n', "not json\n"]
+    for k in range(4):
+        (src / f"c4-{k}.jsonl").write_text("".join(lines[15 * k : 15 * k + 15]))
     out = tmp_path_factory.mktemp("vtokens")
-    run_stage(TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=15), out, progress=False)
+    run_stage(TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX), out, progress=False)
     return out
 
 

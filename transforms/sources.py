@@ -83,13 +83,15 @@ def is_stage_output(path: str | Path) -> bool:
     return (storage.path(path).parent / STAGE_MARKER).exists()
 
 
-def _expand_url(spec: str) -> list[str]:
-    """The data files a URL names (s3://bucket/prefix/*.jsonl.gz, a prefix, an object): one listing,
-    hidden files and stage outputs skipped as for local directories."""
+def _expand_url(spec: str) -> dict[str, int]:
+    """{url: size} of the data files a URL names (s3://bucket/prefix/*.jsonl.gz, a prefix, an object),
+    from the listing alone (one LIST per 1,000 objects, no request per file); hidden files and stage
+    outputs skipped as for local directories."""
     fs, inner = storage.filesystem(spec)
     proto = spec.split("://", 1)[0]
+    walked = False  # a directory's walk skips stage outputs already
     if any(ch in spec for ch in "*?["):
-        found = sorted(fs.glob(inner))
+        found = fs.glob(inner, detail=True)
         if not found:
             raise SourceError(f"the glob {spec!r} matches no file")
     elif fs.isdir(inner):
@@ -98,32 +100,37 @@ def _expand_url(spec: str) -> list[str]:
                 f"{spec} is the output of an entroweight stage ({STAGE_MARKER}), not documents; "
                 "name the documents it was made from"
             )
-        found = sorted(fs.find(inner))
+        found, walked = fs.find(inner, detail=True), True
         root = inner.rstrip("/") + "/"
         stage_dirs = {f.rsplit("/", 1)[0] for f in found if f.endswith("/" + STAGE_MARKER)}
-        found = [
-            f
-            for f in found
+        found = {
+            f: info
+            for f, info in found.items()
             if not any(part.startswith(".") for part in f[len(root) :].split("/"))
             and not any(f.startswith(d + "/") for d in stage_dirs)
-        ]
+        }
         if not any(file_format(f) for f in found):
             raise SourceError(f"the directory {spec} holds no {', '.join(sorted(SUFFIXES))} file")
     elif fs.isfile(inner):
-        found = [inner]
+        found = {inner: fs.info(inner)}
     else:
         raise SourceError(f"no such file, directory or hub id: {spec}")
-    files = [f"{proto}://{f}" for f in found if file_format(f)]
-    listings: dict[str, dict[str, int]] = {}  # one listing per directory, not one request per file
-    for f in files:
-        parent = f.rsplit("/", 1)[0]
-        if STAGE_MARKER in listings.setdefault(parent, storage.listing(parent)):
-            raise SourceError(
-                f"{f} belongs to the output of an entroweight stage ({STAGE_MARKER} beside it), "
-                "not documents; name the documents it was made from"
-            )
+    files = {
+        f"{proto}://{f}": int(info.get("size") or 0)
+        for f, info in sorted(found.items())
+        if file_format(f) and info.get("type", "file") == "file"
+    }
     if not files:
         raise SourceError(f"{spec!r} names no readable input (suffixes: {', '.join(sorted(SUFFIXES))})")
+    if not walked:  # a glob or an object: is it a stage's file? one listing per directory
+        listings: dict[str, dict[str, int]] = {}
+        for f in files:
+            parent = f.rsplit("/", 1)[0]
+            if STAGE_MARKER in listings.setdefault(parent, storage.listing(parent)):
+                raise SourceError(
+                    f"{f} belongs to the output of an entroweight stage ({STAGE_MARKER} beside it), "
+                    "not documents; name the documents it was made from"
+                )
     return files
 
 
@@ -148,14 +155,21 @@ def _walk(root: str) -> list[str]:
 
 def expand_sources(specs: list[str]) -> list[str]:
     """Files (sorted, deduplicated) and hub ids named by the SOURCE arguments."""
-    out: list[str] = []
+    return list(source_files(specs))
+
+
+def source_files(specs: list[str]) -> dict[str, tuple[int, int | None] | None]:
+    """{file: (size, mtime in ns or None)} of the files named by the SOURCE arguments, sorted per
+    argument and deduplicated, and {hub id: None}. From listings and stats only: no file is opened."""
+    out: dict[str, tuple[int, int | None] | None] = {}
     for spec in specs:
         if spec.startswith("hf:"):
             parse_hub_id(spec)
-            out.append(spec)
+            out[spec] = None
             continue
         if storage.is_url(spec):
-            out.extend(_expand_url(spec))
+            # object stores keep no stable mtime across listings: the size stands alone
+            out.update((f, (size, None)) for f, size in _expand_url(spec).items())
             continue
         if any(ch in spec for ch in "*?["):
             matches = sorted(glob.glob(spec, recursive=True))
@@ -174,17 +188,23 @@ def expand_sources(specs: list[str]) -> list[str]:
             matches = [spec]
         else:
             raise SourceError(f"no such file, directory or hub id: {spec}")
-        files = [m for m in matches if os.path.isfile(m) and file_format(m)]
-        outputs = [f for f in files if is_stage_output(f)]
-        if outputs:
-            raise SourceError(
-                f"{outputs[0]} belongs to the output of an entroweight stage ({STAGE_MARKER} beside it), "
-                "not documents; name the documents it was made from"
-            )
+        files = [m for m in matches if file_format(m) and os.path.isfile(m)]
         if not files:
             raise SourceError(f"{spec!r} names no readable input (suffixes: {', '.join(sorted(SUFFIXES))})")
-        out.extend(str(Path(f).resolve()) for f in files)
-    return list(dict.fromkeys(out))
+        real_dirs: dict[str, str] = {}  # a directory resolved, and checked for a stage's marker, once
+        for f in files:
+            parent, name = os.path.split(f)
+            if parent not in real_dirs:
+                if is_stage_output(f):
+                    raise SourceError(
+                        f"{f} belongs to the output of an entroweight stage ({STAGE_MARKER} beside it), "
+                        "not documents; name the documents it was made from"
+                    )
+                real_dirs[parent] = os.path.realpath(parent or ".")
+            real = os.path.realpath(f) if os.path.islink(f) else os.path.join(real_dirs[parent], name)
+            st = os.stat(real)
+            out[real] = (st.st_size, st.st_mtime_ns)
+    return out
 
 
 # ---------------------------------------------------------------- planning: files -> shards
@@ -246,46 +266,61 @@ class _ZstdFrames(io.RawIOBase):
         super().close()
 
 
-def _count_rows(path: str, fmt: str) -> int:
-    if fmt == "parquet":
-        with storage.open_input(path) as f:
-            return pq.ParquetFile(f).metadata.num_rows
-    n, last = 0, b"\n"
-    with _open_binary(path, fmt) as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            n += chunk.count(b"\n")
-            last = chunk[-1:]
-    return n + (last != b"\n")  # a last line without a newline still counts
-
-
 def plan_inputs(
-    specs: list[str], shard_docs: int | None = None, hub: dict[str, HubFiles] | None = None
+    specs: list[str],
+    shard_docs: int | None = None,
+    hub: dict[str, HubFiles] | None = None,
+    files: dict[str, tuple[int, int | None] | None] | None = None,
 ) -> list[ShardInput]:
-    """One ShardInput per shard: a file, a range of its rows (`shard_docs` per shard), or for a hub
-    dataset a run of its parquet row groups. `hub`: the hub sources already resolved (resolve_hub)."""
+    """One ShardInput per task, from listings and parquet footers only (no file body is opened):
+    a JSON-lines file whole (its rows cannot be counted without reading it all: the task that reads
+    it cuts it into shards of `shard_docs` as it goes), a parquet file whole or, with `shard_docs`,
+    by runs of row groups, and a hub dataset's parquet by runs of row groups.
+    `hub`: the hub sources already resolved (resolve_hub); `files`: source_files(specs), if listed."""
     if shard_docs is not None and shard_docs < 1:  # 0 or -1 once dropped every document, exit 0
         raise SourceError(f"--shard-docs must be at least 1, not {shard_docs}")
     shards: list[ShardInput] = []
-    for spec in expand_sources(specs):
-        if spec.startswith("hf:"):
+    files = source_files(specs) if files is None else files
+    footers = _footers([f for f in files if shard_docs and file_format(f) == "parquet"])
+    for spec, stat in files.items():
+        if stat is None:
             resolved = (hub or {}).get(spec) or resolve_hub([spec])[spec]
             shards += hub_shards(resolved, shard_docs)
             continue
-        fmt = file_format(spec)
-        size, mtime_ns = storage.stat(spec)
-        common = dict(uri=spec, fmt=fmt, size=size, mtime_ns=mtime_ns)
-        if shard_docs is None:
+        common = dict(uri=spec, fmt=file_format(spec), size=stat[0], mtime_ns=stat[1])
+        if spec in footers:
+            shards += _row_group_shards(ShardInput(**common), footers[spec], shard_docs)
+        else:  # unreadable footer: one shard, which then fails with the reader's message
             shards.append(ShardInput(**common))
-            continue
-        try:
-            n = _count_rows(spec, fmt)
-        except Exception:
-            # unreadable: one shard, which then fails with the reader's message; the others go on
-            shards.append(ShardInput(**common))
-            continue
-        for start in range(0, max(n, 1), shard_docs):
-            shards.append(ShardInput(**common, start=start, stop=min(start + shard_docs, n)))
     return shards
+
+
+def _footers(urls: list[str]) -> dict[str, pq.FileMetaData]:
+    """The parquet footers of `urls` read in parallel (a ranged read each); unreadable ones left out."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def footer(url: str):
+        try:
+            with storage.open_input(url) as f:
+                return pq.read_metadata(f)
+        except Exception:  # noqa: BLE001 - the shard fails later, naming the file
+            return None
+
+    with ThreadPoolExecutor(16) as pool:
+        return {u: md for u, md in zip(urls, pool.map(footer, urls), strict=True) if md is not None}
+
+
+def _row_group_shards(whole: ShardInput, md: pq.FileMetaData, shard_docs: int | None) -> list[ShardInput]:
+    """Runs of consecutive row groups of about `shard_docs` rows (at least one group each), so that
+    every row group is read by one shard only; an empty file is one empty shard."""
+    shards, start, rows = [], 0, 0
+    for rg in range(md.num_row_groups):
+        rows += md.row_group(rg).num_rows
+        last = rg == md.num_row_groups - 1
+        if rows and (last or shard_docs is None or rows >= shard_docs):
+            shards.append(whole.model_copy(update={"start": start, "stop": start + rows}))
+            start, rows = start + rows, 0
+    return shards or [whole.model_copy(update={"start": 0, "stop": 0})]
 
 
 # ---------------------------------------------------------------- reading: shard -> documents
@@ -294,6 +329,18 @@ def plan_inputs(
 def text_id(text: str) -> str:
     """Stable id of a document that has none (C4): a hash of its text."""
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+
+
+@dataclass
+class Cut:
+    """The end of one output shard's rows in a DocumentReader's pieces: rows [start, stop) of the
+    input (stop None: to its end), how many there were, and those rejected, with a reason each."""
+
+    start: int
+    stop: int | None
+    docs_in: int
+    rejects: list[dict]
+    last: bool  # the input's last shard
 
 
 class DocumentReader:
@@ -312,16 +359,35 @@ class DocumentReader:
         self.docs_in = 0
 
     # -- rows -> documents
-    def _reject(self, doc_id: str, reason: str, detail: str | None = None) -> None:
-        self.rejects.append({"id": doc_id, "source": self.source, "reason": reason, "detail": detail})
+    def reject_record(self, doc_id: str, reason: str, detail: str | None = None) -> dict:
+        """A REJECT_SCHEMA row of this input."""
+        return {"id": doc_id, "source": self.source, "reason": reason, "detail": detail}
 
-    def _documents(self, rows: Iterator[tuple[int, dict | None, str | None]]) -> Iterator[pa.RecordBatch]:
-        """rows: (row number, parsed row or None, error reason) -> batches of valid documents."""
+    def _reject(self, doc_id: str, reason: str, detail: str | None = None) -> None:
+        self.rejects.append(self.reject_record(doc_id, reason, detail))
+
+    def _documents(
+        self, rows: Iterator[tuple[int, dict | None, str | None]], every: int | None = None
+    ) -> Iterator[pa.RecordBatch | Cut]:
+        """rows: (row number, parsed row or None, error reason) -> batches of valid documents, and a
+        Cut after each `every` rows (counted from the shard's start) and at the end."""
         ids, texts, urls = [], [], []
         n_rows = n_missing = 0
         fields: dict[str, None] = {}  # the fields rows do have, named when none has the text column
+        start = self.shard.start
+        # a cut is made when the first row past it arrives: the input's last shard is known as such
+        next_cut = start + every if every else None
+        range_in = 0
         for rowno, row, error in rows:
+            if next_cut is not None and rowno >= next_cut:
+                if texts:
+                    yield self._batch(ids, texts, urls)
+                    ids, texts, urls = [], [], []
+                self._check_text_column(n_rows, n_missing, fields)
+                yield Cut(start, next_cut, range_in, self._take_rejects(), last=False)
+                start, next_cut, range_in, n_rows, n_missing = next_cut, next_cut + every, 0, 0, 0
             self.docs_in += 1
+            range_in += 1
             fallback_id = f"{self.source}:{rowno}"
             if error is not None:
                 self._reject(fallback_id, error, f"row {rowno}")
@@ -371,11 +437,19 @@ class DocumentReader:
                 ids, texts, urls = [], [], []
         if texts:
             yield self._batch(ids, texts, urls)
+        self._check_text_column(n_rows, n_missing, fields)
+        yield Cut(start, self.shard.stop, range_in, self._take_rejects(), last=True)
+
+    def _check_text_column(self, n_rows: int, n_missing: int, fields: dict) -> None:
         if n_rows and n_missing == n_rows:  # a wrong column name, not bad documents: say so
             raise SourceError(
                 f"{self.shard.uri}: none of its {n_rows} rows has a {self.text_column!r} field "
                 f"(fields found: {', '.join(map(str, fields)) or 'none'}); pass --text-column NAME"
             )
+
+    def _take_rejects(self) -> list[dict]:
+        taken, self.rejects = self.rejects, []
+        return taken
 
     def _batch(self, ids, texts, urls) -> pa.RecordBatch:
         return pa.RecordBatch.from_arrays(
@@ -388,16 +462,25 @@ class DocumentReader:
             schema=DOCUMENT_SCHEMA,
         )
 
-    def rejects_table(self) -> pa.Table:
-        return pa.Table.from_pylist(self.rejects, schema=REJECT_SCHEMA)
-
     def __iter__(self) -> Iterator[pa.RecordBatch]:
+        """The valid documents (the rejects collect in `self.rejects`)."""
+        rejects = []
+        for piece in self.pieces():
+            if isinstance(piece, Cut):
+                rejects += piece.rejects
+            else:
+                yield piece
+        self.rejects = rejects
+
+    def pieces(self, every: int | None = None) -> Iterator[pa.RecordBatch | Cut]:
+        """The valid documents in batches, and a Cut (the rows and rejects since the last one) after
+        every `every` rows and at the end: one pass over the input makes many shards."""
         s = self.shard
         try:
             if s.fmt == "parquet":
-                yield from self._documents(self._parquet_rows())
+                yield from self._documents(self._parquet_rows(), every)
             else:
-                yield from self._documents(self._json_rows())
+                yield from self._documents(self._json_rows(), every)
         except SourceError:
             raise
         except Exception as e:  # a truncated gzip/zstd/parquet: fail this shard, naming the file
@@ -462,6 +545,10 @@ class DocumentReader:
 _MISSING = object()
 
 
+def rejects_table(rejects: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA)
+
+
 def _is_utf8(value: str) -> bool:
     """False for strings holding lone surrogates (invalid bytes read with surrogateescape, or JSON
     escapes like \\udc80): Arrow cannot store them, and they are no text."""
@@ -523,26 +610,9 @@ def hub_shards(hub: HubFiles, shard_docs: int | None = None) -> list[ShardInput]
     """Shards of a hub dataset: parquet files by row group (several consecutive ones up to
     `shard_docs` rows), so a worker opens only the row groups of its shard; other files whole.
     The footers are read in parallel, each one ranged request."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def footer(url: str):
-        with storage.open_input(url) as f:
-            return pq.read_metadata(f)
-
-    parquet = [u for u in hub.files if file_format(u) == "parquet"]
-    with ThreadPoolExecutor(16) as pool:
-        footers = dict(zip(parquet, pool.map(footer, parquet), strict=True))
+    footers = _footers([u for u in hub.files if file_format(u) == "parquet"])
     shards: list[ShardInput] = []
     for url in hub.files:
-        fmt = file_format(url) or "parquet"
-        if url not in footers:
-            shards.append(ShardInput(uri=url, fmt=fmt))
-            continue
-        md, start, rows = footers[url], 0, 0
-        for rg in range(md.num_row_groups):
-            rows += md.row_group(rg).num_rows
-            last = rg == md.num_row_groups - 1
-            if rows and (last or shard_docs is None or rows >= shard_docs):
-                shards.append(ShardInput(uri=url, fmt=fmt, start=start, stop=start + rows))
-                start, rows = start + rows, 0
+        whole = ShardInput(uri=url, fmt=file_format(url) or "parquet")
+        shards += _row_group_shards(whole, footers[url], shard_docs) if url in footers else [whole]
     return shards
