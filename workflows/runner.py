@@ -25,7 +25,6 @@ from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import run_lock
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.weigh import WeighStage
-from entroweight.schemas.tokenizer import TOKENIZER_FILE
 from entroweight.trainers.config import LossSettings, TrainSettings
 from entroweight.transforms.writer import write_json_atomic
 
@@ -37,6 +36,7 @@ from .steps import (
     EvalStep,
     HoldoutStep,
     ReportStep,
+    RunContext,
     Step,
     StepFailed,
     TokenizerStep,
@@ -93,7 +93,9 @@ class Runner:
         self.wf, self.engine, self.engine_options = wf, engine, engine_options or {}
         self.dry_run, self.overwrite, self.wait, self.echo = dry_run, overwrite, wait, echo
         self.workflow_file = workflow_file
-        self.steps: list[Step] = []
+        # what the steps see of this run (they never call back into the runner)
+        self.ctx = RunContext(wf, engine, self.engine_options, dry_run, overwrite, [], self.write_record)
+        self.steps: list[Step] = self.ctx.steps
         self.stale: set[str] = set()  # steps that would run (dry run: what reads them must wait)
 
     # -- the whole run
@@ -164,19 +166,21 @@ class Runner:
         """The workflow's steps in order; each is built when the previous ones have run."""
         wf = self.wf
         if wf.holdout is not None:
-            yield HoldoutStep("holdout", "holdout", wf.holdout_dir(), self)
-        yield TokenizerStep("tokenizer", "tokenizer", wf.tokenizer_dir(), self)
+            yield HoldoutStep("holdout", "holdout", wf.holdout_dir(), self.ctx)
+        yield TokenizerStep("tokenizer", "tokenizer", wf.tokenizer_dir(), self.ctx)
         yield self._tokenize()
         for m in wf.models:
             out = wf.model_dir(m.name)
             config = functools.partial(self._train_config, m, wf.tokens_dir(), out, loss=m.loss, seed=m.seed)
-            yield TrainStep("model", m.name, out, self, [TOKENS], make_config=config, nproc=m.nproc)
+            yield TrainStep("model", m.name, out, self.ctx, [TOKENS], make_config=config, nproc=m.nproc)
         for s in wf.scores:
             yield self._score(s)
         if wf.train:
             t = wf.train
             if wf.eval:
-                yield UnigramStep("eval", "unigram", wf.root / wf.eval.out / "unigram.json", self, [TOKENS])
+                yield UnigramStep(
+                    "eval", "unigram", wf.root / wf.eval.out / "unigram.json", self.ctx, [TOKENS]
+                )
             # seed by seed, each run evaluated once trained: a run stopped part way has every run at
             # the same number of seeds, and those are complete
             for seed in t.seeds:
@@ -186,21 +190,21 @@ class Runner:
                     config = functools.partial(
                         self._train_config, t, wf.data_dir(r.data), out, seed=seed, **loss
                     )
-                    yield TrainStep("train", name, out, self, [r.data], make_config=config, nproc=t.nproc)
+                    yield TrainStep("train", name, out, self.ctx, [r.data], make_config=config, nproc=t.nproc)
                     for text in wf.eval_texts() if wf.eval else ():
                         label = "" if text == "main" else f" ({text})"
                         yield EvalStep(
                             "eval",
                             name + label,
                             wf.eval_file(r.name, seed, text),
-                            self,
+                            self.ctx,
                             [name],
                             run_spec=r,
                             seed=seed,
                             text=text,
                         )
         if wf.report is not None:
-            yield ReportStep("report", "report", wf.root / wf.report.out, self)
+            yield ReportStep("report", "report", wf.root / wf.report.out, self.ctx)
 
     def write_record(self, seconds: float) -> None:
         record = {
@@ -215,10 +219,6 @@ class Runner:
         }
         write_json_atomic(record, self.wf.root / RUN_FILE)
 
-    def tokenizer_file(self) -> str:
-        d = self.wf.tokenizer_dir()
-        return str(d / TOKENIZER_FILE) if d.is_dir() else str(d)
-
     # -- the data stages
     def _tokenize(self) -> DataStep:
         t, wf = self.wf.tokenize, self.wf
@@ -226,7 +226,7 @@ class Runner:
         def build():
             return TokenizeStage(
                 wf.train_sources(),
-                self.tokenizer_file(),
+                self.ctx.tokenizer_file(),
                 t.n_ctx,
                 t.pack,
                 t.shard_docs,
@@ -235,7 +235,7 @@ class Runner:
                 t.overflow,
             )
 
-        return DataStep("tokenize", TOKENS, wf.tokens_dir(), self, ["tokenizer", "holdout"], build=build)
+        return DataStep("tokenize", TOKENS, wf.tokens_dir(), self.ctx, ["tokenizer", "holdout"], build=build)
 
     def _score(self, s) -> DataStep:
         from entroweight.transforms.weigh import WeighConfig, entropy_quantiles
@@ -258,11 +258,11 @@ class Runner:
                 options,
                 weigh,
                 s.with_entropy,
-                self.tokenizer_file(),
+                self.ctx.tokenizer_file(),
                 limit=s.limit_shards,
             )
 
-        return DataStep("score", s.name, wf.score_dir(s.name), self, upstream, build=build)
+        return DataStep("score", s.name, wf.score_dir(s.name), self.ctx, upstream, build=build)
 
     # -- training
     def _train_config(self, spec: ModelSpec | TrainSpec, data: Path, out: Path, **kw):
@@ -283,7 +283,7 @@ class Runner:
             out=str(out),
             model=spec.kind,
             model_config={**model_config, **spec.config},
-            tokenizer=self.tokenizer_file(),
+            tokenizer=self.ctx.tokenizer_file(),
             quiet=True,
             **spec.model_dump(include=set(TrainSettings.model_fields)),
             **kw,

@@ -30,7 +30,7 @@ from entroweight.transforms.writer import write_json_atomic
 from .report import read_metrics, write_report
 
 if TYPE_CHECKING:
-    from .runner import Runner
+    from .spec import Workflow
 
 STEP_FILE = ".workflow-step.json"  # in a tokenizer or checkpoint directory: the key it was built with
 RUN_FILE = "run.json"
@@ -58,13 +58,33 @@ def data_fingerprint(data_dir: Path) -> str:
 
 
 @dataclass
+class RunContext:
+    """What a step knows of the run it belongs to. The runner fills it in and keeps it current; a step
+    reads it and never calls back into the runner (steps.py does not import runner.py)."""
+
+    wf: Workflow
+    engine: str = "local"
+    engine_options: dict = field(default_factory=dict)
+    dry_run: bool = False
+    overwrite: bool = False
+    steps: list[Step] = field(default_factory=list)  # this run's steps so far, in order
+    #: writes run.json with the steps so far (the report step reads it)
+    write_record: Any = None
+
+    def tokenizer_file(self) -> str:
+        """The tokenizer.json of the run (a directory's file, or a file given as is)."""
+        d = self.wf.tokenizer_dir()
+        return str(d / TOKENIZER_FILE) if d.is_dir() else str(d)
+
+
+@dataclass
 class Step:
     """One step of a run: what it is, where it writes, and then what happened (run.json's record)."""
 
     kind: str  # holdout | tokenizer | tokenize | model | score | train | eval | report
     name: str
     out: Path
-    runner: Runner = field(repr=False)
+    run_ctx: RunContext = field(repr=False)
     upstream: list[str] = field(default_factory=list)
     status: str = "pending"  # up to date | ran | would run | failed
     timed = True  # "ran" is said with the seconds it took
@@ -74,7 +94,7 @@ class Step:
 
     @property
     def wf(self):
-        return self.runner.wf
+        return self.run_ctx.wf
 
     def prepare(self) -> None:
         """Resolve what the step needs that may be refused (a dry run refuses it too)."""
@@ -154,7 +174,7 @@ class TokenizerStep(Step):
             return None
         if _recorded_key(out / STEP_FILE) == self.key():
             return str(out / TOKENIZER_FILE)
-        if not self.runner.overwrite:
+        if not self.run_ctx.overwrite:
             raise WorkflowError(
                 f"{out} holds a tokenizer trained with other settings; everything downstream depends on it. "
                 "Use another run_dir, or pass --overwrite to retrain it (and redo what depends on it)"
@@ -193,7 +213,7 @@ class DataStep(Step):
             raise WorkflowError(f"{self.kind} {self.name}: {e}") from None
 
     def done(self):
-        if not self.runner.dry_run:
+        if not self.run_ctx.dry_run:
             return None  # a run always goes through the stage: it skips done shards and verifies
         self._plan, note = preview_run(self.stage(), self.out)
         self._plan_detail = f"{len(self._plan.todo)} shard(s) to run, {len(self._plan.done)} done{note}"
@@ -203,7 +223,7 @@ class DataStep(Step):
         return self._plan_detail
 
     def run(self):
-        r = self.runner
+        r = self.run_ctx
         summary = run_stage(
             self.stage(), self.out, engine=r.engine, overwrite=r.overwrite, progress=False, **r.engine_options
         )
@@ -303,7 +323,7 @@ class EvalStep(Step):
 
     def done(self):
         if not (self.ckpt / "trainer_state.json").exists():
-            if self.runner.dry_run:
+            if self.run_ctx.dry_run:
                 return None
             raise WorkflowError(f"eval {self.name}: no checkpoint at {self.ckpt}")
         cached = json.loads(self.out.read_text()) if self.out.exists() else {}
@@ -343,7 +363,7 @@ class UnigramStep(Step):
         from entroweight.trainers.bpb import unigram_bpb
 
         e = self.wf.eval
-        res = unigram_bpb([str(self.wf.tokens_dir())], self.runner.tokenizer_file(), e.text, e.max_bytes)
+        res = unigram_bpb([str(self.wf.tokens_dir())], self.run_ctx.tokenizer_file(), e.text, e.max_bytes)
         write_json_atomic({**res, "key": self.key()}, self.out)
         return "ran", f"BPB {res['bpb']:.4f}"
 
@@ -352,7 +372,7 @@ class ReportStep(Step):
     """The HTML report; rewritten whenever any step ran."""
 
     def done(self):
-        ran = any(s.status in ("ran", "would run") for s in self.runner.steps)
+        ran = any(s.status in ("ran", "would run") for s in self.run_ctx.steps)
         fresh = self.out.exists() and not ran and (self.wf.root / RUN_FILE).exists()
         return str(self.out) if fresh else None
 
@@ -360,7 +380,7 @@ class ReportStep(Step):
         return str(self.out)
 
     def run(self):
-        self.runner.write_record(0.0)  # the report reads run.json: give it this run's steps
+        self.run_ctx.write_record(0.0)  # the report reads run.json: give it this run's steps
         write_report(
             self.wf.root, self.out, samples=self.wf.report.samples, max_tokens=self.wf.report.max_tokens
         )
