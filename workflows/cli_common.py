@@ -233,12 +233,27 @@ def stage_options(f):
     return f
 
 
-def run_stage_cli(stage, out, overwrite, wait, **params):
-    """Run `stage` into `out` on the engine of `params` (the command's engine flags); exit codes above."""
+def check_output(out, reads, command: str, overwrite: bool = False, flag: str = "--out", **kw):
+    """The path rule (entroweight.storage.check_output), refused with exit 2: every command that
+    writes calls it first, before it reads or creates anything. Returns the other command's output
+    that --overwrite replaces whole (the caller removes it before writing), else None."""
+    from entroweight import storage
+
+    try:
+        return storage.check_output(out, reads, command, flag=flag, overwrite=overwrite, **kw)
+    except (storage.OutputRefused, storage.StorageError) as e:
+        _fail(str(e))
+
+
+def run_stage_cli(stage, out, overwrite, wait, reads=(), **params):
+    """Run `stage` into `out` on the engine of `params` (the command's engine flags); exit codes above.
+    `reads`: what the stage reads besides its inputs, as (flag, location) pairs, for the path rule."""
     from entroweight.pipelines import LockHeld, StageError, StageFailed, run_stage
 
     try:
-        summary = run_stage(stage, out, overwrite=overwrite, wait=wait, **engine_kwargs(params))
+        summary = run_stage(
+            stage, out, overwrite=overwrite, wait=wait, reads=reads, **engine_kwargs(params)
+        )
     except LockHeld as e:
         _fail(str(e), EXIT_LOCKED)
     except StageError as e:

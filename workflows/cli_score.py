@@ -10,6 +10,7 @@ from .cli_common import (
     Location,
     _click_type,
     _fail,
+    check_output,
     engine_options,
     run_stage_cli,
     stage_options,
@@ -141,6 +142,10 @@ def score(
     from entroweight.transforms.weigh import GLOBAL_SCALE
 
     options, dedicated = scorer_options(take(params, SCORER), generic_options)
+    reads = [("--tokenizer", tokenizer), ("--quantiles-from", quantiles_from)] + [
+        (flag(k), v) for k, v in options.items() if _names_a_location(v)
+    ]
+    check_output(out, [("DATA_DIR", data_dir), *reads], "score", overwrite=params["overwrite"])
     try:
         # every refusal that needs no model comes first: nothing is loaded, nothing written
         validated = check_options(scorer, options)
@@ -161,7 +166,16 @@ def score(
         stage.row_progress = params["engine"] == "local"
     except (ScorerError, StageError, ModelLoadError, CheckpointError, TokenizerError, ValueError) as e:
         _fail(str(e))
-    run_stage_cli(stage, out, **params)
+    run_stage_cli(stage, out, reads=reads, **params)
+
+
+def _names_a_location(value) -> bool:
+    """Whether a scorer option's value names a file or directory it reads (a checkpoint, a model)."""
+    import os
+
+    from entroweight import storage
+
+    return isinstance(value, str) and (storage.is_url(value) or os.path.exists(value))
 
 
 COMMANDS = [score]

@@ -9,6 +9,7 @@ from .cli_common import (
     GeneratedOptions,
     Location,
     _fail,
+    check_output,
     engine_options,
     run_stage_cli,
     stage_options,
@@ -35,6 +36,8 @@ def weigh_cmd(scored_dir, out, quantiles_from, drop_entropy, **params):
     from entroweight.pipelines.weigh import WeighStage
     from entroweight.transforms.weigh import GLOBAL_SCALE
 
+    reads = [("--quantiles-from", quantiles_from)]
+    check_output(out, [("SCORED_DIR", scored_dir), *reads], "weigh", overwrite=params["overwrite"])
     if params[WEIGHTING + "method"] in GLOBAL_SCALE:
         quantiles_from = quantiles_from or scored_dir
     config = weigh_config(params, quantiles_from)
@@ -42,7 +45,7 @@ def weigh_cmd(scored_dir, out, quantiles_from, drop_entropy, **params):
         stage = WeighStage(scored_dir, config, with_entropy=not drop_entropy)
     except (StageError, ValueError) as e:
         _fail(str(e))
-    run_stage_cli(stage, out, **params)
+    run_stage_cli(stage, out, reads=reads, **params)
 
 
 COMMANDS = [weigh_cmd]
