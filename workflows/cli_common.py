@@ -141,13 +141,16 @@ def weighting_options() -> list[click.Option]:
     return model_options(WeighOptions, flags=WEIGHTING_FLAGS, prefix=WEIGHTING)
 
 
-def weigh_config(params: dict, quantiles_from: str | None):
+def weigh_config(params: dict, quantiles_from: str | None, unit: str | None = None):
     """The WeighConfig of the weighting flags in `params` (taken out of it), with the reference
-    quantiles of `quantiles_from` for a method on a global scale; a refusal names the flags."""
+    quantiles of `quantiles_from` for a method on a global scale, which must be in `unit`, that of
+    the values to weigh (workflows/quantiles.py); a refusal names the flags."""
     from pydantic import ValidationError
 
     from entroweight.options import refusal_lines
-    from entroweight.transforms.weigh import GLOBAL_SCALE, WeighConfig, entropy_quantiles
+    from entroweight.transforms.weigh import GLOBAL_SCALE, WeighConfig
+
+    from .quantiles import reference_quantiles
 
     fields = take(params, WEIGHTING)
     if fields["clip"] is not None:
@@ -158,7 +161,7 @@ def weigh_config(params: dict, quantiles_from: str | None):
             f"{fields['method']}: drop it or change --weighting"
         )
     try:
-        quantiles = entropy_quantiles(quantiles_from) if quantiles_from else None
+        quantiles = reference_quantiles(quantiles_from, unit) if quantiles_from else None
         return WeighConfig(**fields, quantiles=quantiles)
     except ValidationError as e:
         _fail("; ".join(refusal_lines(e, lambda loc: weighting_flag(loc[0]))))

@@ -156,7 +156,9 @@ def score(
     method = params[WEIGHTING + "method"]
     if method in GLOBAL_SCALE and not quantiles_from:
         _fail(f"--weighting {method} needs --quantiles-from SCORED_DIR (a run scored with minmax)")
-    weigh = weigh_config(params, quantiles_from)
+    from .quantiles import scorer_unit
+
+    weigh = weigh_config(params, quantiles_from, scorer_unit(scorer, options) if quantiles_from else None)
     try:
         if params["engine"] == "local":  # the workers are this process: a missing GPU is known now
             check_device(validated.device)

@@ -40,7 +40,9 @@ def weigh_cmd(scored_dir, out, quantiles_from, drop_entropy, **params):
     check_output(out, [("SCORED_DIR", scored_dir), *reads], "weigh", overwrite=params["overwrite"])
     if params[WEIGHTING + "method"] in GLOBAL_SCALE:
         quantiles_from = quantiles_from or scored_dir
-    config = weigh_config(params, quantiles_from)
+    from .quantiles import values_unit
+
+    config = weigh_config(params, quantiles_from, values_unit(scored_dir) if quantiles_from else None)
     try:
         stage = WeighStage(scored_dir, config, with_entropy=not drop_entropy)
     except (StageError, ValueError) as e:
