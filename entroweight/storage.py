@@ -61,7 +61,12 @@ def path(location: str | os.PathLike) -> AnyPath:
         return Path(s[len("file://") :])
     if not is_url(s):
         return Path(s)
-    protocol = s.split("://", 1)[0]
+    protocol, rest = s.split("://", 1)
+    if "//" in rest.rstrip("/") or not rest.strip("/"):  # s3://bucket//key: an empty key part
+        raise StorageError(
+            f"{s} has an empty part between slashes (or no bucket): write {protocol}://BUCKET/KEY with "
+            "single slashes"
+        )
     try:
         # no listings cache: other processes (workers, a concurrent run) write the same prefixes
         return UPath(s, use_listings_cache=False)
@@ -200,7 +205,7 @@ def check_output(
         if overwrite:
             return "unknown"
         raise
-    except OSError:  # unreachable: check_writable, which the writer calls next, says why
+    except Exception:  # unreachable (no bucket, no credentials): check_writable, called next, says why
         return None
     if owner is None or owner == command or owner in owners:
         return None

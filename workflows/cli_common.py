@@ -243,9 +243,15 @@ def check_output(out, reads, command: str, overwrite: bool = False, flag: str = 
     from entroweight import storage
 
     try:
-        return storage.check_output(out, reads, command, flag=flag, overwrite=overwrite, **kw)
+        foreign = storage.check_output(out, reads, command, flag=flag, overwrite=overwrite, **kw)
     except (storage.OutputRefused, storage.StorageError) as e:
         _fail(str(e))
+    if storage.is_url(out):  # no bucket, no credentials: now, not after the work (one probe object)
+        try:
+            storage.check_writable(out)
+        except OSError as e:
+            _fail(f"cannot write to {flag} {out}: {e.strerror or e}")
+    return foreign
 
 
 def run_stage_cli(stage, out, overwrite, wait, reads=(), **params):
