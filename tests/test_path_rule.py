@@ -11,6 +11,7 @@ until it gets a row here.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -36,7 +37,12 @@ ROWS: dict[str, tuple[dict[str, str | None], list[str]]] = {
     "export-data": ({"SCORED": None}, ["--format", "hf"]),
     "export-hf": ({"CKPT_DIR": None, "--tokenizer": "--tokenizer"}, []),
     "train": (
-        {"the data": None, "--tokenizer": "--tokenizer", "--config": "--config", "--model-config": "--model-config"},
+        {
+            "the data": None,
+            "--tokenizer": "--tokenizer",
+            "--config": "--config",
+            "--model-config": "--model-config",
+        },
         ["--steps", "1"],
     ),
     "report": ({"RUN_DIR": None}, []),
@@ -151,7 +157,7 @@ def test_another_commands_output_is_refused(tmp_path, command, mark, owner):
     inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
     out = tmp_path / "other"
     out.mkdir()
-    body = '{"stage": "%s"}' % owner if mark == ".stage.json" and owner else "{}"
+    body = json.dumps({"stage": owner}) if mark == ".stage.json" and owner else "{}"
     (out / mark).write_text(body if owner else "not json {")
     line = refused(tmp_path, _argv(command, str(out), inputs))
     if owner:

@@ -28,7 +28,9 @@ def other_unit(scored, tmp_path_factory):  # noqa: F811
     for f in sorted(scored.glob("part-*.parquet")):
         t = pq.read_table(f)
         meta = json.loads(t.schema.metadata[METADATA_KEY])
-        pq.write_table(t.replace_schema_metadata({METADATA_KEY: json.dumps({**meta, "unit": OTHER})}), out / f.name)
+        pq.write_table(
+            t.replace_schema_metadata({METADATA_KEY: json.dumps({**meta, "unit": OTHER})}), out / f.name
+        )
     shutil.copy(scored / ".stage.json", out / ".stage.json")
     return out
 
@@ -38,8 +40,16 @@ def front_ends(scored, tokens, model):  # noqa: F811
     return {
         "weigh": ["weigh", str(scored), "--weighting", "quantile"],
         "score": [
-            "score", str(tokens), "--scorer", "causal_loss", "--model", str(model), "--dtype", "fp32",
-            "--weighting", "quantile",
+            "score",
+            str(tokens),
+            "--scorer",
+            "causal_loss",
+            "--model",
+            str(model),
+            "--dtype",
+            "fp32",
+            "--weighting",
+            "quantile",
         ],
     }
 
@@ -48,7 +58,13 @@ def front_ends(scored, tokens, model):  # noqa: F811
 def test_quantiles_of_another_unit_are_refused(command, scored, tokens, model, other_unit, tmp_path):  # noqa: F811
     assert values_unit(scored) == "nats" and values_unit(other_unit) == OTHER
     out = tmp_path / "out"
-    argv = [*front_ends(scored, tokens, model)[command], "--quantiles-from", str(other_unit), "--out", str(out)]
+    argv = [
+        *front_ends(scored, tokens, model)[command],
+        "--quantiles-from",
+        str(other_unit),
+        "--out",
+        str(out),
+    ]
     r = CliRunner().invoke(main, argv)
     assert r.exit_code == 2, (r.output, r.exception)
     line = r.output.strip()
@@ -59,7 +75,16 @@ def test_quantiles_of_another_unit_are_refused(command, scored, tokens, model, o
 
 def test_quantiles_of_the_same_unit_are_taken(scored, tmp_path):  # noqa: F811
     out = tmp_path / "out"
-    argv = ["weigh", str(scored), "--weighting", "quantile", "--quantiles-from", str(scored), "--out", str(out)]
+    argv = [
+        "weigh",
+        str(scored),
+        "--weighting",
+        "quantile",
+        "--quantiles-from",
+        str(scored),
+        "--out",
+        str(out),
+    ]
     r = CliRunner().invoke(main, argv)
     assert r.exit_code == 0, r.output
 

@@ -33,16 +33,43 @@ def no_credentials() -> dict:
 def _cases():
     """(id, argv builder(tmp, bucket, data), env builder, what the line must name)."""
     return [
-        ("s3-no-credentials", lambda t, b, d: ["tokenize", d["src"], "--tokenizer", d["tok"], "--out", f"{b}/out"],
-         no_credentials, "cannot write to --out"),
-        ("s3-empty-key-part", lambda t, b, d: ["tokenize", d["src"], "--tokenizer", d["tok"], "--out", f"{b}//out"],
-         None, "empty part between slashes"),
-        ("export-data-missing-bucket", lambda t, b, d: ["export-data", d["tokens"], "--format", "hf", "--out",
-         "s3://no-such-bucket-ew/export"], None, "no-such-bucket-ew"),
-        ("train-out-missing-bucket", lambda t, b, d: ["train", d["tokens"], "--steps", "2", "--out",
-         "s3://no-such-bucket-ew/run"], None, "no-such-bucket-ew"),
-        ("stage-json-not-json", lambda t, b, d: ["tokenize", d["src"], "--tokenizer", d["tok"], "--out", d["bad"]],
-         None, ".stage.json is not a stage record"),
+        (
+            "s3-no-credentials",
+            lambda t, b, d: ["tokenize", d["src"], "--tokenizer", d["tok"], "--out", f"{b}/out"],
+            no_credentials,
+            "cannot write to --out",
+        ),
+        (
+            "s3-empty-key-part",
+            lambda t, b, d: ["tokenize", d["src"], "--tokenizer", d["tok"], "--out", f"{b}//out"],
+            None,
+            "empty part between slashes",
+        ),
+        (
+            "export-data-missing-bucket",
+            lambda t, b, d: [
+                "export-data",
+                d["tokens"],
+                "--format",
+                "hf",
+                "--out",
+                "s3://no-such-bucket-ew/export",
+            ],
+            None,
+            "no-such-bucket-ew",
+        ),
+        (
+            "train-out-missing-bucket",
+            lambda t, b, d: ["train", d["tokens"], "--steps", "2", "--out", "s3://no-such-bucket-ew/run"],
+            None,
+            "no-such-bucket-ew",
+        ),
+        (
+            "stage-json-not-json",
+            lambda t, b, d: ["tokenize", d["src"], "--tokenizer", d["tok"], "--out", d["bad"]],
+            None,
+            ".stage.json is not a stage record",
+        ),
     ]
 
 

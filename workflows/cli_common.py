@@ -260,9 +260,7 @@ def run_stage_cli(stage, out, overwrite, wait, reads=(), **params):
     from entroweight.pipelines import LockHeld, StageError, StageFailed, run_stage
 
     try:
-        summary = run_stage(
-            stage, out, overwrite=overwrite, wait=wait, reads=reads, **engine_kwargs(params)
-        )
+        summary = run_stage(stage, out, overwrite=overwrite, wait=wait, reads=reads, **engine_kwargs(params))
     except LockHeld as e:
         _fail(str(e), EXIT_LOCKED)
     except StageError as e:
