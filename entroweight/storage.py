@@ -61,7 +61,12 @@ def path(location: str | os.PathLike) -> AnyPath:
         return Path(s[len("file://") :])
     if not is_url(s):
         return Path(s)
-    protocol = s.split("://", 1)[0]
+    protocol, rest = s.split("://", 1)
+    if "//" in rest.rstrip("/") or not rest.strip("/"):  # s3://bucket//key: an empty key part
+        raise StorageError(
+            f"{s} has an empty part between slashes (or no bucket): write {protocol}://BUCKET/KEY with "
+            "single slashes"
+        )
     try:
         # no listings cache: other processes (workers, a concurrent run) write the same prefixes
         return UPath(s, use_listings_cache=False)
@@ -101,6 +106,115 @@ def parents(p: AnyPath) -> list[str]:
         return [str(q) for q in Path(k).parents]
     proto, rest = k.split("://", 1)
     return [f"{proto}://{q}" for q in PurePosixPath(rest).parents if str(q) != "."]
+
+
+# ------------------------------------------------------------------ the path rule
+
+# The files that mark a directory as some command's output, and that command's name. Checked in this
+# order: a training run's directory also holds what an exported model holds. `.stage.json` names its
+# stage inside (tokenize, score, weigh).
+OUTPUT_MARKS = (
+    (".stage.json", None),
+    ("run.json", "run"),
+    ("trainer_state.json", "train"),
+    ("export.json", "export-data"),
+    ("tokenizer.sha256", "train-tokenizer"),
+    ("model.safetensors", "export-hf"),
+)
+
+
+class OutputRefused(ValueError):
+    """A command's output that may not be written where it was asked (the message names it and why)."""
+
+
+def _forms(location) -> set[str]:
+    """The canonical keys of `location`: as resolved (through every symlink) and, locally, as written."""
+    forms = {key(location)}
+    if is_local(path(location)):
+        forms.add(os.path.abspath(str(location)))
+    return forms
+
+
+def _above(location) -> set[str]:
+    out = set(parents(location))
+    if is_local(path(location)):
+        out |= {str(q) for q in Path(os.path.abspath(str(location))).parents}
+    return out
+
+
+def relation(out, read) -> str:
+    """How `out` stands to `read`: "is", "lies inside", "holds", or "" when apart (symlinks followed)."""
+    o, r = _forms(out), _forms(read)
+    if o & r:
+        return "is"
+    if r & _above(out):
+        return "lies inside"
+    if o & _above(read):
+        return "holds"
+    return ""
+
+
+def output_owner(directory) -> str | None:
+    """The command whose output `directory` holds (see OUTPUT_MARKS), or None (absent, empty, or no
+    mark). Refuses a stage record that is not one (a non-JSON `.stage.json`): its owner is unknown."""
+    names = listing(directory)
+    for mark, command in OUTPUT_MARKS:
+        if mark not in names:
+            continue
+        if command is not None:
+            return command
+        try:
+            return str(json.loads((path(directory) / mark).read_bytes())["stage"])
+        except (ValueError, KeyError, TypeError):
+            raise OutputRefused(
+                f"{url(path(directory))}/{mark} is not a stage record (not JSON naming its stage): "
+                "remove it, or pass --overwrite to replace the directory whole"
+            ) from None
+    return None
+
+
+def check_output(
+    out,
+    reads,
+    command: str,
+    flag: str = "--out",
+    overwrite: bool = False,
+    owners: tuple[str, ...] = (),
+    may_lie_inside: bool = False,
+) -> str | None:
+    """The one path rule, called by every command that writes before it creates anything: `out` may
+    not be, lie inside or hold anything it reads (`reads`: (flag, location) pairs; symlinks followed,
+    URLs compared by key), nor hold another command's output (a stage of another name, a training run,
+    an export, a workflow run) unless `overwrite`, which replaces it whole. `owners`: the other
+    commands whose output this one may continue. `may_lie_inside`: a file written inside what it
+    reads by design (`report`'s RUN_DIR/report.html).
+    Returns the other command whose output `overwrite` will replace (the caller removes `out` whole
+    once every other check passed), else None. Raises OutputRefused."""
+    for what, read in reads:
+        if read is None or str(read).startswith(("hf:", "hf://")):
+            continue  # the hub is read-only: no output can be among its files
+        how = relation(out, read)
+        if how and not (how == "lies inside" and may_lie_inside):
+            raise OutputRefused(
+                f"{flag} {out} {how} {what} {read}, which {command} reads; write to a location apart "
+                "from what it reads"
+            )
+    try:
+        owner = output_owner(out)
+    except OutputRefused:
+        if overwrite:
+            return "unknown"
+        raise
+    except Exception:  # unreachable (no bucket, no credentials): check_writable, called next, says why
+        return None
+    if owner is None or owner == command or owner in owners:
+        return None
+    if overwrite:
+        return owner
+    raise OutputRefused(
+        f"{flag} {out} holds the output of `{owner}`, not of `{command}`; write elsewhere, or pass "
+        "--overwrite to replace it whole"
+    )
 
 
 def filesystem(p: AnyPath):

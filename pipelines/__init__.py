@@ -53,6 +53,7 @@ def run_stage(
     overwrite: bool = False,
     wait: float = 0,
     progress: bool = True,
+    reads=(),
     **engine_options,
 ) -> RunSummary:
     """Plan, run the pending shards on `engine`, and summarize. Raises StageFailed naming bad shards.
@@ -63,11 +64,14 @@ def run_stage(
     from .stage import check_out_dir, finish_run
 
     require_engine(engine)
-    check_out_dir(stage, out_dir)
+    foreign = check_out_dir(stage, out_dir, overwrite, reads)
     inputs = stage.plan_inputs()
     module = engine_module(engine)
     with getattr(module, "session", _no_session)(**engine_options):
         out_dir = storage.path(out_dir)  # a local path or a URL (s3://, gs://, memory://)
+        if foreign:  # another command's output, which --overwrite replaces whole (never mixed into)
+            storage.check_writable(out_dir)
+            storage.remove_tree(out_dir)
         created = not out_dir.exists() if storage.is_local(out_dir) else not storage.listing(out_dir)
         lock = run_lock(out_dir, wait)
         try:

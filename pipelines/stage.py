@@ -174,30 +174,17 @@ def read_manifests(out_dir: AnyPath, names: dict[str, int] | None = None) -> lis
     return DataDir(out_dir, names).manifests
 
 
-def check_out_dir(stage: Stage, out_dir: AnyPath) -> None:
-    """Refuse an --out that is, holds or lies inside one of the stage's inputs: with --overwrite its
-    shards would be deleted, and a rerun would read its own output as input."""
-    out, out_parents = storage.key(out_dir), set(storage.parents(out_dir))
-    above: dict[str, set[str]] = {}  # a directory's key and those above it: once per directory
-    for path in stage.input_paths():
-        parent, _, name = str(path).rstrip("/").rpartition("/")
-        if parent not in above:
-            above[parent] = {storage.key(parent), *storage.parents(parent)} if parent else set()
-        src = f"{storage.key(parent)}/{name}" if parent else storage.key(path)
-        how = (
-            "is"
-            if out == src
-            else "holds"
-            if out in above[parent]
-            else "lies inside"
-            if src in out_parents
-            else ""
-        )
-        if how:
-            raise StageError(
-                f"--out {out_dir} {how} the input {path} of this {stage.name} run; "
-                "write to a directory apart from the inputs"
-            )
+def check_out_dir(stage: Stage, out_dir: AnyPath, overwrite: bool = False, reads=()) -> str | None:
+    """The path rule (entroweight.storage.check_output) for a stage: --out may not be, hold or lie
+    inside one of the stage's inputs (with --overwrite its shards would be deleted, and a rerun would
+    read its own output as input), nor another command's output unless --overwrite replaces it whole.
+    `reads`: more (flag, location) pairs it reads (--quantiles-from, --tokenizer). Returns the other
+    command whose output --overwrite replaces, else None."""
+    pairs = [("the input", p) for p in stage.input_paths()] + list(reads)
+    try:
+        return storage.check_output(out_dir, pairs, stage.name, overwrite=overwrite)
+    except storage.OutputRefused as e:
+        raise StageError(str(e)) from None
 
 
 def run_lock(out_dir: AnyPath, wait: float = 0):

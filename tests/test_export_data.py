@@ -314,9 +314,9 @@ def test_hf_layout_loads_with_datasets(scored, tmp_path):
         ("shard_gone", "is incomplete (part-00002 not done)"),
         ("mds", "MosaicML Streaming (mds) is not supported"),
         ("unknown", "unknown format 'parquet'"),
-        ("out_is_src", "is inside the input"),
-        ("out_inside_src", "is inside the input"),
-        ("out_holds_src", "holds the input"),
+        ("out_is_src", "is SCORED"),
+        ("out_inside_src", "lies inside SCORED"),
+        ("out_holds_src", "holds SCORED"),
         ("not_empty", "exists and is not empty; pass --overwrite"),
     ],
 )

@@ -92,12 +92,21 @@ def _check_nats(files) -> None:
             )
 
 
-def _check_out_apart(cfg: TrainConfig) -> None:
-    """--out neither is a data directory nor lies inside one: checkpoints would mix with the data."""
-    out = storage.key(cfg.out)
-    for d in _as_list(cfg.data):
-        if storage.key(d) == out or storage.key(d) in storage.parents(cfg.out):
-            raise TrainError(f"--out {cfg.out} is, or lies inside, the data {d}: give another --out")
+def _check_out_apart(cfg: TrainConfig) -> str | None:
+    """The path rule (entroweight.storage.check_output): --out neither is, holds nor lies inside the
+    data or the tokenizer (checkpoints would mix with the data), nor holds another command's output
+    unless --overwrite replaces it whole (returned: the caller removes it once training can start).
+    An --out on an object store must be writable now, not at the first save."""
+    reads = [("the data", d) for d in _as_list(cfg.data)] + [("--tokenizer", cfg.tokenizer)]
+    try:
+        foreign = storage.check_output(cfg.out, reads, "train", overwrite=cfg.overwrite)
+        if storage.is_url(cfg.out):
+            storage.check_writable(cfg.out)
+    except storage.OutputRefused as e:
+        raise TrainError(str(e)) from None
+    except OSError as e:  # no bucket, no credentials, read-only
+        raise TrainError(f"cannot write to --out {cfg.out}: {e.strerror or e}") from None
+    return foreign
 
 
 def _model_config(cfg: TrainConfig, info, base: dict) -> dict:
@@ -141,7 +150,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> TrainResult:
     each config with the step it took effect."""
     if allow_config_change and not cfg.resume:
         raise TrainError("--allow-config-change applies only with --resume")
-    _check_out_apart(cfg)
+    if _check_out_apart(cfg):  # another command's output, which --overwrite replaces whole
+        storage.remove_tree(cfg.out)
     if storage.is_url(cfg.out):
         return _train_to_store(cfg, allow_config_change)
     rank, world, device, own_group = _setup_dist(cfg.device)

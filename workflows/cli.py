@@ -13,7 +13,15 @@ import click
 
 from entroweight import __version__
 
-from .cli_common import GeneratedOptions, Location, _fail, engine_options, run_stage_cli, stage_options
+from .cli_common import (
+    GeneratedOptions,
+    Location,
+    _fail,
+    check_output,
+    engine_options,
+    run_stage_cli,
+    stage_options,
+)
 
 # Command modules added by other areas; each exports COMMANDS, a list of click commands.
 COMMAND_MODULES = (
@@ -58,6 +66,7 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
     from entroweight.transforms.sources import SourceError
     from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_tokenizer
 
+    check_output(out, [("the source", s) for s in sources] + [("--base", base)], "train-tokenizer")
     try:
         texts = corpus_texts(list(sources), max_docs, text_column)
         tok = train_tokenizer(texts, vocab_size, algorithm, base, progress=sys.stderr.isatty())
@@ -114,6 +123,8 @@ def tokenize(
     from entroweight.transforms.sources import SourceError, expand_sources
     from entroweight.transforms.tokenizer import TokenizerError
 
+    reads = [("the source", s) for s in sources] + [("--tokenizer", tokenizer)]
+    check_output(out, reads, "tokenize", overwrite=eng["overwrite"])
     try:
         expand_sources(list(sources))  # cheap (no file is read): refuse before --out is created
         stage = TokenizeStage(
@@ -130,7 +141,7 @@ def tokenize(
     except (SourceError, TokenizerError, ValueError) as e:
         _fail(str(e))
     try:
-        run_stage_cli(stage, out, **eng)
+        run_stage_cli(stage, out, reads=reads[len(sources) :], **eng)
     except SourceError as e:
         _fail(str(e))
 

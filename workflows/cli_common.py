@@ -141,13 +141,16 @@ def weighting_options() -> list[click.Option]:
     return model_options(WeighOptions, flags=WEIGHTING_FLAGS, prefix=WEIGHTING)
 
 
-def weigh_config(params: dict, quantiles_from: str | None):
+def weigh_config(params: dict, quantiles_from: str | None, unit: str | None = None):
     """The WeighConfig of the weighting flags in `params` (taken out of it), with the reference
-    quantiles of `quantiles_from` for a method on a global scale; a refusal names the flags."""
+    quantiles of `quantiles_from` for a method on a global scale, which must be in `unit`, that of
+    the values to weigh (workflows/quantiles.py); a refusal names the flags."""
     from pydantic import ValidationError
 
     from entroweight.options import refusal_lines
-    from entroweight.transforms.weigh import GLOBAL_SCALE, WeighConfig, entropy_quantiles
+    from entroweight.transforms.weigh import GLOBAL_SCALE, WeighConfig
+
+    from .quantiles import reference_quantiles
 
     fields = take(params, WEIGHTING)
     if fields["clip"] is not None:
@@ -158,7 +161,7 @@ def weigh_config(params: dict, quantiles_from: str | None):
             f"{fields['method']}: drop it or change --weighting"
         )
     try:
-        quantiles = entropy_quantiles(quantiles_from) if quantiles_from else None
+        quantiles = reference_quantiles(quantiles_from, unit) if quantiles_from else None
         return WeighConfig(**fields, quantiles=quantiles)
     except ValidationError as e:
         _fail("; ".join(refusal_lines(e, lambda loc: weighting_flag(loc[0]))))
@@ -252,12 +255,31 @@ def document_steps(params: dict) -> list:
     return [MinMeanWeight(threshold)] if threshold is not None else []
 
 
-def run_stage_cli(stage, out, overwrite, wait, **params):
-    """Run `stage` into `out` on the engine of `params` (the command's engine flags); exit codes above."""
+def check_output(out, reads, command: str, overwrite: bool = False, flag: str = "--out", **kw):
+    """The path rule (entroweight.storage.check_output), refused with exit 2: every command that
+    writes calls it first, before it reads or creates anything. Returns the other command's output
+    that --overwrite replaces whole (the caller removes it before writing), else None."""
+    from entroweight import storage
+
+    try:
+        foreign = storage.check_output(out, reads, command, flag=flag, overwrite=overwrite, **kw)
+    except (storage.OutputRefused, storage.StorageError) as e:
+        _fail(str(e))
+    if storage.is_url(out):  # no bucket, no credentials: now, not after the work (one probe object)
+        try:
+            storage.check_writable(out)
+        except OSError as e:
+            _fail(f"cannot write to {flag} {out}: {e.strerror or e}")
+    return foreign
+
+
+def run_stage_cli(stage, out, overwrite, wait, reads=(), **params):
+    """Run `stage` into `out` on the engine of `params` (the command's engine flags); exit codes above.
+    `reads`: what the stage reads besides its inputs, as (flag, location) pairs, for the path rule."""
     from entroweight.pipelines import LockHeld, StageError, StageFailed, run_stage
 
     try:
-        summary = run_stage(stage, out, overwrite=overwrite, wait=wait, **engine_kwargs(params))
+        summary = run_stage(stage, out, overwrite=overwrite, wait=wait, reads=reads, **engine_kwargs(params))
     except LockHeld as e:
         _fail(str(e), EXIT_LOCKED)
     except StageError as e:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import Location, _fail
+from .cli_common import Location, _fail, check_output
 
 
 @click.command("export-data")
@@ -26,6 +26,7 @@ def export_data_cmd(scored, fmt, out, overwrite):
     """Write the scored shards of SCORED (tokens + per-token weights) in a trainer's own format."""
     from entroweight.pipelines.export_data import ExportError, export_data
 
+    check_output(out, [("SCORED", scored)], "export-data", overwrite=overwrite)
     try:
         record = export_data(scored, out, fmt, overwrite=overwrite, bpb=workflow_bpb(scored))
     except ExportError as e:

@@ -10,6 +10,7 @@ from .cli_common import (
     Location,
     _click_type,
     _fail,
+    check_output,
     document_step_options,
     document_steps,
     engine_options,
@@ -144,6 +145,10 @@ def score(
     from entroweight.transforms.weigh import GLOBAL_SCALE
 
     options, dedicated = scorer_options(take(params, SCORER), generic_options)
+    reads = [("--tokenizer", tokenizer), ("--quantiles-from", quantiles_from)] + [
+        (flag(k), v) for k, v in options.items() if _names_a_location(v)
+    ]
+    check_output(out, [("DATA_DIR", data_dir), *reads], "score", overwrite=params["overwrite"])
     try:
         # every refusal that needs no model comes first: nothing is loaded, nothing written
         validated = check_options(scorer, options)
@@ -154,7 +159,9 @@ def score(
     method = params[WEIGHTING + "method"]
     if method in GLOBAL_SCALE and not quantiles_from:
         _fail(f"--weighting {method} needs --quantiles-from SCORED_DIR (a run scored with minmax)")
-    weigh = weigh_config(params, quantiles_from)
+    from .quantiles import scorer_unit
+
+    weigh = weigh_config(params, quantiles_from, scorer_unit(scorer, options) if quantiles_from else None)
     try:
         if params["engine"] == "local":  # the workers are this process: a missing GPU is known now
             check_device(validated.device)
@@ -172,7 +179,16 @@ def score(
         stage.row_progress = params["engine"] == "local"
     except (ScorerError, StageError, ModelLoadError, CheckpointError, TokenizerError, ValueError) as e:
         _fail(str(e))
-    run_stage_cli(stage, out, **params)
+    run_stage_cli(stage, out, reads=reads, **params)
+
+
+def _names_a_location(value) -> bool:
+    """Whether a scorer option's value names a file or directory it reads (a checkpoint, a model)."""
+    import os
+
+    from entroweight import storage
+
+    return isinstance(value, str) and (storage.is_url(value) or os.path.exists(value))
 
 
 COMMANDS = [score]

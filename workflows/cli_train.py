@@ -15,7 +15,7 @@ import click
 
 from entroweight.trainers.config import TrainConfig
 
-from .cli_common import EXIT_FAILED_SHARDS, Location, _fail, config_options, given_options
+from .cli_common import EXIT_FAILED_SHARDS, Location, _fail, check_output, config_options, given_options
 
 ALLOW_PICKLE_HELP = (
     "Load a checkpoint's .pt/.bin/.pth weights where it has no model.safetensors (torch.load with "
@@ -70,6 +70,14 @@ def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, **
 
     values = _read_mapping(config_file, "--config")
     values |= given_options(ctx, options)
+    if values.get("out"):  # the path rule first; the trainer applies it again (its own callers too)
+        given = list(data) or _as_list(values.get("data"))
+        reads = [("the data", d) for d in given] + [
+            ("--tokenizer", values.get("tokenizer")),
+            ("--config", config_file),
+            ("--model-config", model_config_file),
+        ]
+        check_output(values["out"], reads, "train", overwrite=bool(values.get("overwrite")))
     if data:
         values["data"] = list(data)
     if model_config_file:
@@ -87,6 +95,10 @@ def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, **
             f"trained {result.step} steps, {result.tokens:,} tokens, loss {result.loss}, "
             f"{result.tokens_per_s:,.0f} real tok/s -> {result.out}"
         )
+
+
+def _as_list(value) -> list:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
 
 
 @click.command("eval-bpb")
@@ -154,6 +166,7 @@ def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle):
     from entroweight.models.checkpoint import CheckpointError
     from entroweight.trainers.export import export_hf
 
+    check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf")
     try:
         path = export_hf(ckpt_dir, out, tokenizer, allow_pickle=allow_pickle)
     except (CheckpointError, ValueError) as e:

@@ -9,6 +9,7 @@ from .cli_common import (
     GeneratedOptions,
     Location,
     _fail,
+    check_output,
     document_step_options,
     document_steps,
     engine_options,
@@ -38,14 +39,18 @@ def weigh_cmd(scored_dir, out, quantiles_from, drop_entropy, **params):
     from entroweight.pipelines.weigh import WeighStage
     from entroweight.transforms.weigh import GLOBAL_SCALE
 
+    reads = [("--quantiles-from", quantiles_from)]
+    check_output(out, [("SCORED_DIR", scored_dir), *reads], "weigh", overwrite=params["overwrite"])
     if params[WEIGHTING + "method"] in GLOBAL_SCALE:
         quantiles_from = quantiles_from or scored_dir
-    config = weigh_config(params, quantiles_from)
+    from .quantiles import values_unit
+
+    config = weigh_config(params, quantiles_from, values_unit(scored_dir) if quantiles_from else None)
     try:
         stage = WeighStage(scored_dir, config, with_entropy=not drop_entropy, steps=document_steps(params))
     except (StageError, ValueError) as e:
         _fail(str(e))
-    run_stage_cli(stage, out, **params)
+    run_stage_cli(stage, out, reads=reads, **params)
 
 
 COMMANDS = [weigh_cmd]

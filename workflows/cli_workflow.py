@@ -64,8 +64,11 @@ def run_cmd(workflow, dry_run, overwrite, wait, **params):
 @click.option("--samples", type=int, default=3, show_default=True, help="Sample texts per scorer.")
 def report_cmd(run_dir, out, samples):
     """Write one self-contained HTML report of RUN_DIR (plots embedded; opens offline)."""
+    from .cli_common import check_output
     from .report import ReportError, write_report
 
+    if out is not None:  # RUN_DIR/report.html, its default, lies inside what it reads by design
+        check_output(out, [("RUN_DIR", run_dir)], "report", may_lie_inside=True)
     try:
         path = write_report(run_dir, out, samples=samples)
     except ReportError as e:

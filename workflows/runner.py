@@ -238,14 +238,23 @@ class Runner:
         return DataStep("tokenize", TOKENS, wf.tokens_dir(), self.ctx, ["tokenizer", "holdout"], build=build)
 
     def _score(self, s) -> DataStep:
-        from entroweight.transforms.weigh import WeighConfig, entropy_quantiles
+        from entroweight.transforms.weigh import WeighConfig
+
+        from .quantiles import reference_quantiles, scorer_unit, values_unit
 
         wf = self.wf
         upstream = [TOKENS, s.checkpoint_from or "", s.weighting.quantiles_from or "", s.values_from or ""]
 
         def build():
             w = s.weighting
-            quantiles = entropy_quantiles(wf.score_dir(w.quantiles_from)) if w.quantiles_from else None
+            quantiles = None
+            if w.quantiles_from:  # in the unit of the values this step weighs, else refused
+                unit = (
+                    values_unit(wf.score_dir(s.values_from))
+                    if s.values_from
+                    else scorer_unit(s.scorer, dict(s.options))
+                )
+                quantiles = reference_quantiles(wf.score_dir(w.quantiles_from), unit, "quantiles_from")
             weigh = WeighConfig(**w.model_dump(exclude={"quantiles_from"}), quantiles=quantiles)
             if s.values_from:  # an earlier step's values, weighed anew: no second scoring
                 return WeighStage(wf.score_dir(s.values_from), weigh, s.with_entropy)

@@ -8,6 +8,7 @@ See docs/workflows.md for the reference.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -331,7 +332,39 @@ class Workflow(_Strict):
                 raise _At("train.seeds", "seeds repeat")
         if self.eval is not None and self.train is None:
             raise _At("eval", "evaluation needs a train section (the models it evaluates)")
+        self._outputs_apart()
         return self
+
+    def step_outputs(self) -> list[tuple[str, PurePosixPath]]:
+        """(field, path under run_dir) of every step's output, as the runner writes them."""
+        outs = [] if self.tokenizer.path else [("tokenizer.out", self.tokenizer.out)]
+        outs.append(("tokenize.out", self.tokenize.out))
+        if self.holdout is not None:
+            outs.append(("holdout.out", self.holdout.out))
+        outs += [(f"models[{i}] (models/{m.name})", f"models/{m.name}") for i, m in enumerate(self.models)]
+        outs += [(f"scores[{i}].out", s.out or f"scores/{s.name}") for i, s in enumerate(self.scores)]
+        for name, section in (("train", self.train), ("eval", self.eval), ("report", self.report)):
+            if section is not None:
+                outs.append((f"{name}.out", section.out))
+        return [(f, PurePosixPath(os.path.normpath(p))) for f, p in outs]
+
+    def _outputs_apart(self) -> None:
+        """The path rule between steps: no step's output is, holds or lies inside another's, nor is the
+        run directory itself or its records (run.json, the lock): one would break the other."""
+        outs = self.step_outputs()
+        for field, p in outs:
+            if str(p) in (".", "run.json", ".lock"):
+                raise _At(field, f"{str(p)!r} is the run directory or its record; name a directory inside it")
+        for i, (fa, a) in enumerate(outs):
+            for fb, b in outs[i + 1 :]:
+                how = (
+                    "is" if a == b else "lies inside" if b in a.parents else "holds" if a in b.parents else ""
+                )
+                if how:
+                    raise _At(
+                        fa,
+                        f"{str(a)!r} {how} the output {str(b)!r} of {fb}: give each step its own directory",
+                    )
 
     # -- where things go
     @property

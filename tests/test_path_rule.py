@@ -1,0 +1,186 @@
+"""The one path rule over the whole CLI (docs/reliability.md; entroweight.storage.check_output).
+
+Every command that writes (found from the click group: a command with an `out` parameter) is run
+with its output in each relation to each of the locations it reads: is, lies inside, holds, and the
+same three through a symlink. Each must exit 2 with one line naming the output, the relation and the
+input, no traceback, and nothing written. A second table puts each command's output on a directory
+holding another command's output (one per mark in storage.OUTPUT_MARKS, and a `.stage.json` that is
+not JSON): refused unless --overwrite. A new writing command fails `test_every_writing_command_has_a_row`
+until it gets a row here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from entroweight import storage
+from entroweight.workflows.cli import main
+
+CONFIG_FILE_INPUTS = {"--config", "--model-config"}  # inputs that must be files (the others: dirs)
+
+# command -> (its inputs: name -> how it is passed, or None for a positional), the other arguments.
+# An input's name is the flag (or metavar) the refusal names.
+ROWS: dict[str, tuple[dict[str, str | None], list[str]]] = {
+    "tokenize": ({"the source": None, "--tokenizer": "--tokenizer"}, []),
+    "train-tokenizer": ({"the source": None, "--base": "--base"}, []),
+    "score": (
+        {"DATA_DIR": None, "--tokenizer": "--tokenizer", "--quantiles-from": "--quantiles-from"},
+        ["--scorer", "causal_loss", "--weighting", "quantile"],
+    ),
+    "weigh": ({"SCORED_DIR": None, "--quantiles-from": "--quantiles-from"}, ["--weighting", "quantile"]),
+    "export-data": ({"SCORED": None}, ["--format", "hf"]),
+    "export-hf": ({"CKPT_DIR": None, "--tokenizer": "--tokenizer"}, []),
+    "train": (
+        {
+            "the data": None,
+            "--tokenizer": "--tokenizer",
+            "--config": "--config",
+            "--model-config": "--model-config",
+        },
+        ["--steps", "1"],
+    ),
+    "report": ({"RUN_DIR": None}, []),
+}
+# (command, relation) pairs the rule allows by design, with the reason
+ALLOWED = {
+    ("report", "lies inside"): "RUN_DIR/report.html is report's default output",
+    ("report", "lies inside (symlink)"): "the same, through a symlink",
+}
+RELATIONS = ("is", "lies inside", "holds", "is (symlink)", "lies inside (symlink)", "holds (symlink)")
+
+
+def writing_commands() -> list[str]:
+    return sorted(n for n, c in main.commands.items() if any(p.name == "out" for p in c.params))
+
+
+def test_every_writing_command_has_a_row():
+    assert writing_commands() == sorted(ROWS), "give a new writing command its inputs in ROWS"
+
+
+def _cases():
+    for command in writing_commands():
+        for name in ROWS.get(command, ({}, []))[0]:
+            for relation in RELATIONS:
+                if (command, relation) not in ALLOWED:
+                    yield pytest.param(command, name, relation, id=f"{command}-{name}-{relation}")
+
+
+def _make_input(root: Path, name: str) -> Path:
+    """A file for a config input; else a directory holding one file (what a data directory holds)."""
+    root.mkdir(parents=True, exist_ok=True)
+    if name in CONFIG_FILE_INPUTS:
+        f = root / "config.yaml"
+        f.write_text("{}\n")
+        return f
+    (root / "data.jsonl").write_text('{"text": "hello"}\n')
+    return root
+
+
+def _argv(command: str, out: str, inputs: dict[str, Path]) -> list[str]:
+    how, extra = ROWS[command]
+    argv = [command]
+    for name, flag in how.items():
+        argv += [str(inputs[name])] if flag is None else [flag, str(inputs[name])]
+    return [*argv, "--out", out, *extra]
+
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every file, directory and link under `root`, with sizes and mtimes: 'nothing written'."""
+    seen = {}
+    for dirpath, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = Path(dirpath) / n
+            st = p.lstat()
+            seen[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return seen
+
+
+def refused(tmp_path: Path, argv: list[str]):
+    before = snapshot(tmp_path)
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 2, (argv, result.output, result.exception)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert "Traceback" not in result.output
+    assert snapshot(tmp_path) == before, "a refused command wrote something"
+    return lines[0]
+
+
+@pytest.mark.parametrize(("command", "name", "relation"), list(_cases()))
+def test_no_command_writes_where_it_reads(tmp_path, command, name, relation):
+    inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
+    target = _make_input(tmp_path / "holder" / "target", name)
+    inputs[name] = target
+    link = tmp_path / "link"
+    base = relation.removesuffix(" (symlink)")
+    real = {"is": target, "lies inside": target / "sub", "holds": target.parent}[base]
+    if relation.endswith("(symlink)"):  # --out reaches the input through a link
+        pointed = target.parent if base == "holds" else target
+        link.symlink_to(pointed, target_is_directory=pointed.is_dir())
+        out = link if base != "lies inside" else link / "sub"
+    else:
+        out = real
+    if base == "is" and target.is_file():  # click refuses a file as a directory --out first: still exit 2
+        before = snapshot(tmp_path)
+        result = CliRunner().invoke(main, _argv(command, str(out), inputs))
+        assert result.exit_code == 2 and "is a file" in result.output and snapshot(tmp_path) == before
+        return
+    line = refused(tmp_path, _argv(command, str(out), inputs))
+    assert f"--out {out} {base} {name} {target}" in line, line
+
+
+# -- another command's output: refused unless --overwrite replaces it whole
+
+MARKS = [(mark, owner) for mark, owner in storage.OUTPUT_MARKS if owner is not None] + [
+    (".stage.json", "tokenize"),
+    (".stage.json", None),  # not JSON
+]
+
+
+def _owner_cases():
+    for command in writing_commands():
+        if command == "report":  # writes one file, never a directory
+            continue
+        for mark, owner in MARKS:
+            if owner != command:
+                yield pytest.param(command, mark, owner, id=f"{command}-over-{owner or 'non-json'}")
+
+
+@pytest.mark.parametrize(("command", "mark", "owner"), list(_owner_cases()))
+def test_another_commands_output_is_refused(tmp_path, command, mark, owner):
+    inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
+    out = tmp_path / "other"
+    out.mkdir()
+    body = json.dumps({"stage": owner}) if mark == ".stage.json" and owner else "{}"
+    (out / mark).write_text(body if owner else "not json {")
+    line = refused(tmp_path, _argv(command, str(out), inputs))
+    if owner:
+        assert f"--out {out} holds the output of `{owner}`, not of `{command}`" in line, line
+        assert "--overwrite" in line
+    else:
+        assert f"{out}/.stage.json is not a stage record" in line, line
+
+
+def test_the_rule_on_urls():
+    """On a URL the same relations hold by key, and the hub (read-only) is never among them."""
+    check = storage.relation
+    assert check("s3://b/data", "s3://b/data/") == "is"
+    assert check("s3://b/data/out", "s3://b/data") == "lies inside"
+    assert check("s3://b", "s3://b/data") == "holds"
+    assert check("s3://b/data2", "s3://b/data") == ""
+    assert check("gs://b/data", "s3://b/data") == ""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="symlinks")
+def test_a_symlinked_input_seen_from_its_real_path(tmp_path):
+    """The input named through a link, --out inside its real directory: the same refusal."""
+    real = _make_input(tmp_path / "real", "DATA")
+    (tmp_path / "alias").symlink_to(real, target_is_directory=True)
+    with pytest.raises(storage.OutputRefused, match="lies inside"):
+        storage.check_output(real / "sub", [("DATA", tmp_path / "alias")], "train")

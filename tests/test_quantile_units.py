@@ -1,0 +1,95 @@
+"""Quantiles of another unit are refused by every front end that reads them (workflows/quantiles.py):
+L1-occlusion quantiles applied to values in nats put every weight at 0 with exit 0 before.
+
+Real parquet scored by a tiny HF Llama (causal_loss, nats); the other unit is the same directory with
+its metadata's `unit` set to another scorer's (l1 occlusion)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from test_weigh_stage import model, scored, tokens  # noqa: F401 - fixtures
+
+from entroweight.schemas.arrow import METADATA_KEY
+from entroweight.workflows.cli import main
+from entroweight.workflows.quantiles import reference_quantiles, values_unit
+
+OTHER = "occlusion_l1"
+
+
+@pytest.fixture(scope="module")
+def other_unit(scored, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("other-unit")
+    for f in sorted(scored.glob("part-*.parquet")):
+        t = pq.read_table(f)
+        meta = json.loads(t.schema.metadata[METADATA_KEY])
+        pq.write_table(
+            t.replace_schema_metadata({METADATA_KEY: json.dumps({**meta, "unit": OTHER})}), out / f.name
+        )
+    shutil.copy(scored / ".stage.json", out / ".stage.json")
+    return out
+
+
+def front_ends(scored, tokens, model):  # noqa: F811
+    """Each command that takes --quantiles-from, as argv without it."""
+    return {
+        "weigh": ["weigh", str(scored), "--weighting", "quantile"],
+        "score": [
+            "score",
+            str(tokens),
+            "--scorer",
+            "causal_loss",
+            "--model",
+            str(model),
+            "--dtype",
+            "fp32",
+            "--weighting",
+            "quantile",
+        ],
+    }
+
+
+@pytest.mark.parametrize("command", ["weigh", "score"])
+def test_quantiles_of_another_unit_are_refused(command, scored, tokens, model, other_unit, tmp_path):  # noqa: F811
+    assert values_unit(scored) == "nats" and values_unit(other_unit) == OTHER
+    out = tmp_path / "out"
+    argv = [
+        *front_ends(scored, tokens, model)[command],
+        "--quantiles-from",
+        str(other_unit),
+        "--out",
+        str(out),
+    ]
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 2, (r.output, r.exception)
+    line = r.output.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert f"--quantiles-from {other_unit}" in line and repr(OTHER) in line and "'nats'" in line, line
+    assert not os.path.exists(out)
+
+
+def test_quantiles_of_the_same_unit_are_taken(scored, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    argv = [
+        "weigh",
+        str(scored),
+        "--weighting",
+        "quantile",
+        "--quantiles-from",
+        str(scored),
+        "--out",
+        str(out),
+    ]
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 0, r.output
+
+
+def test_the_workflow_field_is_named(other_unit):
+    """The runner's `quantiles_from:` goes through the same function, naming its field."""
+    with pytest.raises(ValueError, match=f"quantiles_from .* unit '{OTHER}', but .* 'nats'"):
+        reference_quantiles(other_unit, "nats", "quantiles_from")
