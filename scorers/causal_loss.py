@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from pydantic import Field, model_validator
+
+from entroweight.transforms.tokenizer import load_tokenizer
 
 from . import hf
 from .base import HFModelOptions, Scorer, ScorerError, fill_first_token
@@ -132,21 +135,46 @@ class HFModel(ModelSource):
     """Any HF `AutoModelForCausalLM` (`model=ID_OR_DIR`, or a .gguf file); it reads a start token."""
 
     def __init__(self, model: str):
+        # no I/O here: the driver reads what it needs on first use (config, vocabulary, tokenizer);
+        # a GGUF file is dequantized by `resolved`, only where the model loads
         self.model = model
-        self.resolved = hf.resolve_model(model)
-        # a hub model is pinned to the commit it had when the run was planned (workers load that one)
-        self.revision = hf.hub_revision(model) if isinstance(self.resolved, str) else None
         self.start_info: hf.StartToken | None = None
 
+    @cached_property
+    def gguf(self) -> Path | None:
+        return hf.gguf_file(self.model)
+
+    @cached_property
+    def resolved(self) -> Path | str:
+        """A local HF directory (a GGUF converted: on the worker, in load()), or the hub id."""
+        return hf.resolve_model(self.model)
+
+    @cached_property
+    def is_hub(self) -> bool:
+        return self.gguf is None and isinstance(self.resolved, str)
+
+    @cached_property
+    def revision(self) -> str | None:
+        # a hub model is pinned to the commit it had when the run was planned (workers load that one)
+        return hf.hub_revision(self.model) if self.is_hub else None
+
+    @cached_property
+    def sha256(self) -> str | None:
+        """The weights' identity, hashed once (config() is asked for it several times a shard)."""
+        if self.gguf is not None:  # the conversion is keyed by the file's sha256: the same identity
+            return hf.gguf_sha256(self.gguf)
+        return hf.model_sha256(self.resolved)
+
     def config(self) -> dict[str, Any]:
-        hub = isinstance(self.resolved, str)
         return {
-            "model": self.model if hub else Path(self.model).name,
-            "model_sha256": hf.model_sha256(self.resolved),
-            **({"model_revision": self.revision} if hub else {}),
+            "model": self.model if self.is_hub else Path(self.model).name,
+            "model_sha256": self.sha256,
+            **({"model_revision": self.revision} if self.is_hub else {}),
         }
 
     def vocab_size(self) -> int | None:
+        if self.gguf is not None:
+            return hf.gguf_vocab_size(self.gguf)
         if not isinstance(self.resolved, Path):
             return None  # a hub id: its config is not read before the model loads
         cfg = json.loads((self.resolved / "config.json").read_text())
@@ -177,7 +205,9 @@ class HFModel(ModelSource):
         return model
 
     def tokenizer(self):
-        """The model's tokenizer, at the pinned revision."""
+        """The model's tokenizer, at the pinned revision (a GGUF's from its metadata: no conversion)."""
+        if self.gguf is not None and "resolved" not in self.__dict__:
+            return load_tokenizer(hf.gguf_tokenizer(self.gguf))
         return hf.model_tokenizer(self.resolved, self.revision)
 
     def token_losses(self, model, ids: torch.Tensor, lengths: torch.Tensor, device: str, dtype: str):

@@ -8,6 +8,7 @@ read from safetensors only unless asked (--allow-pickle). Hub ids are checked (O
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -41,15 +42,67 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def gguf_file(spec: str) -> Path | None:
+    """The .gguf file a model spec names (the file, or a directory holding one and no config.json)."""
+    p = Path(spec)
+    if p.is_file() and p.suffix == ".gguf":
+        return p
+    if p.is_dir() and not (p / "config.json").exists():
+        ggufs = sorted(p.glob("*.gguf"))
+        return ggufs[0] if len(ggufs) == 1 else None
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _gguf_sha256(path: Path, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)
+
+
+def gguf_sha256(path: Path) -> str:
+    """The sha256 of a GGUF file (its identity in the stage config and the conversion's cache key),
+    hashed once per process while the file is unchanged."""
+    st = path.stat()
+    return _gguf_sha256(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+def gguf_conversion(path: Path) -> Path | None:
+    """The HF directory this GGUF was already converted into, or None (nothing is converted here)."""
+    out = cache_dir() / "gguf" / gguf_sha256(path)[:16]
+    return out if _converted(out) else None
+
+
+def gguf_tokenizer(path: Path) -> Path:
+    """The tokenizer.json of a GGUF model: its conversion's when there is one, else read from the
+    file's metadata alone (no tensor is dequantized; the same bytes the conversion writes)."""
+    done = gguf_conversion(path)
+    if done is not None:
+        return done / TOKENIZER_FILE
+    out = cache_dir() / "gguf-tokenizers" / gguf_sha256(path)[:16] / TOKENIZER_FILE
+    if not out.exists():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        write_text_atomic(tok.backend_tokenizer.to_str(pretty=True), out)  # parallel runs: whole or absent
+    return out
+
+
+def gguf_vocab_size(path: Path) -> int | None:
+    """The vocabulary of a GGUF model, from its conversion's config or the file's metadata."""
+    from transformers import AutoConfig
+
+    done = gguf_conversion(path)
+    if done is not None:
+        return json.loads((done / "config.json").read_text()).get("vocab_size")
+    return getattr(AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name), "vocab_size", None)
+
+
 def resolve_model(spec: str) -> Path | str:
     """A local HF directory (GGUF converted first), or the hub id unchanged."""
     p = Path(spec)
-    if p.is_file() and p.suffix == ".gguf":
-        return convert_gguf(p)
+    gguf = gguf_file(spec)
+    if gguf is not None:
+        return convert_gguf(gguf)
     if p.is_dir():
-        ggufs = sorted(p.glob("*.gguf"))
-        if not (p / "config.json").exists() and len(ggufs) == 1:
-            return convert_gguf(ggufs[0])
         if not (p / "config.json").exists():
             raise ModelLoadError(
                 f"{spec} has no config.json; give a Hugging Face model directory, a .gguf file, or a hub id"
@@ -74,7 +127,7 @@ def convert_gguf(path: Path, out: Path | None = None) -> Path:
     Concurrent conversions of one file (workers, parallel runs) are safe: one converts under a file
     lock while the others wait and then find it done; the directory is built under a unique temp
     name and renamed into place whole, so no reader ever sees half of it."""
-    sha = sha256_file(path)
+    sha = gguf_sha256(path)
     out = out or cache_dir() / "gguf" / sha[:16]
     if _converted(out):
         return out
