@@ -439,8 +439,8 @@ class DeviceBusy:
         if not self.on:
             return
         torch.cuda.synchronize()
-        self.prof.__exit__(*exc)
         try:
+            self.prof.__exit__(*exc)
             spans = self._spans()
         except Exception as e:  # a profiler that changed its API: the split is missing, the rates are not
             print(f"  device busy time unavailable: {type(e).__name__}: {e}", file=sys.stderr)
