@@ -696,9 +696,8 @@ def run_case(case: Case, dtype: str, ctx: dict) -> dict:
         else:
             run_limit(limit_kind, limit_models, limit_rows, size.budget, device, dtype)
 
-    if (
-        limit_models
-    ):  # warm-up: a whole untimed pass (on the H100 a first case's limit ran at 78 % busy after one batch)
+    # warm-up: one whole untimed pass (after one batch, a first case's limit ran at 78 % busy on the H100)
+    if limit_models:
         limit()
     path_runs, limit_runs = [], []
     for i in range(ctx["rounds"]):
