@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # Extra pytest arguments, e.g. `make test ARGS="-k tokenize"`.
 ARGS    ?=
 
-.PHONY: run test test-slow test-all bench lint clean
+.PHONY: run test test-slow test-all bench bench-gpu lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,6 +49,14 @@ test-all: $(STAMP)
 BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all $(BENCH_ARGS)
+
+# Every model-based scorer through the score stage with Llama-3.2-1B-shaped random models on the CUDA
+# device: real tok/s, MFU, the ratio to its packed limit, fp32 and bf16, and the host/device split
+# (benchmarks/gpu.py; docs/scaling.md "First GPU measurement"); writes bench-out/gpu/results.{json,md}.
+# Installs and downloads nothing. `make bench-gpu GPU_ARGS="--only causal_hf --dtypes bf16"`; on a CPU: GPU_ARGS=--tiny.
+GPU_ARGS ?=
+bench-gpu: $(STAMP)
+	$(BIN)/python -m benchmarks.gpu $(GPU_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
