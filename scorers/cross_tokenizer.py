@@ -93,9 +93,9 @@ class CrossTokenizerScorer(Scorer):
             self._model = self.source.load(self.device, self.dtype, self.options)
             self._model_tok = self.source.tokenizer()
             self._start = self.source.start
-            limit = getattr(self._model.config, "max_position_embeddings", None)
-            if limit and self.context > limit:
-                self.context, self.stride = limit, min(self.stride, limit // 2)
+            # windows no longer than the model reads (the config keeps what was asked: it is hashed
+            # before the model loads, and the same request always gives the same windows)
+            self._max_positions = getattr(self._model.config, "max_position_embeddings", None)
 
     def metadata(self) -> dict[str, Any]:
         return {**super().metadata(), **self.source.metadata()}
@@ -149,12 +149,16 @@ class CrossTokenizerScorer(Scorer):
     def windows(self, m: int) -> list[tuple[int, int, int]]:
         """(context start, first scored, end) model-token ranges; the first window starts with the
         start token and scores everything in it, each later one scores `stride` new tokens."""
-        first = min(m, self.context - 1)
+        context, stride = self.context, self.stride
+        limit = getattr(self, "_max_positions", None)
+        if limit and context > limit:
+            context, stride = limit, min(stride, limit // 2)
+        first = min(m, context - 1)
         out = [(0, 0, first)]
         while out[-1][2] < m:
             a = out[-1][2]
-            end = min(m, a + self.stride)
-            out.append((max(0, end - self.context), a, end))
+            end = min(m, a + stride)
+            out.append((max(0, end - context), a, end))
         return out
 
     def _model_losses(

@@ -335,7 +335,7 @@ def corrupt_weights(scored, dst, fn):
     t = t.set_column(t.schema.get_field_index("weight"), "weight", pa.array(w, pa.list_(pa.float16())))
     pq.write_table(t.replace_schema_metadata(pq.read_schema(f).metadata), f)
     m = json.loads((dst / ".part-00000.manifest.json").read_text())
-    m["output_sha256"] = sha256_file(f)
+    m["output_sha256"], m["output_bytes"] = sha256_file(f), f.stat().st_size  # still committed
     (dst / ".part-00000.manifest.json").write_text(json.dumps(m))
     return dst
 

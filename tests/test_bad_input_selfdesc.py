@@ -210,8 +210,8 @@ def test_a_text_scorer_finds_the_carried_tokenizer(tmp_path, tokens, tokenizer_d
     old = tmp_path / "old"
     shutil.copytree(tokens, old, ignore=shutil.ignore_patterns(".tokenizer"))
     with pytest.raises(StageError, match="pass --tokenizer"):
-        ScoreStage(old, Bytes.name, {})
-    ScoreStage(old, Bytes.name, {}, tokenizer=str(tokenizer_dir))  # --tokenizer still works
+        ScoreStage(old, Bytes.name, {}).plan_inputs()  # refused as planning starts: nothing is built
+    ScoreStage(old, Bytes.name, {}, tokenizer=str(tokenizer_dir)).plan_inputs()  # --tokenizer still works
 
 
 def test_mismatched_tokenizer_refused(tmp_path, tokens, tokenizer_dir, llama3_tokenizer):
@@ -226,7 +226,14 @@ def test_mismatched_tokenizer_refused(tmp_path, tokens, tokenizer_dir, llama3_to
     shutil.copytree(tokens, swapped)
     shutil.copy(llama3_tokenizer, swapped / CARRIED)
     code, output = cli(
-        "score", swapped, "--scorer", "cross_tokenizer", "--model", tmp_path, "--out", tmp_path / "o"
+        "score",
+        swapped,
+        "--scorer",
+        "cross_tokenizer",
+        "--model",
+        tmp_path,
+        "--out",
+        tmp_path.parent / f"{tmp_path.name}-o",
     )
     refused(code, output, "is not the tokenizer of", CARRIED)
     assert not (tmp_path / "o").exists()

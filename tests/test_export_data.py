@@ -26,6 +26,7 @@ from test_trainer_fixtures import one_thread  # noqa: F401 - fixture
 from entroweight.pipelines import run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.tokenize import TokenizeStage
+from entroweight.schemas.datadir import DataDir
 from entroweight.transforms.weigh import WeighConfig
 from entroweight.workflows.cli import main
 
@@ -68,7 +69,7 @@ def scored_split(tmp_path_factory, scored):
     """The split-overflow layout: a document continues over consecutive rows with its doc_id."""
     out = tmp_path_factory.mktemp("scored_split")
     shutil.copytree(scored, out, dirs_exist_ok=True)
-    f = out / "part-00000.parquet"
+    f = out / DataDir(out).parts[0].name
     t = pq.read_table(f)
     ids = t.column("doc_id").to_pylist()
     ids[1] = ids[2] = ids[0]  # rows 0-2: one document
@@ -310,8 +311,8 @@ def test_hf_layout_loads_with_datasets(scored, tmp_path):
     [
         ("unscored", "holds the output of `tokenize`, not weighted data"),
         ("empty", "is not a stage's output (no .stage.json)"),
-        ("incomplete", "is incomplete (part-00001 not done)"),
-        ("shard_gone", "is incomplete (part-00002 not done)"),
+        ("incomplete", "is incomplete (part-"),
+        ("shard_gone", "is incomplete (part-"),
         ("mds", "MosaicML Streaming (mds) is not supported"),
         ("unknown", "unknown format 'parquet'"),
         ("out_is_src", "is SCORED"),
@@ -330,9 +331,9 @@ def test_refusals(scored, small_data, tmp_path, case, message):  # noqa: F811
         shutil.rmtree(src)
         src.mkdir()
     elif case == "incomplete":
-        (src / ".part-00001.manifest.json").unlink()
+        (src / f".{DataDir(src).parts[1].manifest.shard}.manifest.json").unlink()
     elif case == "shard_gone":
-        (src / "part-00002.parquet").unlink()
+        (src / DataDir(src).parts[2].name).unlink()
     elif case in ("mds", "unknown"):
         fmt = "mds" if case == "mds" else "parquet"
     elif case == "out_is_src":

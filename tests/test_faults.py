@@ -28,6 +28,7 @@ from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
+from entroweight.schemas.datadir import DataDir
 from entroweight.scorers import Scorer, register
 from entroweight.transforms.writer import TMP_MARK, sha256_file
 
@@ -260,7 +261,7 @@ def test_scorer_raising_on_one_batch_fails_only_that_shard(tmp_path, reference):
     clean = tmp_path / "clean"
     run_stage(ScoreStage(reference, "test_flaky", {"batch_size": 8}), clean, progress=False)
     # poison one row of part-00003's input
-    row = pq.read_table(reference / "part-00003.parquet").slice(7, 1).to_pylist()[0]
+    row = pq.read_table(DataDir(reference).parts[3].location).slice(7, 1).to_pylist()[0]
     Flaky.poison = {np.asarray(row["input_ids"][row["n_pad"] :], np.int64).tobytes()}
     out = tmp_path / "scored"
     try:

@@ -21,6 +21,7 @@ from entroweight.pipelines import LockHeld, run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.weigh import WeighStage
+from entroweight.schemas.datadir import DataDir
 from entroweight.transforms.weigh import WeighConfig
 
 N_CTX = 64
@@ -74,8 +75,11 @@ def test_tokenize_score_weigh_on_s3_match_local_disk(tmp_path, s3_bucket, c4_60,
     assert parquet_bytes(f"{s3_bucket}/tokens") == parquet_bytes(tmp_path / "tok")
     # the data carries its tokenizer on the store too, and manifests record each object's size
     assert s3.exists(f"{s3_bucket.removeprefix('s3://')}/tokens/.tokenizer/tokenizer.json")
-    manifest = json.loads(s3.cat(f"{s3_bucket.removeprefix('s3://')}/tokens/.part-00000.manifest.json"))
-    assert manifest["output_bytes"] == s3.size(f"{s3_bucket.removeprefix('s3://')}/tokens/part-00000.parquet")
+    first = DataDir(f"{s3_bucket}/tokens").parts[0]
+    manifest = json.loads(
+        s3.cat(f"{s3_bucket.removeprefix('s3://')}/tokens/.{first.manifest.shard}.manifest.json")
+    )
+    assert manifest["output_bytes"] == s3.size(f"{s3_bucket.removeprefix('s3://')}/tokens/{first.name}")
 
     score(tmp_path / "tok", model, tmp_path / "scored")
     score(f"{s3_bucket}/tokens", model, f"{s3_bucket}/scored")
@@ -96,8 +100,9 @@ def test_a_shard_without_its_manifest_is_redone_and_a_wrong_size_too(s3_bucket, 
     tokenize(c4_60, tokenizer_dir, out)
     reference = parquet_bytes(out)
     s3, root = s3fs(), out.removeprefix("s3://")
-    s3.rm(f"{root}/.part-00001.manifest.json")  # killed between the parquet and its manifest
-    s3.pipe(f"{root}/part-00002.parquet", b"PAR1 stale")  # an object that is not what its manifest says
+    parts = DataDir(out).parts
+    s3.rm(f"{root}/.{parts[1].manifest.shard}.manifest.json")  # killed between the parquet and its manifest
+    s3.pipe(f"{root}/{parts[2].name}", b"PAR1 stale")  # an object that is not what its manifest says
     summary = tokenize(c4_60, tokenizer_dir, out)
     assert summary.shards_run == 2 and summary.shards_done_before == 1
     assert parquet_bytes(out) == reference
@@ -243,14 +248,15 @@ def test_verify_and_inspect_read_s3_and_catch_tampering(tmp_path, s3_bucket, c4_
     assert remote == local  # the same summary, wherever the data lives
 
     s3, root = s3fs(), out.removeprefix("s3://")
-    body = bytearray(s3.cat(f"{root}/part-00001.parquet"))
+    parts = DataDir(out).parts
+    body = bytearray(s3.cat(f"{root}/{parts[1].name}"))
     body[100] ^= 0xFF  # one flipped byte inside a page
-    s3.pipe(f"{root}/part-00001.parquet", bytes(body))
-    s3.rm(f"{root}/.part-00002.manifest.json")
+    s3.pipe(f"{root}/{parts[1].name}", bytes(body))
+    s3.rm(f"{root}/.{parts[2].manifest.shard}.manifest.json")
     s3.pipe(f"{root}/stray.parquet", b"PAR1")
     problems = verify_dir(out)
-    assert any("part-00001" in p and "sha256 differs" in p for p in problems), problems
-    assert any("part-00002" in p and "no manifest" in p for p in problems), problems
+    assert any(parts[1].manifest.shard in p and "sha256 differs" in p for p in problems), problems
+    assert any(parts[2].manifest.shard in p and "no manifest" in p for p in problems), problems
     assert any(p.startswith("stray.parquet") for p in problems), problems
     cli = subprocess.run(
         [sys.executable, "-m", "entroweight.workflows.cli", "verify", out],

@@ -70,7 +70,7 @@ class Placed(Exception):
 
 
 def test_ray_actors_get_the_resources_and_restart_after_a_lost_node(tokenized_dir, hf_model):
-    """`_run` creates its actors with one GPU each, the CPUs asked for, restarts and task retries."""
+    """`_run_pool` creates its actors with one GPU each, the CPUs asked for, restarts and task retries."""
     from entroweight.pipelines import ray as engine
 
     asked = {}
@@ -84,7 +84,7 @@ def test_ray_actors_get_the_resources_and_restart_after_a_lost_node(tokenized_di
     stage = cuda_stage(tokenized_dir, hf_model, cpus_per_worker=4)
     plan = SimpleNamespace(stage=stage, todo=[1, 2, 3])
     with pytest.raises(Placed):
-        engine._run(fake, plan, workers=None, progress=False, embedded=False)
+        engine._run_pool(fake, plan, workers=None, progress=False, embedded=False)
     assert asked["num_gpus"] == 1 and asked["num_cpus"] == 4
     assert asked["max_restarts"] >= 1 and asked["max_task_retries"] >= 1
     # an actor's thread pools are sized to its CPUs

@@ -17,7 +17,6 @@ from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import read_file_metadata, weighted_sequence_schema
-from entroweight.scorers import ScorerError
 from entroweight.transforms.weigh import WeighConfig
 from entroweight.workflows.cli import main
 
@@ -108,15 +107,16 @@ def test_loads_with_datasets_and_reruns_are_incremental(local_scored, small_data
 
 def test_refuses_data_of_another_tokenizer(tmp_path, small_data, llama3_tokenizer, tokenizer_dir):
     other = tiny_llama_dir(tmp_path / "llama3_tiny", llama3_tokenizer, vocab_size=128256)
-    with pytest.raises(ScorerError, match="cross_tokenizer"):
-        stage(small_data, other, tokenizer=str(tokenizer_dir))
+    # refused as planning starts (a stage's constructor reads nothing), before anything is written
+    with pytest.raises(StageError, match="cross_tokenizer"):
+        stage(small_data, other, tokenizer=str(tokenizer_dir)).plan_inputs()
     with pytest.raises(StageError, match="is not the tokenizer"):
-        stage(small_data, other, tokenizer=str(llama3_tokenizer))
+        stage(small_data, other, tokenizer=str(llama3_tokenizer)).plan_inputs()
     # data made before directories carried their tokenizer: the scorer that reads text asks for it
     bare = tmp_path / "bare"
     shutil.copytree(small_data, bare, ignore=shutil.ignore_patterns(".tokenizer"))
     with pytest.raises(StageError, match="--tokenizer"):
-        ScoreStage(bare, "cross_tokenizer", {"model": str(other)})
+        ScoreStage(bare, "cross_tokenizer", {"model": str(other)}).plan_inputs()
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_cli_uint8_weights_without_entropy(tmp_path, small_data, tiny_llama):
     real = np.arange(64)[None] >= table.column("n_pad").to_numpy()[:, None]
     assert w[real].min() == round(0.1 * 255)  # the floor
     meta = read_file_metadata(next(out.glob("part-*.parquet")))
-    assert meta["weight_dtype"] == "uint8" and meta["weighting"]["floor"] == 0.1
+    assert meta["weighting"]["dtype"] == "uint8" and meta["weighting"]["floor"] == 0.1
     inspect = CliRunner().invoke(main, ["inspect", str(out), "--json"])
     assert json.loads(inspect.output)["weight"]["max"] == 1.0
 

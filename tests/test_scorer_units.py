@@ -19,7 +19,7 @@ from entroweight.pipelines import run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import StageFailed
 from entroweight.schemas import METADATA_KEY, read_file_metadata
-from entroweight.scorers import Scorer, hf, make_scorer
+from entroweight.scorers import Scored, Scorer, hf, make_scorer
 from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.transforms.weigh import NonFiniteScores, WeighConfig, weigh
 from entroweight.workflows.cli import main
@@ -182,21 +182,35 @@ class _NaNScorer(Scorer):
     def setup(self, data_tokenizer=None):
         pass
 
-    def score(self, input_ids, n_pad):
+    def score(self, input_ids, n_pad, batching=None):
         out = np.ones(np.shape(input_ids), dtype=np.float32)
         out[3, -1] = np.nan
-        return out
+        return Scored(out)
 
 
 def _one_shard(tokenized_dir: Path, tmp_path: Path, rows: int | None = None) -> Path:
+    """The first shard of `tokenized_dir` (its first `rows` rows) as a tokenized directory of its own:
+    the stage record, the carried tokenizer, the shard and its manifest (size and sha256 updated)."""
+    import json
+
+    from entroweight.schemas.datadir import DataDir
+    from entroweight.schemas.manifest import SHARDS_FILE, STAGE_FILE, manifest_name
+    from entroweight.transforms.writer import sha256_file
+
     d = tmp_path / "one"
-    d.mkdir()
-    f = sorted(tokenized_dir.glob("part-*.parquet"))[0]
-    if rows is None:
-        shutil.copy(f, d / f.name)
-    else:
-        t = pq.read_table(f)
-        pq.write_table(t.slice(0, rows).replace_schema_metadata(t.schema.metadata), d / f.name)
+    shutil.copytree(tokenized_dir / ".tokenizer", d / ".tokenizer")
+    shutil.copy(tokenized_dir / STAGE_FILE, d / STAGE_FILE)
+    part = DataDir(tokenized_dir).parts[0]
+    m = part.manifest
+    t = pq.read_table(part.location)
+    if rows is not None:
+        t = t.slice(0, rows)
+    pq.write_table(t.replace_schema_metadata(pq.read_schema(part.location).metadata), d / part.name)
+    f = d / part.name
+    m = m.model_copy(update={"output_sha256": sha256_file(f), "output_bytes": f.stat().st_size,
+                             "rows_out": t.num_rows, "output_row_groups": None})  # fmt: skip
+    (d / manifest_name(m.shard)).write_text(m.model_dump_json())
+    (d / SHARDS_FILE).write_text(json.dumps({m.inputs[0].key: m.shard}))
     return d
 
 

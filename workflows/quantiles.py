@@ -4,26 +4,18 @@ unit: L1-occlusion quantiles applied to values in nats would make every weight 0
 
 from __future__ import annotations
 
-import json
-
 
 def values_unit(location) -> str | None:
     """The `unit` a scored directory's (or file's) metadata records for its values; None when it
     records none (scored before units were recorded) or holds no part."""
-    import pyarrow.parquet as pq
+    from entroweight.schemas import read_file_metadata
+    from entroweight.schemas.datadir import data_files
 
-    from entroweight import storage
-    from entroweight.schemas.arrow import METADATA_KEY
-
-    names = storage.listing(location)
-    parts = sorted(n for n in names if n.startswith("part-") and n.endswith(".parquet"))
-    files = [storage.path(location) / parts[0]] if parts else [] if names else [storage.path(location)]
-    for f in files:
-        with storage.open_input(f) as fh:
-            meta = pq.read_schema(fh).metadata or {}
-        if METADATA_KEY in meta:
-            return json.loads(meta[METADATA_KEY]).get("unit")
-    return None
+    try:
+        _, files = data_files(location, kind="weighted", complete=False)
+    except ValueError:  # not weighted data: refused by whoever reads it, with their own message
+        return None
+    return read_file_metadata(files[0]).get("unit") if files else None
 
 
 def scorer_unit(scorer: str, options: dict) -> str | None:
