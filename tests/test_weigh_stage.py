@@ -90,7 +90,7 @@ def test_reweighing_equals_scoring_with_that_weighting(scored, tokens, model, tm
     assert (
         meta["stage"] == "weigh"
         and meta["weighting"]["clip"] == [0.1, 0.9]
-        and meta["weight_dtype"] == "uint8"
+        and meta["weighting"]["dtype"] == "uint8"
     )
     assert (
         meta["scorer"] == "causal_loss"
@@ -161,8 +161,8 @@ def test_refusals_exit_2_before_output(scored, tokens, model, tmp_path):
     score(tokens, model, dropped, with_entropy=False)
     code, output = cli("weigh", dropped, "--out", out)
     assert code == 2 and "--drop-entropy" in output and not out.exists()
-    with pytest.raises(StageError, match="score first"):
-        WeighStage(tmp_path, WeighConfig())
+    with pytest.raises(StageError, match="score it first"):
+        WeighStage(tmp_path, WeighConfig()).plan_inputs()  # refused as planning starts
 
 
 def test_weigh_takes_the_weighting_flags_of_score(scored, tmp_path):
