@@ -54,7 +54,9 @@ def flip_a_decodable_byte(f: Path) -> None:
     original = f.read_bytes()
     good = pq.read_table(f)
     md = pq.ParquetFile(f).metadata.row_group(0)
-    col = next(md.column(i) for i in range(md.num_columns) if md.column(i).path_in_schema.startswith("weight"))
+    col = next(
+        md.column(i) for i in range(md.num_columns) if md.column(i).path_in_schema.startswith("weight")
+    )
     start, n = col.data_page_offset, col.total_compressed_size
     for pos in range(start + n - 1, start, -1):  # from the end: values, not page headers
         for bit in range(8):

@@ -163,7 +163,9 @@ def inspect_data(
     )
 
 
-def value_problems(files, columns, parts: dict[str, Part] | None = None) -> tuple[list[tuple[Path, str]], int]:
+def value_problems(
+    files, columns, parts: dict[str, Part] | None = None
+) -> tuple[list[tuple[Path, str]], int]:
     """(file, message) for each file whose bytes differ from its manifest (a stage's output: `parts`,
     from `inspect_data`), or whose `weight` / `entropy` values (those of `columns` it has) hold NaN or
     ±inf, or weights outside [0, 1], and how many weights are above 0 (a run whose weights are all 0
