@@ -265,6 +265,30 @@ def sha256(p: AnyPath, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def read_hashed(p: AnyPath, size: int | None = None, chunk: int = 1 << 22) -> tuple[memoryview, str]:
+    """(the file's bytes, their sha256), in one read: each chunk is hashed as it arrives, into one
+    buffer (`size` when known, else the file's), which pyarrow then parses (`pa.BufferReader`), so a
+    reader that checks a shard against its manifest never reads the file twice. The one hashing
+    reader: `DataDir`'s parts (schemas/datadir.py `Part.read`) and through them every reader of a
+    stage's output use it."""
+    h = hashlib.sha256()
+    with open_input(p) as f:
+        if size is None:
+            size = os.fstat(f.fileno()).st_size if is_local(p) else int(f.size)
+        buf = bytearray(size + 1)  # one spare byte: a file grown since it was listed shows itself
+        view, n = memoryview(buf), 0
+        while n < len(buf):
+            got = f.readinto(view[n : n + chunk])
+            if not got:
+                break
+            h.update(view[n : n + got])
+            n += got
+        for block in iter(lambda: f.read(chunk), b""):  # longer still: hashed, not kept
+            h.update(block)
+            n += len(block)
+    return view[: min(n, size)], h.hexdigest()
+
+
 def listing(directory: AnyPath) -> dict[str, int]:
     """{file name: size} of the files directly in `directory`, in one call (one LIST on an object store,
     however many shards it holds); {} when it does not exist."""

@@ -28,7 +28,7 @@ import yaml
 
 from entroweight import __version__, storage
 from entroweight.schemas import read_file_metadata
-from entroweight.schemas.datadir import DataDir, DataDirError
+from entroweight.schemas.datadir import DataDir, DataDirError, Part
 from entroweight.schemas.exports import EXPORT_RECORD, MEGATRON_PREFIX, megatron_weight_prefix
 from entroweight.schemas.weighted import WEIGHT, describe_encoding, matrix, real_mask, row_lengths
 from entroweight.transforms.writer import write_json_atomic
@@ -62,18 +62,23 @@ class Rows:
 @dataclass
 class Source:
     path: Path
-    files: list[str]
+    parts: list[Part]  # each read once, checked against its manifest's sha256 as it streams
     meta: dict
     weight_dtype: str  # how the shards store their weights ('uint8' or 'float16'), schemas/weighted.py
+
+    @property
+    def files(self) -> list[str]:
+        return [p.location for p in self.parts]
 
     @property
     def packed(self) -> bool:
         return bool(self.meta.get("packed"))
 
     def rows(self, counts: dict | None = None) -> Iterator[Rows]:
-        """Each shard's rows in shard order; `counts` (when given) adds up what was read."""
-        for f in self.files:
-            rows = read_rows(f, self.packed)
+        """Each shard's rows in shard order, its bytes checked against its manifest before any of its
+        rows is handed on (ShardMismatch otherwise); `counts` (when given) adds up what was read."""
+        for part in self.parts:
+            rows = read_rows(part, self.packed)
             if counts is not None:
                 counts["shards"] = counts.get("shards", 0) + 1
                 counts["rows"] = counts.get("rows", 0) + len(rows.doc_ids)
@@ -95,14 +100,16 @@ def open_scored(src: str | Path) -> Source:
     except DataDirError as e:
         raise ExportError(str(e)) from None
     meta = read_file_metadata(d.files[0])
-    return Source(d.root, d.files, meta, d.weight_dtype)
+    return Source(d.root, d.parts, meta, d.weight_dtype)
 
 
-def read_rows(path: str | Path, packed: bool) -> Rows:
-    """One shard's real tokens and their weights as stored (uint8 or float16: the export keeps them)."""
+def read_rows(part: Part, packed: bool) -> Rows:
+    """One shard's real tokens and their weights as stored (uint8 or float16: the export keeps them).
+    The shard's bytes are read once, hashed as they stream and compared with its manifest
+    (`Part.read`), then parsed from memory; a shard with no rows gives empty Rows."""
     cols = ["doc_id", "input_ids", "n_pad", WEIGHT] + (["doc_ids"] if packed else [])
-    with storage.open_input(path) as fh:
-        t = pq.read_table(fh, columns=cols)
+    t = pq.read_table(pa.BufferReader(part.read()), columns=cols)
+    path = part.location
     ids = matrix(t.column("input_ids"))
     width = ids.shape[1]
     n_pad = t.column("n_pad").to_numpy()
@@ -327,7 +334,10 @@ def export_data(
             "counts": {},  # filled as the writer reads
             "bpb": bpb or [],
         }
-        WRITERS[fmt](source, tmp, record)
+        try:
+            WRITERS[fmt](source, tmp, record)
+        except DataDirError as e:  # a shard that differs from its manifest: the temp export goes
+            raise ExportError(str(e)) from None
         size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
         real = record["counts"]["real_tokens"]
         record["bytes"] = size

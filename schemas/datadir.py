@@ -37,6 +37,11 @@ class DataDirError(ValueError):
     """A directory that is not (or not wholly) a stage's committed output; the message says what to do."""
 
 
+class ShardMismatch(DataDirError):
+    """A committed shard whose bytes are not those its manifest records (a flipped bit, a file replaced
+    by hand): a reader refuses it rather than use it."""
+
+
 @dataclass(frozen=True)
 class Part:
     """A committed shard: its parquet (`location`, local path or URL), size and manifest."""
@@ -45,6 +50,20 @@ class Part:
     name: str
     size: int
     manifest: ShardManifest
+
+    def read(self) -> memoryview:
+        """The shard's bytes, checked against its manifest's sha256 as they stream (one read:
+        `storage.read_hashed`); parse them with `pyarrow.BufferReader`. Raises ShardMismatch naming
+        the shard and what to do."""
+        data, sha = storage.read_hashed(self.location, self.size)
+        if self.manifest.output_sha256 and sha != self.manifest.output_sha256:
+            directory = self.location.rsplit("/", 1)[0]
+            raise ShardMismatch(
+                f"{self.location}: its bytes differ from its manifest (sha256 {sha[:12]}…, recorded "
+                f"{self.manifest.output_sha256[:12]}…): the shard is corrupt or was changed; run "
+                f"`entroweight verify {directory}`, then rerun the command that wrote it with --overwrite"
+            )
+        return data
 
 
 class DataDir:

@@ -266,12 +266,32 @@ def load_model_tokenizer(
     return tok, start_token(resolved, tok).id
 
 
+# What a model directory's tokenizer is saved as (transformers' file names): a fast tokenizer's JSON,
+# a SentencePiece model, or a BPE's vocabulary and merges.
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+
+
+def require_tokenizer_file(resolved: Path | str) -> None:
+    """Refuse a local model directory that holds none of TOKENIZER_FILES, before transformers tries
+    (and asks to install sentencepiece). A hub id (str) is left to the hub."""
+    if not isinstance(resolved, Path) or not resolved.is_dir():
+        return
+    if any(all((resolved / f).is_file() for f in group) for group in TOKENIZER_FILES):
+        return
+    expects = ", or ".join(" + ".join(group) for group in TOKENIZER_FILES)
+    raise ModelLoadError(
+        f"{resolved} has no tokenizer file (expects {expects}); save the model's tokenizer beside it "
+        "(tokenizer.save_pretrained(DIR))"
+    )
+
+
 def model_tokenizer(resolved: Path | str, revision: str | None = None) -> LoadedTokenizer:
     """The model's fast tokenizer; a hub model's at `revision` (the commit its weights are pinned to,
     so a new upstream tokenizer cannot change the alignment either)."""
     if isinstance(resolved, Path) and (resolved / TOKENIZER_FILE).exists():
         path = resolved / TOKENIZER_FILE
     else:
+        require_tokenizer_file(resolved)
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(str(resolved), revision=revision)

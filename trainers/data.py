@@ -31,7 +31,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from entroweight import storage
 from entroweight.schemas import METADATA_KEY
-from entroweight.schemas.datadir import DataDirError, data_files
+from entroweight.schemas.datadir import DataDirError, Part, data_files
 from entroweight.schemas.weighted import WEIGHT, matrix, real_mask, weight_dtype, weights_matrix
 
 
@@ -58,20 +58,23 @@ def parquet_files(paths) -> list[str]:
     return _data(paths)[0]
 
 
-def _data(paths) -> tuple[list[str], list[list[int] | None]]:
-    """(files, each file's rows per row group as its manifest records them, or None)."""
+def _data(paths, parts: dict[str, Part] | None = None) -> tuple[list[str], list[list[int] | None]]:
+    """(files, each file's rows per row group as its manifest records them, or None); `parts`, when
+    given, gains the committed part (with its manifest) of each file that is a stage's output."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[str] = []
     groups: list[list[int] | None] = []
+    parts = {} if parts is None else parts
     for p in paths:
         try:
             d, found = data_files(p, hint="tokenize (and score) data first", foreign=True)
         except DataDirError as e:
             raise DataError(str(e)) from None
         files += found
-        by_location = {part.location: part.manifest.output_row_groups for part in d.parts}
-        groups += [by_location.get(f) for f in found]
+        by_location = {part.location: part for part in d.parts}
+        groups += [by_location[f].manifest.output_row_groups if f in by_location else None for f in found]
+        parts.update((f, by_location[f]) for f in found if f in by_location)
     if not files:
         raise DataError(f"no parquet files in {', '.join(map(str, paths))}; tokenize (and score) data first")
     return files, groups
@@ -87,13 +90,17 @@ class DataInfo:
     columns: set[str]
     metadata: dict
     row_groups: list[list[int]] = dataclasses.field(default_factory=list, repr=False)  # per file
+    # the committed part (manifest: sha256) of each file that is a stage's output; other tools' files
+    # have none and are read unchecked
+    parts: dict[str, Part] = dataclasses.field(default_factory=dict, repr=False)
 
 
 def inspect_data(
     paths, require=(), tokenizer_sha256: str | None = None, vocab_size: int | None = None
 ) -> DataInfo:
     """Check every file's schema and provenance before any training; raise DataError saying what to do."""
-    files, recorded = _data(paths)
+    parts: dict[str, Part] = {}
+    files, recorded = _data(paths, parts)
     metas, common = [], None
     groups = recorded if all(g is not None for g in recorded) else None
     if groups is None:  # not all of them stage output with manifests: every file's footer
@@ -152,16 +159,29 @@ def inspect_data(
         columns=common or set(),
         metadata=metas[0],
         row_groups=groups,
+        parts=parts,
     )
 
 
-def value_problems(files, columns) -> tuple[list[tuple[Path, str]], int]:
-    """(file, message) for each file whose `weight` / `entropy` values (those of `columns` it has)
-    hold NaN or ±inf, or weights outside [0, 1], and how many weights are above 0 (a run whose weights
-    are all 0 would train on nothing): one vectorised pass over those columns only."""
+def value_problems(
+    files, columns, parts: dict[str, Part] | None = None
+) -> tuple[list[tuple[Path, str]], int]:
+    """(file, message) for each file whose bytes differ from its manifest (a stage's output: `parts`,
+    from `inspect_data`), or whose `weight` / `entropy` values (those of `columns` it has) hold NaN or
+    ±inf, or weights outside [0, 1], and how many weights are above 0 (a run whose weights are all 0
+    would train on nothing). A stage's shard is read once, whole, hashed as it streams
+    (`Part.read`) and its columns parsed from those bytes; another tool's file: those columns only."""
     found, positive = [], 0
+    parts = parts or {}
     for f in files:
-        pf = pq.ParquetFile(storage.open_input(f))
+        if f in parts:
+            try:
+                pf = pq.ParquetFile(pa.BufferReader(parts[f].read()))
+            except DataDirError as e:  # a listed problem, not a raise: under DDP every rank raises together
+                found.append((f, str(e)))
+                continue
+        else:
+            pf = pq.ParquetFile(storage.open_input(f))
         cols = [c for c in columns if c in pf.schema_arrow.names]
         counts: dict[str, int] = {}
         for rg in range(pf.num_row_groups) if cols else ():

@@ -300,7 +300,7 @@ def _resolve(cfg: TrainConfig, loss: Loss, rank: int, world: int, device, allow_
 
     try:
         info = inspect_data(cfg.data, loss.columns, tok_sha)
-        _check_values(info.files, loss.columns, rank, world, device)
+        _check_values(info.files, loss.columns, rank, world, device, info.parts)
     except DataError as e:
         raise TrainError(str(e)) from e
     if loss.nats:
@@ -583,16 +583,17 @@ def _stop_if_not_finite(bad: float | None, step: int, loss: str, out: Path, save
         )
 
 
-def _check_values(files: list, columns, rank: int, world: int, device) -> None:
-    """Refuse NaN/inf (and weights outside [0, 1]) in the loss's columns before the first step, and
-    weights that are all 0 (the loss would be 0 at every step and the model learn nothing). Each rank
-    reads its share of the files once; then every rank raises, naming the first bad file."""
-    problems, positive = value_problems(files[rank::world], columns)
+def _check_values(files: list, columns, rank: int, world: int, device, parts=None) -> None:
+    """Refuse a shard whose bytes differ from its manifest, NaN/inf (and weights outside [0, 1]) in the
+    loss's columns before the first step, and weights that are all 0 (the loss would be 0 at every
+    step and the model learn nothing). Each rank reads its share of the files once (a stage's shard
+    whole, its sha256 computed as it streams); then every rank raises, naming the first bad file."""
+    problems, positive = value_problems(files[rank::world], columns, parts)
     if world > 1:
         first = torch.tensor([files.index(problems[0][0]) if problems else len(files)], device=device)
         torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
         if int(first.item()) < len(files) and not (problems and problems[0][0] == files[int(first.item())]):
-            problems, _ = value_problems([files[int(first.item())]], columns)
+            problems, _ = value_problems([files[int(first.item())]], columns, parts)
         count = torch.tensor([positive], dtype=torch.int64, device=device)
         torch.distributed.all_reduce(count)
         positive = int(count.item())

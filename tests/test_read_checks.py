@@ -1,0 +1,239 @@
+# ruff: noqa: F811 - pytest fixtures imported from test_score_stage
+"""Issue 26, the dataset checked as it is read:
+
+- every reader of a stage's output (`export-data`, `train`) checks each shard's bytes against its
+  manifest's sha256, computed while the bytes stream (one read of each shard, measured here): a shard
+  with a flipped bit that still decodes is refused (exit 2, naming it) before any output exists;
+- a shard with no rows (a source whose only document was rejected) contributes nothing to an export,
+  in every format;
+- an HF model directory without a tokenizer file is refused, naming what it expects (exit 2).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from conftest import C4
+from test_score_stage import small_data, tiny_llama  # noqa: F401 - fixtures
+from test_trainer_fixtures import TINY
+
+from entroweight import storage
+from entroweight.pipelines import run_stage
+from entroweight.pipelines.export_data import FORMATS, export_data
+from entroweight.pipelines.score import ScoreStage
+from entroweight.pipelines.tokenize import TokenizeStage
+from entroweight.trainers.data import inspect_data, value_problems
+from entroweight.workflows.cli import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:Transformer Engine:UserWarning")
+
+
+def score(data, model, out):
+    opts = {"model": str(model), "dtype": "fp32", "batch_size": 8}
+    run_stage(ScoreStage(data, "causal_loss", opts), out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory, small_data, tiny_llama):
+    return score(small_data, tiny_llama, tmp_path_factory.mktemp("scored"))
+
+
+def flip_a_decodable_byte(f: Path) -> None:
+    """Flip one bit inside the `weight` column's data of the first row group such that the file still
+    decodes and every weight stays in [0, 1] (what `verify`'s sha256 catches and a reader that only
+    decodes and checks values does not)."""
+    original = f.read_bytes()
+    good = pq.read_table(f)
+    md = pq.ParquetFile(f).metadata.row_group(0)
+    col = next(
+        md.column(i) for i in range(md.num_columns) if md.column(i).path_in_schema.startswith("weight")
+    )
+    start, n = col.data_page_offset, col.total_compressed_size
+    for pos in range(start + n - 1, start, -1):  # from the end: values, not page headers
+        for bit in range(8):
+            data = bytearray(original)
+            data[pos] ^= 1 << bit
+            f.write_bytes(bytes(data))
+            try:
+                t = pq.read_table(f)
+                w = pc.list_flatten(t.column("weight")).to_numpy(zero_copy_only=False).astype("float32")
+                if not t.equals(good) and ((w >= 0) & (w <= 1)).all():  # values any check would pass
+                    return
+            except Exception:  # noqa: BLE001 - undecodable: try another byte
+                pass
+    f.write_bytes(original)
+    raise AssertionError("no decodable single-bit flip found")
+
+
+@pytest.fixture(scope="module")
+def flipped(tmp_path_factory, scored):
+    out = tmp_path_factory.mktemp("flipped")
+    shutil.copytree(scored, out, dirs_exist_ok=True)
+    flip_a_decodable_byte(sorted(out.glob("part-*.parquet"))[1])
+    return out
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def tiny_yaml(tmp_path: Path) -> Path:
+    p = tmp_path / "tiny.yaml"
+    p.write_text("".join(f"{k}: {v}\n" for k, v in TINY.items()))
+    return p
+
+
+def train(data, out, tmp_path):
+    return cli(
+        "train", data, "--loss", "weighted_ce", "--model-config", tiny_yaml(tmp_path), "--out", out,
+        "--steps", "2", "--batch-size", "4", "--device", "cpu",
+    )  # fmt: skip
+
+
+# -- a shard that differs from its manifest
+
+
+def test_verify_sees_the_flip(flipped):
+    r = cli("verify", flipped)
+    assert r.exit_code == 1 and "part-00001" in r.output
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_export_refuses_a_shard_that_differs_from_its_manifest(flipped, tmp_path, fmt):
+    out = tmp_path / "export"
+    r = cli("export-data", flipped, "--format", fmt, "--out", out)
+    assert r.exit_code == 2, r.output
+    assert "part-00000-00001.parquet" in r.output and "differ from its manifest" in r.output
+    assert "entroweight verify" in r.output and "Traceback" not in r.output
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []  # nor its temp sibling
+
+
+def test_train_refuses_a_shard_that_differs_from_its_manifest(flipped, tmp_path):
+    out = tmp_path / "ck"
+    r = train(flipped, out, tmp_path)
+    assert r.exit_code == 2, r.output
+    assert "part-00000-00001.parquet" in r.output and "differ from its manifest" in r.output
+    assert not out.exists()
+
+
+def test_an_intact_dataset_passes(scored, tmp_path):
+    r = cli("export-data", scored, "--format", "hf", "--out", tmp_path / "export")
+    assert r.exit_code == 0, r.output
+    r = train(scored, tmp_path / "ck", tmp_path)
+    assert r.exit_code == 0, r.output
+
+
+class Counting:
+    """Bytes read through each file object storage.open_input hands out, by file name."""
+
+    def __init__(self, monkeypatch):
+        self.read: dict[str, int] = {}
+        real = storage.open_input
+
+        def open_input(p):
+            f = real(p)
+            name = str(p).rsplit("/", 1)[-1]
+            counts = self.read
+            counts.setdefault(name, 0)
+
+            class Wrapped:
+                def __getattr__(self, a):
+                    return getattr(f, a)
+
+                def __enter__(self):
+                    return self
+
+                def __exit__(self, *exc):
+                    f.close()
+
+                def read(self, n=-1):
+                    b = f.read(n)
+                    counts[name] += len(b)
+                    return b
+
+                def readinto(self, b):
+                    k = f.readinto(b)
+                    counts[name] += k or 0
+                    return k
+
+            return Wrapped()
+
+        monkeypatch.setattr(storage, "open_input", open_input)
+
+
+def test_the_check_costs_no_second_read(scored, tmp_path, monkeypatch):
+    """Each shard is read once, whole, by the export and by the trainer's up-front pass alike. Besides,
+    the export peeks twice at its first part's footer for the metadata and the weights' type
+    (pyarrow reads a file's last 64 KiB for it: these test shards whole), as it did before."""
+    sizes = {f.name: f.stat().st_size for f in sorted(scored.glob("part-*.parquet"))}
+    counting = Counting(monkeypatch)
+    export_data(scored, tmp_path / "export", "hf")
+    first, *others = sizes
+    assert counting.read[first] == sizes[first] + 2 * min(sizes[first], 1 << 16)
+    assert {n: counting.read[n] for n in others} == {n: sizes[n] for n in others}
+    info = inspect_data(scored, ("weight",))
+    counting.read.clear()
+    problems, positive = value_problems(info.files, ["weight", "entropy"], info.parts)
+    assert problems == [] and positive > 0
+    assert counting.read == sizes  # exactly once each
+
+
+# -- a shard with no rows
+
+
+@pytest.fixture(scope="module")
+def with_an_empty_shard(tmp_path_factory, tokenizer_dir, tiny_llama):
+    """Two sources: 12 C4 documents, and one whose only document is rejected (empty text)."""
+    src = tmp_path_factory.mktemp("src_empty")
+    with gzip.open(C4, "rt", encoding="utf-8") as f, gzip.open(src / "a.jsonl.gz", "wt") as out:
+        out.writelines(next(f) for _ in range(12))
+    (src / "b.jsonl").write_text(json.dumps({"id": "only", "text": "   "}) + "\n")
+    tokens = tmp_path_factory.mktemp("tokens_empty")
+    stage = TokenizeStage([str(src / "a.jsonl.gz"), str(src / "b.jsonl")], str(tokenizer_dir), n_ctx=64)
+    run_stage(stage, tokens, progress=False)
+    scored = score(tokens, tiny_llama, tmp_path_factory.mktemp("scored_empty"))
+    rows = [pq.read_metadata(f).num_rows for f in sorted(scored.glob("part-*.parquet"))]
+    assert len(rows) == 2 and 0 in rows and sum(rows) > 0, rows
+    return scored, sum(rows)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_empty_shard_contributes_nothing(with_an_empty_shard, tmp_path, fmt):
+    scored, n_rows = with_an_empty_shard
+    out = tmp_path / "export"
+    r = cli("export-data", scored, "--format", fmt, "--out", out)
+    assert r.exit_code == 0, r.output
+    counts = json.loads((out / "export.json").read_text())["counts"]
+    assert counts["shards"] == 2 and counts["rows"] == n_rows and counts["documents"] == 12
+    if fmt == "hf":
+        t = pa.concat_tables(pq.read_table(f) for f in sorted((out / "data").glob("*.parquet")))
+        assert t.num_rows == n_rows
+
+
+# -- a model directory without its tokenizer
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused(small_data, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = tmp_path / "model"
+    cfg = LlamaConfig(
+        vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(model)
+    out = tmp_path / "scored"
+    r = cli("score", small_data, "--scorer", "causal_loss", "--model", model, "--out", out)
+    assert r.exit_code == 2, r.output
+    assert f"{model} has no tokenizer file (expects tokenizer.json" in r.output, r.output
+    assert "sentencepiece" not in r.output and "Traceback" not in r.output
+    assert not out.exists()
