@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
-import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 from test_weigh_stage import model, scored, tokens  # noqa: F401 - fixtures
@@ -24,15 +22,13 @@ OTHER = "occlusion_l1"
 
 @pytest.fixture(scope="module")
 def other_unit(scored, tmp_path_factory):  # noqa: F811
-    out = tmp_path_factory.mktemp("other-unit")
-    for f in sorted(scored.glob("part-*.parquet")):
-        t = pq.read_table(f)
+    from stagecopy import stage_subset
+
+    def relabel(t):
         meta = json.loads(t.schema.metadata[METADATA_KEY])
-        pq.write_table(
-            t.replace_schema_metadata({METADATA_KEY: json.dumps({**meta, "unit": OTHER})}), out / f.name
-        )
-    shutil.copy(scored / ".stage.json", out / ".stage.json")
-    return out
+        return t.replace_schema_metadata({METADATA_KEY: json.dumps({**meta, "unit": OTHER})})
+
+    return stage_subset(scored, tmp_path_factory.mktemp("other-unit"), edit=relabel)
 
 
 def front_ends(scored, tokens, model):  # noqa: F811

@@ -189,29 +189,10 @@ class _NaNScorer(Scorer):
 
 
 def _one_shard(tokenized_dir: Path, tmp_path: Path, rows: int | None = None) -> Path:
-    """The first shard of `tokenized_dir` (its first `rows` rows) as a tokenized directory of its own:
-    the stage record, the carried tokenizer, the shard and its manifest (size and sha256 updated)."""
-    import json
+    """The first shard of `tokenized_dir` (its first `rows` rows) as a tokenized directory of its own."""
+    from stagecopy import stage_subset
 
-    from entroweight.schemas.datadir import DataDir
-    from entroweight.schemas.manifest import SHARDS_FILE, STAGE_FILE, manifest_name
-    from entroweight.transforms.writer import sha256_file
-
-    d = tmp_path / "one"
-    shutil.copytree(tokenized_dir / ".tokenizer", d / ".tokenizer")
-    shutil.copy(tokenized_dir / STAGE_FILE, d / STAGE_FILE)
-    part = DataDir(tokenized_dir).parts[0]
-    m = part.manifest
-    t = pq.read_table(part.location)
-    if rows is not None:
-        t = t.slice(0, rows)
-    pq.write_table(t.replace_schema_metadata(pq.read_schema(part.location).metadata), d / part.name)
-    f = d / part.name
-    m = m.model_copy(update={"output_sha256": sha256_file(f), "output_bytes": f.stat().st_size,
-                             "rows_out": t.num_rows, "output_row_groups": None})  # fmt: skip
-    (d / manifest_name(m.shard)).write_text(m.model_dump_json())
-    (d / SHARDS_FILE).write_text(json.dumps({m.inputs[0].key: m.shard}))
-    return d
+    return stage_subset(tokenized_dir, tmp_path / "one", shards=1, rows=rows)
 
 
 def test_score_stage_fails_the_shard_instead_of_weighing_nan(tokenized_dir, tmp_path):
