@@ -216,8 +216,13 @@ class DataDir:
                 what = "does not exist"
             raise DataDirError(f"{self.location} {what} (no {STAGE_FILE}){hint}")
         if kind is not None and self.kind != kind:
-            wanted = {"sequences": "tokenized data", "weighted": "weighted data (the output of score or weigh)"}
-            raise DataDirError(f"{self.location} holds the output of `{self.stage}`, not {wanted[kind]}{hint}")
+            wanted = {
+                "sequences": "tokenized data",
+                "weighted": "weighted data (the output of score or weigh)",
+            }
+            raise DataDirError(
+                f"{self.location} holds the output of `{self.stage}`, not {wanted[kind]}{hint}"
+            )
         if not self.parts:
             raise DataDirError(f"{self.location} holds no committed shard (its run has not finished){hint}")
         if complete and self.missing:
