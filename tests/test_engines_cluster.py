@@ -144,11 +144,14 @@ def test_two_node_ray_cluster_matches_local(tmp_path, c4_path, tokenizer_dir, tw
 def test_a_run_waits_for_the_nodes_it_needs_and_grows_as_more_join(tmp_path, c4_path, tokenizer_dir):
     """A real cluster whose head has no CPU for workers: the run waits (--ray-wait-nodes) until a
     node joins, starts with one worker, and adds one when a second node joins; nothing is lost."""
-    src = tmp_path / "c4.jsonl.gz"
+    # 12 files of 10 documents: a JSON-lines file is one task (read once), so 12 tasks to share out
+    src = tmp_path / "src"
+    src.mkdir()
     with gzip.open(c4_path, "rt", encoding="utf-8") as f:
         lines = [next(f) for _ in range(120)]
-    with gzip.open(src, "wt", encoding="utf-8") as f:
-        f.writelines(lines)
+    for i in range(12):
+        with gzip.open(src / f"c4-{i:02d}.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.writelines(lines[10 * i : 10 * i + 10])
     temp = tempfile.mkdtemp(prefix="ewray-", dir="/tmp")
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -161,7 +164,7 @@ def test_a_run_waits_for_the_nodes_it_needs_and_grows_as_more_join(tmp_path, c4_
     try:
         wait_for_nodes(address, 1)
         cmd = [sys.executable, "-m", "entroweight.workflows.cli", "tokenize", str(src), "--tokenizer",
-               str(tokenizer_dir), "--n-ctx", "64", "--shard-docs", "10", "--out", str(tmp_path / "out"),
+               str(tokenizer_dir), "--n-ctx", "64", "--out", str(tmp_path / "out"),
                "--engine", "ray", "--ray-address", address, "--ray-wait-nodes", "120"]  # fmt: skip
         job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(5)
