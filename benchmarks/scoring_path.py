@@ -20,6 +20,7 @@ so the same file measures a checkout before a change (`PYTHONPATH=<old tree>`); 
 
 from __future__ import annotations
 
+import gzip
 import inspect
 import json
 import shutil
@@ -43,14 +44,11 @@ def _shard(tmp: Path, tok: Path, n_ctx: int, rows: int, tag: str = "") -> Path:
     from entroweight.pipelines import run_stage
     from entroweight.pipelines.tokenize import TokenizeStage
 
-    every = tmp / f"tok{n_ctx}{tag}"
-    run_stage(TokenizeStage([str(C4)], str(tok), n_ctx=n_ctx, shard_docs=rows), every, progress=False)
+    src = tmp / f"c4-{n_ctx}{tag}.jsonl.gz"
+    with gzip.open(C4, "rt", encoding="utf-8") as f, gzip.open(src, "wt", encoding="utf-8") as out:
+        out.writelines(line for _, line in zip(range(rows), f, strict=False))
     one = tmp / f"shard{n_ctx}{tag}"
-    one.mkdir()
-    for f in every.glob("part-00000*"):
-        shutil.copy(f, one / f.name)
-    for f in every.glob(".part-00000*"):
-        shutil.copy(f, one / f.name)
+    run_stage(TokenizeStage([str(src)], str(tok), n_ctx=n_ctx), one, progress=False)  # one shard
     shutil.copy(tok / "tokenizer.json", one / "tokenizer.json")
     return one
 
