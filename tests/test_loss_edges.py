@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -152,30 +149,18 @@ def test_training_on_weights_that_are_all_zero_is_refused_up_front(tokenized_dir
         tokenized_dir, tmp_path / "zero", weight_dtype=stored, edit=lambda ids, w, e: (ids, w * 0, e)
     )
     out = tmp_path / "ck"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "entroweight.workflows.cli",
-            "train",
-            str(data),
-            "--loss",
-            "weighted_ce",
-            "--out",
-            str(out),
-            "--steps",
-            "2",
-            "--device",
-            "cpu",
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert r.returncode == 2, r.stderr[-2000:]
-    lines = r.stderr.strip().splitlines()
+    # in process (CliRunner): what is asserted is the refusal; a process of its own aborted once at
+    # exit on a loaded machine after printing it (noted in the closing note of stop 24)
+    from click.testing import CliRunner
+
+    from entroweight.workflows.cli import main
+
+    args = ["train", str(data), "--loss", "weighted_ce", "--out", str(out), "--steps", "2", "--device", "cpu"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2, r.output[-2000:]
+    lines = r.output.strip().splitlines()
     assert (
-        len(lines) == 1 and "every weight" in lines[0] and "is 0" in lines[0] and "Traceback" not in r.stderr
+        len(lines) == 1 and "every weight" in lines[0] and "is 0" in lines[0] and "Traceback" not in r.output
     )
     assert not out.exists()
     # --loss ce does not read the weights: it trains
