@@ -148,6 +148,7 @@ def test_sigkill_mid_run_on_s3_then_rerun_gives_the_same_rows(tmp_path, s3_bucke
         args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.monotonic() + 120
+
     def first_part_written() -> bool:
         return any(n.startswith("part-") and n.endswith(".parquet") for n in storage.listing(out))
 
