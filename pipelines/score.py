@@ -119,7 +119,6 @@ class ScoreStage(Stage):
         #: scores the rest incrementally: not part of the config
         self.limit = limit
         self._scorer_spec = (scorer, scorer_options or {})
-        self._prepared = False
 
     # -- driver side
     @cached_property
@@ -134,18 +133,6 @@ class ScoreStage(Stage):
     def scorer(self) -> Scorer:
         scorer, options = self._scorer_spec
         return scorer if isinstance(scorer, Scorer) else make_scorer(scorer, **options)
-
-    def prepare(self) -> None:
-        """Every refusal that needs no model, once, before anything is planned or written: a
-        StageError (the CLI's exit 2) whatever part of the input refused it."""
-        if not self._prepared:
-            try:
-                self._prepare()
-            except StageError:
-                raise
-            except ValueError as e:  # the scorer's, the tokenizer's, the data directory's refusals
-                raise StageError(str(e)) from None
-            self._prepared = True
 
     def _prepare(self) -> None:
         meta = self.input_meta

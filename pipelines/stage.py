@@ -100,6 +100,24 @@ class Stage(ABC):
     def plan_inputs(self) -> list[ShardInput]:
         """The input of each shard (driver side; cheap)."""
 
+    _prepared: bool = False
+
+    def prepare(self) -> None:
+        """The driver's refusals (`_prepare`), once, before anything is planned or written: a
+        StageError (the CLI's exit 2) whatever part of the input refused it. A stage that reads data
+        calls it first in `plan_inputs`, so that its constructor stays free of I/O."""
+        if not self._prepared:
+            try:
+                self._prepare()
+            except StageError:
+                raise
+            except ValueError as e:  # the scorer's, the tokenizer's, the data directory's refusals
+                raise StageError(str(e)) from None
+            self._prepared = True
+
+    def _prepare(self) -> None:  # noqa: B027 - optional hook
+        """Check the inputs on the driver (listing, metadata, small files); raise to refuse."""
+
     def setup(self) -> None:  # noqa: B027 - optional hook
         """Load what is expensive (tokenizer, model), once per worker."""
 

@@ -52,7 +52,6 @@ class WeighStage(Stage):
         self.data_dir = str(scored_dir)
         self.weighting, self.with_entropy = weighting, with_entropy
         self.steps = list(steps or [])
-        self._prepared = False
 
     @cached_property
     def data(self) -> DataDir:
@@ -61,18 +60,6 @@ class WeighStage(Stage):
     @cached_property
     def input_meta(self) -> dict[str, Any]:
         return read_file_metadata(self.data.files[0])
-
-    def prepare(self) -> None:
-        """Every refusal that needs no model, once, before anything is planned or written: a
-        StageError (the CLI's exit 2) whatever part of the input refused it."""
-        if not self._prepared:
-            try:
-                self._prepare()
-            except StageError:
-                raise
-            except ValueError as e:  # the scorer's, the tokenizer's, the data directory's refusals
-                raise StageError(str(e)) from None
-            self._prepared = True
 
     def _prepare(self) -> None:
         for f in self.data.files:
