@@ -2,13 +2,13 @@
 
 Reads run.json and the step outputs under the run directory: the scores' entropy and weight
 columns, the BPB of every run and seed, the training metrics, the manifests; compares each run with
-the reference over seeds (Welch's t-test) and says, in one sentence, which runs beat it. No HTML here.
+the reference seed by seed (workflows/stats.py: paired tests, the primary comparison, Holm, the
+smallest detectable difference) and says, per run and in one sentence, which runs beat it. No HTML.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,8 @@ from entroweight.schemas.weighted import (
     weights_matrix,
 )
 
-from .spec import TOKENS, SpecError, Workflow, parse_workflow
+from . import stats
+from .spec import PRIMARY, TOKENS, SpecError, Workflow, parse_workflow
 
 
 class ReportError(ValueError):
@@ -123,7 +124,8 @@ def text_name(wf: Workflow, text: str) -> str:
 
 def bpb_table(wf: Workflow, text: str = "main") -> dict:
     """Per run: each seed's BPB (from eval/RUN/seed-S[.TEXT].json), mean, std; per compared run: the
-    difference to the reference and whether it exceeds the seed noise."""
+    paired comparison with the reference seed by seed, decided by the rule of workflows/stats.py
+    (the primary run unadjusted, the others Holm-corrected over this table), with its verdict."""
     runs = []
     for r in wf.train.runs:
         seeds = {}
@@ -145,50 +147,54 @@ def bpb_table(wf: Workflow, text: str = "main") -> dict:
     ref_name = wf.reference_run()
     ref = next((x for x in runs if x["run"] == ref_name), None)
     comparisons = [compare(x, ref) for x in runs if ref is not None and x is not ref and x["seeds"]]
-    return {"reference": ref_name, "runs": runs, "comparisons": comparisons}
+    stats.decide(comparisons, wf.primary_run(), lower_is_better=True)
+    for c in comparisons:
+        c["verdict"] = verdict(c)
+    return {"reference": ref_name, "primary": wf.primary_run(), "runs": runs, "comparisons": comparisons}
 
 
 def compare(run: dict, ref: dict) -> dict:
-    """Δ mean BPB of `run` vs `ref`, and whether it exceeds seed noise: |Δ| > 2·pooled std and
-    Welch's t-test p < 0.05 (both, with at least 2 seeds each; otherwise noise cannot be told)."""
-    a, b = np.array(list(run["seeds"].values())), np.array(list(ref["seeds"].values()))
-    out = {"run": run["run"], "reference": ref["run"], "delta": None, "pooled_std": None, "p_value": None}
-    if not len(a) or not len(b):
-        out["verdict"] = "no BPB for one of the runs yet"
-        return out
-    out["delta"] = float(a.mean() - b.mean())
-    if len(a) < 2 or len(b) < 2:
-        out["exceeds_noise"] = None
-        out["verdict"] = "one seed only: the seed noise cannot be estimated; add seeds"
-        return out
-    from scipy import stats
+    """`run`'s BPB against `ref`'s, seed by seed (stats.compare_seeds): Δ = mean of the per-seed
+    differences, the paired t-test's p, Wilcoxon's from 6 seeds. `decide` then reads it."""
+    return {"run": run["run"], "reference": ref["run"]} | stats.compare_seeds(ref["seeds"], run["seeds"])
 
-    pooled = math.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2)
-    t = stats.ttest_ind(a, b, equal_var=False)
-    p = float(t.pvalue) if np.isfinite(t.pvalue) else (0.0 if out["delta"] != 0 else 1.0)
-    exceeds = abs(out["delta"]) > 2 * pooled and p < 0.05
-    out |= {"pooled_std": pooled, "p_value": p, "exceeds_noise": bool(exceeds)}
-    direction = "lower (better)" if out["delta"] < 0 else "higher (worse)"
-    if exceeds:
-        out["verdict"] = (
-            f"{run['run']} is {direction} than {ref['run']} by {abs(out['delta']):.4f} BPB, beyond the seed "
-            f"noise (|Δ| > 2 × pooled std {pooled:.4f}; Welch t-test p = {p:.3g})."
+
+def verdict(c: dict, unit: str = "BPB") -> str:
+    """The sentence of one decided comparison: the outcome, the test and its p (Holm-adjusted where
+    it is not the primary), and, within noise, the smallest difference it could have detected."""
+    who = f"{c['run']}{' (the primary comparison)' if c['primary'] else ''}"
+    if c["delta"] is None:
+        return f"{who}: no seed shared with {c['reference']} yet: nothing to compare."
+    if c["p"] is None:
+        return f"{who}: one seed only: the seed noise cannot be estimated; add seeds."
+    test = f"paired t-test over {c['n']} seeds, p = {c['p']:.3g}"
+    if not c["primary"]:
+        test += f", Holm-adjusted {c['p_adjusted']:.3g}"
+    if c.get("wilcoxon"):
+        test += f"; Wilcoxon signed-rank p = {c['wilcoxon']['p']:.3g}"
+    if c["outcome"] in ("better", "worse"):
+        direction = "lower (better)" if c["outcome"] == "better" else "higher (worse)"
+        return (
+            f"{who} is {direction} than {c['reference']} by {abs(c['delta']):.4f} {unit}, beyond the "
+            f"seed noise ({test})."
         )
-    else:
-        out["verdict"] = (
-            f"{run['run']} differs from {ref['run']} by {out['delta']:+.4f} BPB: within the seed noise "
-            f"(pooled std {pooled:.4f}, Welch t-test p = {p:.3g}); no difference can be claimed."
-        )
-    return out
+    reach = (
+        f"it could have detected |Δ| ≥ {c['mde']:.4f} {unit} ({stats.POWER:.0%} power at α = {c['alpha']:.3g})"
+        if c["mde"] is not None
+        else "no detectable difference within reach"
+    )
+    return (
+        f"{who} differs from {c['reference']} by {c['delta']:+.4f} {unit}: within the seed noise "
+        f"({test}); {reach}. No difference can be claimed."
+    )
+
+
+OUTCOMES = {"better": "beats", "worse": "loses", "within noise": "within noise", "undecided": "undecided"}
 
 
 def outcome(c: dict) -> str:
-    """beats | loses | within noise | undecided (fewer than 2 seeds or no BPB)."""
-    if c.get("exceeds_noise") is None:
-        return "undecided"
-    if not c["exceeds_noise"]:
-        return "within noise"
-    return "beats" if c["delta"] < 0 else "loses"
+    """beats | loses | within noise | undecided (fewer than 2 seeds or no BPB), against the reference."""
+    return OUTCOMES[c["outcome"]]
 
 
 def verdict_sentence(wf: Workflow, tables: dict[str, dict]) -> str:
@@ -200,8 +206,8 @@ def verdict_sentence(wf: Workflow, tables: dict[str, dict]) -> str:
     for r in wf.train.runs:
         if r.name == ref:
             continue
-        comps = [next((c for c in tab["comparisons"] if c["run"] == r.name), {}) for tab in tables.values()]
-        groups.setdefault(tuple(outcome(c) for c in comps), []).append(r.name)
+        comps = [next((c for c in tab["comparisons"] if c["run"] == r.name), None) for tab in tables.values()]
+        groups.setdefault(tuple(outcome(c) if c else "undecided" for c in comps), []).append(r.name)
     if not groups:
         return "Only the reference was trained: nothing to compare."
     clauses = []
@@ -216,11 +222,13 @@ def verdict_sentence(wf: Workflow, tables: dict[str, dict]) -> str:
             )
     n = len(wf.train.seeds)
     seeds = f"{n} seed{'s' if n != 1 else ''} each"
-    return (
-        f"Against {ref} ({seeds}; beyond noise: |Δ| > 2 pooled std and Welch p < 0.05), "
-        + "; ".join(clauses)
-        + "."
+    primary = wf.primary_run()
+    rule = "paired t-test seed by seed, p < 0.05, " + (
+        f"Holm-corrected except the primary comparison, {primary}"
+        if primary
+        else "all Holm-corrected (no primary)"
     )
+    return f"Against {ref} ({seeds}; {rule}), " + "; ".join(clauses) + "."
 
 
 def _join(items: list[str]) -> str:
@@ -238,8 +246,9 @@ def _say(kind: str, n: int = 1) -> str:
 
 
 def headline(wf: Workflow) -> dict:
-    """The experiment at a glance: per run and evaluation text, mean ± std over seeds, Δ and Welch p
-    against the reference, and the verdict sentence."""
+    """The experiment at a glance: per run and evaluation text, mean ± std over seeds, Δ, the paired
+    test's p (Holm-adjusted but for the primary), Wilcoxon's p from 6 seeds, the outcome and, within
+    noise, the smallest detectable difference; the verdict sentence and the rule it applies."""
     texts = wf.eval_texts()
     tables = {t: bpb_table(wf, t) for t in texts}
     rows = []
@@ -256,17 +265,38 @@ def headline(wf: Workflow) -> dict:
                     "std": run["std"],
                     "n": len(run["seeds"]),
                     "delta": c["delta"] if compared else None,
-                    "p": c["p_value"] if compared else None,
+                    "p": c["p_adjusted"] if compared else None,
+                    "wilcoxon": c["wilcoxon"]["p"] if compared and c["wilcoxon"] else None,
                     "outcome": outcome(c) if compared else None,
+                    "mde": c["mde"] if compared else None,
                     "reference": not compared and r.name == tables[t]["reference"],
                 }
             )
         label = f"{r.loss}" + (f", normalize {r.normalize}" if r.loss == "weighted_ce" else "")
-        rows.append({"run": r.name, "data": r.data, "label": label, "cells": cells})
+        rows.append(
+            {
+                "run": r.name,
+                "data": r.data,
+                "label": label,
+                "primary": r.name == wf.primary_run(),
+                "cells": cells,
+            }
+        )
+    n_seeds = len(wf.train.seeds)
     return {
-        "n_seeds": len(wf.train.seeds),
+        "n_seeds": n_seeds,
+        "wilcoxon": n_seeds >= stats.MIN_WILCOXON_SEEDS,
         "texts": [text_name(wf, t) for t in texts],
         "verdict": verdict_sentence(wf, tables),
+        "primary": wf.primary_run(),
+        "primary_note": (
+            f"Primary comparison, named in the workflow before the runs (report.primary): "
+            f"{wf.primary_run()} against {wf.reference_run()}."
+            if wf.primary_run()
+            else f"No primary comparison (report.primary; by default {PRIMARY}, which this workflow "
+            "does not run): every comparison is Holm-corrected."
+        ),
+        "rule": stats.RULE,
         "rows": rows,
     }
 

@@ -355,7 +355,9 @@ class Workflow(_Strict):
         if given is None:
             return
         if given not in names:
-            raise _At("report.primary", f"{given!r} is not a run of train.runs ({', '.join(names) or 'none'})")
+            raise _At(
+                "report.primary", f"{given!r} is not a run of train.runs ({', '.join(names) or 'none'})"
+            )
         if given == self.reference_run():
             raise _At("report.primary", f"{given!r} is the reference: name a run compared with it")
 

@@ -209,7 +209,15 @@ def compare_seeds(ref_by_seed: Mapping[int, float], run_by_seed: Mapping[int, fl
     seeds = _shared(ref_by_seed, run_by_seed)
     a = [run_by_seed[s] for s in seeds]
     b = [ref_by_seed[s] for s in seeds]
-    out = {"test": "paired_t", "seeds": seeds, "n": len(seeds), "delta": None, "sd": None, "t": None, "p": None}
+    out = {
+        "test": "paired_t",
+        "seeds": seeds,
+        "n": len(seeds),
+        "delta": None,
+        "sd": None,
+        "t": None,
+        "p": None,
+    }
     out["wilcoxon"] = None
     if not seeds:
         return out
