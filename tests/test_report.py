@@ -135,6 +135,33 @@ def test_runs_are_compared_seed_by_seed():
     assert compare(partial, ref)["seeds"] == [0, 2]
 
 
+def test_accuracy_verdict_from_item_vectors():
+    """The accuracy table's path: compare_accuracy per run, decide over the table, verdict(unit=accuracy)."""
+    from entroweight.workflows.stats import compare_accuracy
+
+    ref = {s: [1, 0, 0, 1] * 100 for s in range(6)}
+    better = {s: [1, 1, 0, 1] * 100 for s in range(6)}  # 100 more items right per seed
+    same = {s: [0, 1, 0, 1] * 100 for s in range(6)}  # as many right, other items
+    few = {s: [1, 0, 0, 1] * 100 for s in range(6)}
+    few[0] = [0] + few[0][1:]  # one item of one seed differs
+    comps = [
+        {"run": n, "reference": "ref"} | compare_accuracy(ref, r)
+        for n, r in (("better", better), ("same", same), ("few", few))
+    ]
+    for c in decide(comps, "better", lower_is_better=False):
+        c["verdict"] = verdict(c, "accuracy")
+    b, s_, f = comps
+    assert outcome(b) == "beats" and b["delta"] == pytest.approx(0.25)
+    assert b["verdict"].startswith(
+        "better (the primary comparison) is higher (better) than ref by 0.2500 accuracy"
+    )
+    assert "McNemar over 2400 item pairs of 6 seeds (chi-square, continuity corrected)" in b["verdict"]
+    assert "Wilcoxon signed-rank p" in b["verdict"]
+    assert outcome(s_) == "within noise" and "could have detected |Δ| ≥" in s_["verdict"]
+    assert s_["alpha"] == 0.025 and "Holm-adjusted" in s_["verdict"]
+    assert outcome(f) == "within noise" and f["mde"] is None and "too few pairs disagree" in f["verdict"]
+
+
 def test_report_cli_and_refusal(tiny_run, tmp_path):  # noqa: F811
     code, out = run_cli("report", tiny_run["run_dir"], "--out", tmp_path / "r.html")
     assert code == 0, out

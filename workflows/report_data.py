@@ -160,32 +160,40 @@ def compare(run: dict, ref: dict) -> dict:
 
 
 def verdict(c: dict, unit: str = "BPB") -> str:
-    """The sentence of one decided comparison: the outcome, the test and its p (Holm-adjusted where
-    it is not the primary), and, within noise, the smallest difference it could have detected."""
+    """The sentence of one comparison that `stats.decide` decided (BPB from `compare`, or accuracy
+    from `stats.compare_accuracy` with unit "accuracy"): the outcome, the test and its p
+    (Holm-adjusted where it is not the primary), the test beside it, and, within noise, the smallest
+    difference it could have detected."""
     who = f"{c['run']}{' (the primary comparison)' if c['primary'] else ''}"
+    ref = c.get("reference", "the reference")
     if c["delta"] is None:
-        return f"{who}: no seed shared with {c['reference']} yet: nothing to compare."
+        return f"{who}: nothing paired with {ref} yet: nothing to compare."
     if c["p"] is None:
         return f"{who}: one seed only: the seed noise cannot be estimated; add seeds."
-    test = f"paired t-test over {c['n']} seeds, p = {c['p']:.3g}"
+    if c["test"] == "mcnemar":
+        m, beside = c["mcnemar"], c["seeds_test"]
+        test = f"McNemar over {c['n_pairs']} item pairs of {c['n']} seeds ({m['method']}), p = {c['p']:.3g}"
+        noise = "the noise"
+    else:
+        beside, test, noise = None, f"paired t-test over {c['n']} seeds, p = {c['p']:.3g}", "the seed noise"
     if not c["primary"]:
         test += f", Holm-adjusted {c['p_adjusted']:.3g}"
-    if c.get("wilcoxon"):
-        test += f"; Wilcoxon signed-rank p = {c['wilcoxon']['p']:.3g}"
+    if beside is not None and beside["p"] is not None:
+        test += f"; per-seed paired t-test p = {beside['p']:.3g}"
+    wilcoxon = (beside or c).get("wilcoxon")
+    if wilcoxon:
+        test += f"; Wilcoxon signed-rank p = {wilcoxon['p']:.3g}"
     if c["outcome"] in ("better", "worse"):
-        direction = "lower (better)" if c["outcome"] == "better" else "higher (worse)"
-        return (
-            f"{who} is {direction} than {c['reference']} by {abs(c['delta']):.4f} {unit}, beyond the "
-            f"seed noise ({test})."
-        )
+        direction = f"{'lower' if c['delta'] < 0 else 'higher'} ({c['outcome']})"
+        return f"{who} is {direction} than {ref} by {abs(c['delta']):.4f} {unit}, beyond {noise} ({test})."
     reach = (
         f"it could have detected |Δ| ≥ {c['mde']:.4f} {unit} ({stats.POWER:.0%} power at α = {c['alpha']:.3g})"
         if c["mde"] is not None
-        else "no detectable difference within reach"
+        else f"too few pairs disagree for any difference to reach {stats.POWER:.0%} power"
     )
     return (
-        f"{who} differs from {c['reference']} by {c['delta']:+.4f} {unit}: within the seed noise "
-        f"({test}); {reach}. No difference can be claimed."
+        f"{who} differs from {ref} by {c['delta']:+.4f} {unit}: within {noise} ({test}); {reach}. "
+        "No difference can be claimed."
     )
 
 

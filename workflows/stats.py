@@ -32,7 +32,9 @@ both hold are paired; a seed whose vectors differ in length is refused (ValueErr
     compare_accuracy({0: [1, 0, 1, 1], 1: [1, 1, 0, 1]}, {0: [1, 1, 1, 0], 1: [1, 1, 1, 1]})
 
 Then `decide(comparisons, primary, lower_is_better=False)` applies the rule to the list of one
-table's comparisons (each carries `run`): Holm, alpha in effect, MDE, outcome.
+table's comparisons (each carries `run`; `primary` is `Workflow.primary_run()`): Holm, alpha in
+effect, MDE, outcome; `report_data.verdict(c, "accuracy")` words each one (tests/test_report.py's
+test_accuracy_verdict_from_item_vectors walks that path).
 """
 
 from __future__ import annotations
