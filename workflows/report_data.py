@@ -262,7 +262,7 @@ def headline(wf: Workflow) -> dict:
                 }
             )
         label = f"{r.loss}" + (f", normalize {r.normalize}" if r.loss == "weighted_ce" else "")
-        rows.append({"run": r.name, "data": r.data, "label": label, "cells": cells})
+        rows.append({"run": r.name, "data": r.data, "label": label, "role": r.role, "cells": cells})
     return {
         "n_seeds": len(wf.train.seeds),
         "texts": [text_name(wf, t) for t in texts],
@@ -320,7 +320,8 @@ def scorer_rows(wf: Workflow, scores: dict) -> list[dict]:
         rows.append(
             {
                 "name": s.name,
-                "scorer": s.scorer or f"{s.values_from}, weighed anew",
+                "scorer": s.scorer
+                or (f"{s.op} of {' and '.join(s.sources())}" if s.op else f"{s.values_from}, weighed anew"),
                 "n_files": sc["n_files"],
                 "n_sequences": sc["n_sequences"],
                 "n_tokens": sc["n_tokens"],
@@ -361,6 +362,15 @@ def agreement(wf: Workflow, scores: dict) -> list[dict] | None:
                 continue
             rows.append({"a": a, "b": b, **r})
     return rows
+
+
+def writeup_agreement(wf: Workflow) -> dict | None:
+    """The agreement step's table (`agreement:`), each row beside the write-up's where it has one;
+    None when the workflow has no agreement section or it has not run."""
+    if wf.agreement is None:
+        return None
+    path = wf.root / wf.agreement.out
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def curves(wf: Workflow) -> dict:
@@ -416,6 +426,7 @@ def report_data(run_dir: str | Path, n_samples: int = 3, max_tokens: int = 2_000
         "tokenizer": load_tokenizer_of(wf) if scores and n_samples else None,
         "samples": samples(scores, n_samples) if scores and n_samples else None,
         "agreement": agreement(wf, scores) if scores else None,
+        "writeup_agreement": writeup_agreement(wf),
         "curves": curves(wf),
         "bpb": [bpb_section(wf, t) for t in wf.eval_texts()] if experiment else [],
     }
