@@ -364,7 +364,9 @@ class Workflow(_Strict):
                 if src not in earlier:
                     raise _At(f"scores[{i}].values_from", f"{src!r} is not an earlier score step")
             if len(s.sources()) == 2 and s.op is None:
-                raise _At(f"scores[{i}].op", f"two score steps need an op to combine them ({', '.join(VALUE_OPS)})")
+                raise _At(
+                    f"scores[{i}].op", f"two score steps need an op to combine them ({', '.join(VALUE_OPS)})"
+                )
             if s.op is not None and len(s.sources()) != 2:
                 raise _At(f"scores[{i}].op", "combines two score steps: give values_from: [A, B]")
             if s.op is not None:
