@@ -324,3 +324,22 @@ def test_same_tokens_refuses_rows_that_differ(layouts):
     same_tokens(t, t, "x")
     with pytest.raises(DeriveError, match="different input_ids"):
         same_tokens(t, other, "x")
+
+
+def test_a_row_sample_scores_each_shards_first_rows_and_verifies(layouts, models, tmp_path):
+    """limit_rows: the first N rows of each shard (the decomposition's sample), its input recorded as
+    that row range, so verify checks the rows against it; an unlimited score's config is unchanged."""
+    data = layouts["left"]
+    options = {**SCORERS["causal_loss"](models), "dtype": "fp32"}
+    full = ScoreStage(data, "causal_loss", options)
+    sample = ScoreStage(data, "causal_loss", options, rows=5)
+    assert "rows" not in full.config() and sample.config()["rows"] == 5
+    run_stage(full, tmp_path / "full", progress=False)
+    run_stage(sample, tmp_path / "sample", progress=False)
+    assert verify_dir(tmp_path / "sample") == []
+    got, want = data_table(tmp_path / "sample"), data_table(tmp_path / "full").slice(0, 5)
+    assert got.num_rows == 5 and got.equals(want)
+    (part,) = DataDir(tmp_path / "sample").parts
+    assert (part.manifest.rows_in, part.manifest.inputs[0].stop) == (5, 5)
+    with pytest.raises(StageError, match="at least 1"):
+        ScoreStage(data, "causal_loss", options, rows=0)
