@@ -345,11 +345,14 @@ def samples(scores: dict, n: int) -> list[dict]:
 
 
 def agreement(wf: Workflow, scores: dict) -> list[dict] | None:
-    """Per pair of scorers that stored entropies: R², Pearson, Spearman over the sequences both
-    scored, or the reason the pair cannot be compared; None with fewer than two."""
+    """Per pair of scorers that stored entropies (not the steps that re-weigh another's: the same
+    values): R², Pearson, Spearman over the sequences both scored, or the reason the pair cannot be
+    compared; None with fewer than two."""
     from entroweight.transforms.agreement import compare_dirs
 
-    names = [n for n, s in scores.items() if s["entropy"] is not None]
+    # a step that weighs another's values anew stores that step's values: comparing the two says nothing
+    reweighs = {s.name for s in wf.scores if isinstance(s.values_from, str)}
+    names = [n for n, s in scores.items() if s["entropy"] is not None and n not in reweighs]
     if len(names) < 2:
         return None
     rows = []
