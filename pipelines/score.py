@@ -101,6 +101,7 @@ class ScoreStage(Stage):
         cpus_per_worker: int = 1,
         steps: list[DocumentStep] | None = None,
         limit: int | None = None,
+        rows: int | None = None,
     ):
         if cpus_per_worker < 1:
             raise StageError(f"--cpus-per-worker must be at least 1, not {cpus_per_worker}")
@@ -118,6 +119,11 @@ class ScoreStage(Stage):
         #: score the first `limit` input shards only (a workflow's limit_shards); raising it later
         #: scores the rest incrementally: not part of the config
         self.limit = limit
+        if rows is not None and rows < 1:
+            raise StageError(f"rows must be at least 1, not {rows}")
+        #: score the first `rows` rows of each shard only (a sample for an expensive scorer: each
+        #: shard's input is that row range, so verify checks the rows against it); changes the output
+        self.rows = rows
         self._scorer_spec = (scorer, scorer_options or {})
 
     # -- driver side
@@ -176,6 +182,8 @@ class ScoreStage(Stage):
     def plan_inputs(self) -> list[ShardInput]:
         self.prepare()
         inputs = part_inputs(self.data, "sequences")
+        if self.rows is not None:
+            inputs = [i.model_copy(update={"stop": self.rows}) for i in inputs]
         return inputs[: self.limit] if self.limit else inputs
 
     def carry(self, out_dir) -> None:
@@ -198,6 +206,8 @@ class ScoreStage(Stage):
             **self.scorer.config(),
             **weighing_metadata(self.weighting, self.steps),
             "with_entropy": self.with_entropy,
+            # only when set: the configs (and shards) of unlimited scores stay what they were
+            **({"rows": self.rows} if self.rows is not None else {}),
         }
 
     def file_metadata(self) -> dict[str, Any]:
@@ -249,6 +259,10 @@ class ScoreStage(Stage):
             ) as out,
         ):
             for batch in source.iter_batches(batch_size=self.segment_rows()):
+                if inp.stop is not None:  # a sample: the shard's first rows only
+                    if first >= inp.stop:
+                        break
+                    batch = batch.slice(0, inp.stop - first)
                 ids = matrix(batch.column("input_ids"))
                 n_pad = batch.column("n_pad").to_numpy().astype(np.int64)
                 scored = self.scorer.score(ids, n_pad, batching)

@@ -337,7 +337,7 @@ def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, 
 
 
 def _check_score_input(m: ShardManifest, where: str, problems: list[str]) -> None:
-    """A scored shard scores every row of its input shard (when the input directory is still there)."""
+    """A scored shard scores every row of its input shard's range (when the input directory is still there)."""
     for inp in m.inputs:
         src = storage.path(inp.uri)
         manifest = manifest_path(src.parent, src.stem)
@@ -346,6 +346,7 @@ def _check_score_input(m: ShardManifest, where: str, problems: list[str]) -> Non
         except (ValueError, OSError):  # the input directory is gone or was edited: nothing to compare
             continue
         read = m.rows_in if m.rows_in is not None else m.docs_in  # manifests before rows_in: rows = docs
+        rows = min(rows, inp.stop if inp.stop is not None else rows) - inp.start  # a sample: its range
         if rows != read:
             problems.append(f"{where}: scored {read} rows, its input {src} has {rows}")
 

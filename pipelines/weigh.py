@@ -6,6 +6,10 @@ one reads them back and writes `part-NNNNN.parquet` again through the same weigh
 score stage (`pipelines.weighted`): the same values and options give the same bytes. Its input may
 be the output of `score` or of `weigh`. The file metadata is the input's with the new weighting; the
 data stays self-describing (its tokenizer is carried forward).
+
+Given a second weighted directory and an op (`combine`), the values weighed are derived from both
+(transforms/derive.py: Rho-1's excess as causal loss minus a reference's stored loss): the two must
+hold the same parts, rows and tokens (refused otherwise) and their values one unit.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from entroweight import __version__, storage
 from entroweight.schemas import ShardManifest, read_file_metadata
 from entroweight.schemas.datadir import DataDir, DataDirError
 from entroweight.schemas.manifest import ShardInput
-from entroweight.schemas.weighted import ENTROPY, excluded_mask, matrix
+from entroweight.schemas.weighted import ENTROPY, EXCLUDED, excluded_mask, matrix
+from entroweight.transforms.derive import DeriveError, combine, derived_unit, same_tokens
 from entroweight.transforms.select import DocumentStep
 from entroweight.transforms.tokenizer import TokenizerError, carry_tokenizer, data_tokenizer
 from entroweight.transforms.weigh import WeighConfig
@@ -48,14 +53,25 @@ class WeighStage(Stage):
         weighting: WeighConfig,
         with_entropy: bool = True,
         steps: list[DocumentStep] | None = None,
+        combine: tuple[str, str | Path] | None = None,
     ):
         self.data_dir = str(scored_dir)
         self.weighting, self.with_entropy = weighting, with_entropy
         self.steps = list(steps or [])
+        #: (op, other weighted directory): the values weighed are op(these, those)
+        self.op, self.other_dir = (combine[0], str(combine[1])) if combine else (None, None)
 
     @cached_property
     def data(self) -> DataDir:
         return weighted(self.data_dir)
+
+    @cached_property
+    def other(self) -> DataDir | None:
+        return weighted(self.other_dir) if self.other_dir is not None else None
+
+    @cached_property
+    def other_meta(self) -> dict[str, Any]:
+        return read_file_metadata(self.other.files[0])
 
     @cached_property
     def input_meta(self) -> dict[str, Any]:
@@ -64,6 +80,8 @@ class WeighStage(Stage):
     def _prepare(self) -> None:
         for f in self.data.files:
             _check_values_stored(f)
+        if self.other is not None:
+            self._check_other()
         try:
             path = data_tokenizer(self.data_dir, self.input_meta["tokenizer_sha256"])
         except TokenizerError as e:
@@ -71,13 +89,52 @@ class WeighStage(Stage):
         self.tokenizer_path = storage.key(path) if path else None
         check_steps(self.steps, self.input_meta)
 
+    def _check_other(self) -> None:
+        """The second directory of a combination: stored values of the same tokens, in the same unit."""
+        for f in self.other.files:
+            _check_values_stored(f)
+        a, b = self.input_meta, self.other_meta
+        for key in ("tokenizer_sha256", "n_ctx", "packed"):
+            if a.get(key) != b.get(key):
+                raise StageError(
+                    f"{self.data_dir} and {self.other_dir} differ in {key} ({a.get(key)!r} vs {b.get(key)!r}): "
+                    "derived values combine two scores of the same tokenized data"
+                )
+        mine = {p.name: p.manifest.rows_out for p in self.data.parts}
+        theirs = {p.name: p.manifest.rows_out for p in self.other.parts}
+        if mine != theirs:
+            raise StageError(
+                f"{self.data_dir} and {self.other_dir} hold other parts or rows ({len(mine)} vs "
+                f"{len(theirs)} parts, {sum(mine.values())} vs {sum(theirs.values())} rows): derived values "
+                "combine two scores of the same tokenized data, whole (no limit_rows/limit_shards sample)"
+            )
+        try:
+            self.unit = derived_unit(
+                self.op, a.get("unit"), b.get("unit"), (a.get("aggregate"), b.get("aggregate"))
+            )
+        except DeriveError as e:
+            raise StageError(f"{self.data_dir} and {self.other_dir}: {e}") from None
+
     def config(self) -> dict[str, Any]:
         # the input's config hash names its scorer and tokenizer; a re-scored input is another config
+        derived = {}
+        if self.other is not None:  # the other directory's shards by content: any change recomputes
+            derived = {
+                "op": self.op,
+                "other_config_hash": self.other_meta["config_hash"],
+                "other_parts": [(p.name, p.manifest.output_sha256) for p in self.other.parts],
+            }
         return {
             "input_config_hash": self.input_meta["config_hash"],
             **weighing_metadata(self.weighting, self.steps),
             "with_entropy": self.with_entropy,
+            **derived,
         }
+
+    def input_paths(self) -> list[str]:
+        # the other directory is read too: --out may not be it
+        theirs = [self.other_dir, *(p.location for p in self.other.parts)] if self.other is not None else []
+        return list(dict.fromkeys([*super().input_paths(), *theirs]))
 
     def plan_inputs(self) -> list[ShardInput]:
         self.prepare()
@@ -96,20 +153,49 @@ class WeighStage(Stage):
             "code_version": __version__,
             "scored_config_hash": self.input_meta.get("scored_config_hash", self.input_meta["config_hash"]),
             **weighing_metadata(self.weighting, self.steps),
+            **(self._derived_metadata() if self.other is not None else {}),
+        }
+
+    def _derived_metadata(self) -> dict[str, Any]:
+        side = ("scorer", "config_hash", "unit", "aggregate")
+        return {
+            "unit": self.unit,
+            "derived": {
+                "op": self.op,
+                "a": {k: self.input_meta.get(k) for k in side},
+                "b": {k: self.other_meta.get(k) for k in side},
+            },
         }
 
     def process(self, task: ShardTask) -> ShardManifest:
         (inp,) = task.inputs
         source = pq.ParquetFile(storage.open_input(inp.uri))
+        batches = source.iter_batches(batch_size=READ_ROWS)
+        others = None
+        if self.other is not None:  # the same part of the other directory, read alongside
+            name = inp.uri.rsplit("/", 1)[-1]
+            part = next(p for p in self.other.parts if p.name == name)
+            others = pq.ParquetFile(storage.open_input(part.location)).iter_batches(batch_size=READ_ROWS)
         first = 0
         with WeightedShardWriter(
             self, task, self.file_metadata(), self.weighting, self.with_entropy, self.steps
         ) as out:
-            for batch in source.iter_batches(batch_size=READ_ROWS):
-                values = matrix(batch.column(ENTROPY))
-                out.add(batch, values, excluded_mask(batch.column("excluded"), values.shape[1]), first)
+            for batch in batches:
+                values, excluded = _values(batch)
+                if others is not None:
+                    theirs = next(others)
+                    same_tokens(batch, theirs, f"{inp.uri} rows {first}..")
+                    values_b, excluded_b = _values(theirs)
+                    values, excluded = combine(self.op, values, values_b, excluded, excluded_b)
+                out.add(batch, values, excluded, first)
                 first += batch.num_rows
             return out.finish()
+
+
+def _values(batch) -> tuple:
+    """(values, excluded) stored in a weighted batch."""
+    values = matrix(batch.column(ENTROPY))
+    return values, excluded_mask(batch.column(EXCLUDED), values.shape[1])
 
 
 def _check_values_stored(path: str) -> None:

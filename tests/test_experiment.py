@@ -16,6 +16,7 @@ import pytest
 import yaml
 from test_workflow import c4_subset, run_cli, write_yaml
 
+from entroweight.transforms.agreement import WRITEUP
 from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.workflows.report import bpb_table, outcome, verdict_sentence
 from entroweight.workflows.spec import SpecError, parse_workflow
@@ -31,7 +32,10 @@ def spec(tmp: Path, tokenizer_dir: Path, **changes) -> dict:
         "holdout": {"docs": 10, "max_bytes": 4000},
         "tokenizer": {"path": str(tokenizer_dir)},
         "tokenize": {"n_ctx": 32, "shard_docs": 25},
-        "models": [{"name": "causal", "config": TINY_MODEL, "steps": 4, "batch_size": 8, "lr": 0.003}],
+        "models": [
+            {"name": "causal", "config": TINY_MODEL, "steps": 4, "batch_size": 8, "lr": 0.003},
+            {"name": "other", "config": TINY_MODEL, "steps": 2, "batch_size": 8, "lr": 0.003, "seed": 1},
+        ],
         "scores": [
             {
                 "name": "causal_loss",
@@ -44,7 +48,17 @@ def spec(tmp: Path, tokenizer_dir: Path, **changes) -> dict:
                 "values_from": "causal_loss",
                 "weighting": {"method": "topk", "keep": 0.6, "quantiles_from": "causal_loss"},
             },
+            {
+                "name": "other",
+                "scorer": "causal_loss",
+                "checkpoint_from": "other",
+                "options": {"dtype": "fp32"},
+            },
+            # derived from the two stored losses (no model run), and the shuffled control
+            {"name": "excess", "values_from": ["causal_loss", "other"], "op": "difference"},
+            {"name": "shuffled", "values_from": "causal_loss", "weighting": {"shuffle": 3}},
         ],
+        "agreement": {"pairs": [{"y": "other", "x": "causal_loss", "writeup": "small-large"}]},
         "train": {
             "config": TINY_MODEL,
             "steps": 3,
@@ -102,6 +116,38 @@ def test_every_run_is_evaluated_on_both_texts(run):
     meta = pq.read_schema(next((d / "scores" / "topk").glob("part-*.parquet"))).metadata
     md = json.loads(next(v for k, v in meta.items() if k == b"entroweight"))
     assert md["weighting"]["method"] == "topk" and md["unit"] == "nats"
+
+
+def test_agreement_step_is_compare_of_x_and_y(run):
+    """The agreement table's row is `compare` of its x and y (y's line on x's), and the report shows
+    it beside the write-up's row."""
+    from entroweight.transforms.agreement import WRITEUP, compare_dirs
+
+    d = run["dir"]
+    table = json.loads((d / "agreement.json").read_text())
+    (row,) = table["pairs"]
+    want = compare_dirs(d / "scores" / "causal_loss", d / "scores" / "other")
+    for k in ("slope", "intercept", "r2", "pearson", "spearman", "n_tokens", "n_sequences"):
+        assert row[k] == want[k], k
+    assert row["slope"] != compare_dirs(d / "scores" / "other", d / "scores" / "causal_loss")["slope"]
+    assert row["writeup"]["r2"] == WRITEUP["small-large"][3]
+    page = (d / "report.html").read_text()
+    assert f"data-r2='{row['r2']!r}'" in page and "0.4922" in page
+    assert "agreement agreement: up to date" in run_cli("run", run["dir"].parent / "wf.yaml")[1]
+
+
+def test_derived_and_shuffled_steps(run):
+    d = run["dir"]
+
+    def read(name, col):
+        t = pq.read_table(sorted((d / "scores" / name).glob("part-*.parquet"))[0])
+        return np.stack(t.column(col).to_numpy(zero_copy_only=False)).astype(np.float64)
+
+    np.testing.assert_array_equal(
+        read("excess", "entropy"), read("causal_loss", "entropy") - read("other", "entropy")
+    )
+    np.testing.assert_array_equal(np.sort(read("shuffled", "weight")), np.sort(read("causal_loss", "weight")))
+    assert not np.array_equal(read("shuffled", "weight"), read("causal_loss", "weight"))
 
 
 class Headline(HTMLParser):
@@ -308,6 +354,86 @@ def test_an_unknown_primary_is_refused_before_anything_runs(tmp_path, tokenizer_
     assert "Traceback" not in out and not (tmp_path / "run").exists()
 
 
+def _with(good: dict, **changes) -> dict:
+    bad = json.loads(json.dumps(good))
+    bad.update(changes)
+    return bad
+
+
+LARGE_MEAN = {
+    "name": "large",
+    "scorer": "cross_tokenizer",
+    "options": {"model": "x.gguf"},
+}  # mean: the default
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            {"agreement": {"pairs": [{"y": "nope", "x": "causal_loss"}]}},
+            "agreement.pairs[0].y: 'nope' is not a score step",
+        ),
+        (
+            {"agreement": {"pairs": [{"y": "other", "x": "nope"}]}},
+            "agreement.pairs[0].x: 'nope' is not a score step",
+        ),
+        ({"agreement": {"pairs": [{"y": "other", "x": "other"}]}}, "compare two score steps"),
+        (
+            {"agreement": {"pairs": [{"y": "other", "x": "causal_loss", "writeup": "l2-cos"}]}},
+            "agreement.pairs[0].writeup",
+        ),
+        ({"agreement": {"pairs": []}}, "agreement.pairs"),
+        ({"agreement": {"pairs": [{"y": "other", "x": "causal_loss"}], "out": "../a.json"}}, "agreement.out"),
+        (
+            {"scores@3": {"values_from": ["causal_loss", "nope"], "op": "difference"}},
+            "'nope' is not an earlier score step",
+        ),
+        ({"scores@3": {"values_from": ["causal_loss", "other"]}}, "scores[3].op: two score steps need an op"),
+        (
+            {"scores@3": {"values_from": "causal_loss", "op": "difference"}},
+            "scores[3].op: combines two score steps",
+        ),
+        ({"scores@3": {"values_from": ["causal_loss", "other"], "op": "ratio"}}, "scores[3].op"),
+        ({"scores@3": {"values_from": ["a", "b", "c"], "op": "difference"}}, "scores[3].values_from"),
+        ({"scores@3": {"values_from": ["other", "other"], "op": "difference"}}, "scores[3].values_from"),
+        ({"scores@3": {"values_from": "other", "limit_rows": 5}}, "limit_shards/limit_rows"),
+        ({"scores@4": {"weighting": {"shuffle": -1}}}, "scores[4].weighting.shuffle"),
+        (
+            {
+                "scores@2": LARGE_MEAN,
+                "scores@3": {"values_from": ["causal_loss", "large"], "op": "difference"},
+            },
+            "aggregate: sum",
+        ),
+        (
+            {"train@runs": {"name": "c", "data": "shuffled", "loss": "weighted_ce", "role": "ablation"}},
+            "role",
+        ),
+    ],
+)
+def test_agreement_and_derived_values_refusals(tmp_path, tokenizer_dir, change, message):
+    """Refused at validation (exit 2 before anything runs), each naming its key."""
+    bad = spec(tmp_path, tokenizer_dir)
+    for key, value in change.items():
+        if key.startswith("scores@"):
+            i = int(key.split("@")[1])
+            bad["scores"][i] = {"name": bad["scores"][i]["name"], **value} if "scorer" not in value else value
+            if "weighting" in value:
+                bad["scores"][i] = {**spec(tmp_path, tokenizer_dir)["scores"][i], **value}
+        elif key == "train@runs":
+            bad["train"]["runs"].append(value)
+        else:
+            bad[key] = value
+    with pytest.raises(SpecError) as e:
+        parse_workflow(bad)
+    assert message in str(e.value)
+    p = write_yaml(tmp_path / "bad.yaml", bad)
+    code, out = run_cli("run", p)
+    assert code == 2 and message in out and "Traceback" not in out
+    assert not (tmp_path / "run").exists()
+
+
 def test_holdout_larger_than_the_sources_is_refused(tmp_path, tokenizer_dir):
     p = write_yaml(tmp_path / "wf.yaml", spec(tmp_path, tokenizer_dir, holdout={"docs": 60}))
     code, out = run_cli("run", p)
@@ -324,7 +450,18 @@ def test_shipped_experiment_workflows_parse(name):
     assert runs["reference"].loss == "ce"
     assert (runs["rho1-topk"].loss, runs["rho1-topk"].normalize) == ("weighted_ce", "weight")
     excess = next(s for s in wf.scores if s.name == "excess")
-    assert excess.scorer == "excess_loss" and excess.options["cross_tokenizer"] is True
+    if excess.scorer is not None:
+        assert excess.scorer == "excess_loss" and excess.options["cross_tokenizer"] is True
+    else:  # derived from the stored losses: SmolLM2 scored once, with the nats-conserving `sum`
+        assert (excess.sources(), excess.op) == (["causal_loss", "large"], "difference")
+        large = next(s for s in wf.scores if s.name == "large")
+        assert (large.scorer, large.options["aggregate"]) == ("cross_tokenizer", "sum")
+        assert {r.name: r.role for r in wf.train.runs if r.role} == {
+            "shuffled-occlusion": "control",
+            "weighted-occlusion-normw": "control",
+            "weighted-large": "extension",
+        }
+        assert [p.writeup for p in wf.agreement.pairs] == list(WRITEUP)
     assert wf.holdout is not None and wf.eval_texts() == ["main", "heldout"]
     assert len(wf.train.seeds) == {"default.yaml": 2, "experiment.yaml": 6}.get(name, 5)
     assert wf.primary_run() == "weighted-occlusion"

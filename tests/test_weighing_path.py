@@ -235,3 +235,111 @@ def test_min_mean_weight_is_refused_on_packed_rows_before_anything_is_written(la
     with pytest.raises(StageError, match="packed row holds parts of several"):
         run_stage(ScoreStage(layouts["packed"], "causal_loss", options, steps=[MinMeanWeight(0.5)]), out)
     assert not out.exists() or not any(out.iterdir())
+
+
+# -- the shuffled control and derived values go through the same path
+def _score(layout, scorer, models, out, w=None, **extra):
+    options = {**SCORERS[scorer](models), "dtype": "fp32", **extra}
+    run_stage(ScoreStage(layout, scorer, options, w), out, progress=False)  # the data carries its tokenizer
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_shuffled_weights_keep_each_rows_weights_and_move_them(layout, layouts, models, tmp_path):
+    """The control: each row's weights, the same multiset, on other real tokens; pads and excluded
+    positions (cross_tokenizer's separators on packed rows) keep weight 0 where they are; seeded by the
+    row's seq_id, so score and weigh write the same bytes and a rerun the same permutation."""
+    default = _score(layouts[layout], "cross_tokenizer", models, tmp_path / "default")
+    shuffled = WeighConfig(shuffle=7)
+    direct = data_table(_score(layouts[layout], "cross_tokenizer", models, tmp_path / "direct", shuffled))
+    run_stage(WeighStage(default, shuffled), tmp_path / "weigh", progress=False)
+    again = data_table(tmp_path / "weigh")
+    for col in direct.column_names:
+        assert direct.column(col).equals(again.column(col)), col
+    base = data_table(default)
+    assert base.column("entropy").equals(again.column("entropy"))  # the stored values stay the scorer's
+    w0, w1 = weights_matrix(base.column("weight")), weights_matrix(again.column("weight"))
+    real = np.arange(N_CTX)[None, :] >= base.column("n_pad").to_numpy()[:, None]
+    excluded = excluded_mask(base.column("excluded"), N_CTX)
+    weighable = real & ~excluded if excluded is not None else real
+    if layout == "packed":
+        assert excluded is not None and excluded.any()
+    assert (w1[~weighable] == 0).all() and (w0[~weighable] == 0).all()
+    moved = rows = 0
+    for r in range(len(w0)):
+        a, b = w0[r, weighable[r]], w1[r, weighable[r]]
+        np.testing.assert_array_equal(np.sort(a), np.sort(b))
+        if len(np.unique(a)) >= 4:
+            rows += 1
+            moved += not np.array_equal(a, b)
+    assert rows >= 5 and moved == rows
+    # another seed, another permutation
+    run_stage(WeighStage(default, WeighConfig(shuffle=8)), tmp_path / "seed8", progress=False)
+    assert not data_table(tmp_path / "seed8").column("weight").equals(again.column("weight"))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_derived_excess_equals_the_excess_loss_scorer(layout, layouts, models, tmp_path):
+    """Rho-1's excess from stored losses (causal_loss minus cross_tokenizer `sum` on the same tokens,
+    the weigh stage's difference) is the excess_loss scorer's, which runs both models itself."""
+    data = layouts[layout]
+    causal = _score(data, "causal_loss", models, tmp_path / "causal")
+    large = _score(data, "cross_tokenizer", models, tmp_path / "large", aggregate="sum")
+    excess = _score(data, "excess_loss", models, tmp_path / "excess", context=8)  # the same windows
+    run_stage(
+        WeighStage(causal, WeighConfig(), combine=("difference", large)), tmp_path / "d", progress=False
+    )
+    assert verify_dir(tmp_path / "d") == []
+    got, want = data_table(tmp_path / "d"), data_table(excess)
+    for col in ("seq_id", "input_ids", "n_pad", "excluded"):
+        assert got.column(col).equals(want.column(col)), col
+    e_got = np.stack(got.column("entropy").to_numpy(zero_copy_only=False))
+    e_want = np.stack(want.column("entropy").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(e_got, e_want, atol=1e-5, rtol=0)
+    meta = read_file_metadata(DataDir(tmp_path / "d").files[0])
+    assert meta["unit"] == "nats_difference" == read_file_metadata(DataDir(excess).files[0])["unit"]
+    assert (meta["derived"]["op"], meta["derived"]["b"]["aggregate"]) == ("difference", "sum")
+
+
+def test_derived_values_refuse_other_tokens_and_mean_losses(layouts, models, tmp_path):
+    causal = _score(layouts["left"], "causal_loss", models, tmp_path / "causal")
+    split = _score(layouts["split"], "causal_loss", models, tmp_path / "split")
+    mean = _score(layouts["left"], "cross_tokenizer", models, tmp_path / "mean")  # aggregate: mean
+    for other, match in ((split, "other parts or rows"), (mean, "aggregate: sum")):
+        out = tmp_path / f"out-{other.name}"
+        with pytest.raises(StageError, match=match):
+            run_stage(WeighStage(causal, WeighConfig(), combine=("difference", other)), out, progress=False)
+        assert not out.exists() or not any(out.glob("part-*"))
+
+
+def test_same_tokens_refuses_rows_that_differ(layouts):
+    from entroweight.transforms.derive import DeriveError, same_tokens
+
+    t = pq.read_table(DataDir(layouts["left"]).files[0]).to_batches()[0]
+    ids = t.column("input_ids").to_pylist()
+    ids[1][-1] = (ids[1][-1] + 1) % VOCAB
+    other = t.set_column(
+        t.schema.get_field_index("input_ids"), "input_ids", pa.array(ids, t.schema.field("input_ids").type)
+    )
+    same_tokens(t, t, "x")
+    with pytest.raises(DeriveError, match="different input_ids"):
+        same_tokens(t, other, "x")
+
+
+def test_a_row_sample_scores_each_shards_first_rows_and_verifies(layouts, models, tmp_path):
+    """limit_rows: the first N rows of each shard (the decomposition's sample), its input recorded as
+    that row range, so verify checks the rows against it; an unlimited score's config is unchanged."""
+    data = layouts["left"]
+    options = {**SCORERS["causal_loss"](models), "dtype": "fp32"}
+    full = ScoreStage(data, "causal_loss", options)
+    sample = ScoreStage(data, "causal_loss", options, rows=5)
+    assert "rows" not in full.config() and sample.config()["rows"] == 5
+    run_stage(full, tmp_path / "full", progress=False)
+    run_stage(sample, tmp_path / "sample", progress=False)
+    assert verify_dir(tmp_path / "sample") == []
+    got, want = data_table(tmp_path / "sample"), data_table(tmp_path / "full").slice(0, 5)
+    assert got.num_rows == 5 and got.equals(want)
+    (part,) = DataDir(tmp_path / "sample").parts
+    assert (part.manifest.rows_in, part.manifest.inputs[0].stop) == (5, 5)
+    with pytest.raises(StageError, match="at least 1"):
+        ScoreStage(data, "causal_loss", options, rows=0)

@@ -153,7 +153,11 @@ def test_paper_workflow_dry_runs_here():
     assert "tokenizer tokenizer: would run - train a 8000-token bpe" in out
     assert "train reference/seed-0: would run" in out
     assert "score llama-1b: would run - after tokens" in out
-    assert "33 of 33 step(s) would run" in out
+    assert (
+        "agreement agreement: would run - after occlusion, occlusion_cosine, causal_loss, decomposition, llama-1b"
+        in out
+    )
+    assert "36 of 36 step(s) would run" in out
 
 
 # -- the end-to-end run

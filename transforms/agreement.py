@@ -1,7 +1,9 @@
 """Agreement of two scorers on the same sequences: R², Pearson, Spearman over real tokens.
 
 The write-up's comparison (L1 vs cosine occlusion R² 0.42, L1 vs loss 0.01, decomposition vs a small
-causal model 0.33): R² is that of the least-squares line of one on the other, i.e. Pearson r².
+causal model 0.33): R² is that of the least-squares line of one on the other, i.e. Pearson r²; the
+line itself (`slope`, `intercept`) is B's values on A's, `b ≈ slope · a + intercept`: the write-up's
+"y vs x" rows are `compare_dirs(x, y)`.
 Sequences are matched by `seq_id` (their `input_ids` must then be equal) and only those in both
 directories count; pads never do, nor positions a scorer excluded (`excluded`, schemas/weighted.py). Everything is read into memory: meant for a sample (millions of
 tokens), not a whole corpus.
@@ -21,6 +23,19 @@ from entroweight.schemas.datadir import DataDirError, data_files
 from entroweight.schemas.weighted import EXCLUDED, WEIGHT, excluded_mask, matrix, weights_matrix
 
 COLUMNS = ("entropy", "weight")
+
+#: The write-up's agreement tables ("y vs x": the least-squares line of y on x, over the same tokens):
+#: key -> (what it compares, slope m, intercept b, R²). Its L¹ occlusion is min-max normalised per
+#: row, cosine occlusion is 1 − cos, losses are nats, decomposition is the single-model pad-shift
+#: entropy in nats, and the large model (Llama 3.2 1B) is mapped onto the small tokenizer with `mean`.
+#: (Its prose gives R² 0.1360 for decomposition vs Llama, its table 0.1424: the table's is kept.)
+WRITEUP = {
+    "l1-cosine": ("L1 occlusion vs cosine occlusion", 0.9566, 0.1431, 0.4195),
+    "l1-loss": ("L1 occlusion vs small causal model loss", 0.0063, 0.3894, 0.0107),
+    "decomposition-small": ("decomposition vs small causal model loss", 1.4685, -1.1879, 0.3285),
+    "decomposition-large": ("decomposition vs large causal model loss", 1.0540, 0.1097, 0.1424),
+    "small-large": ("small vs large causal model loss", 0.7334, 0.8398, 0.4922),
+}
 
 
 class AgreementError(ValueError):
@@ -72,9 +87,18 @@ def pearson(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum() / den) if den > 0 else float("nan")
 
 
+def line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line of y on x."""
+    dx = x - x.mean()
+    var = float((dx * dx).sum())
+    slope = float((dx * (y - y.mean())).sum() / var) if var > 0 else float("nan")
+    return slope, float(y.mean() - slope * x.mean())
+
+
 def compare_dirs(dir_a: str | Path, dir_b: str | Path, column: str = "entropy") -> dict:
     """R², Pearson and Spearman of `column` between two scored directories over the real tokens of the
-    sequences both hold. Returns {r2, pearson, spearman, n_tokens, n_sequences, only_a, only_b}."""
+    sequences both hold, and the least-squares line of B on A. Returns {r2, pearson, spearman, slope,
+    intercept, n_tokens, n_sequences, only_a, only_b, ...}."""
     if column not in COLUMNS:
         raise AgreementError(f"column must be one of {', '.join(COLUMNS)}, not {column!r}")
     meta_a, a = _read(dir_a, column)
@@ -103,10 +127,13 @@ def compare_dirs(dir_a: str | Path, dir_b: str | Path, column: str = "entropy") 
         ys.append(vb[keep])
     x, y = np.concatenate(xs), np.concatenate(ys)
     r = pearson(x, y)
+    slope, intercept = line(x, y)
     return {
         "column": column,
         "r2": r * r,
         "pearson": r,
+        "slope": slope,
+        "intercept": intercept,
         "spearman": pearson(rankdata(x), rankdata(y)),
         "n_tokens": int(x.size),
         "n_sequences": len(common),

@@ -10,6 +10,10 @@ whole dataset (x >= the (1 − keep) quantile of the reference quantiles), 0 on 
 Then, in order: `clip` e to [lo, hi] and rescale, `invert` (w = e: Rho-1-style "keep the
 learnable" when the values are excess losses), `floor` (w >= floor on real tokens).
 A sequence whose values are all equal gets e = 0 (w = 1: unweighted).
+`shuffle` (a control): the row's weights, as above, permuted among its weighable positions (real and
+not excluded; pads and excluded positions keep weight 0 where they are), seeded by the shuffle seed and
+the row's `seq_id`: the same weights, with no information about which token gets which. The stored
+`entropy` stays the scorer's, so re-weighing it reproduces the same permutation.
 
 A NaN or infinite value on a real token is refused (NonFiniteScores names the rows): a weight
 derived from it would be arbitrary.
@@ -60,6 +64,12 @@ class WeighOptions(BaseModel):
     invert: bool = Field(False, description="w = e instead of 1 − e (Rho-1: keep the high-excess tokens).")
     dtype: Literal["float16", "uint8"] = Field(
         "float16", description="Storage of the weights: float16, or uint8 holding round(255·w)."
+    )
+    shuffle: int | None = Field(
+        None,
+        ge=0,
+        description="Control: permute each row's weights among its real tokens, seeded by this and the "
+        "row's seq_id (same weights, no information about which token is which).",
     )
 
     @field_validator("keep")
@@ -161,15 +171,39 @@ def weigh(
     cfg: WeighConfig,
     first_row: int = 0,
     exclude: np.ndarray | None = None,
+    keys: list[str] | None = None,
 ) -> np.ndarray:
     """(B, T) raw values -> weights in [0, 1] (float32); pads and `exclude`d positions 0. NaN/inf on a
-    real token is refused (NonFiniteScores names the rows, counted from `first_row`)."""
+    real token is refused (NonFiniteScores names the rows, counted from `first_row`). `keys`: each
+    row's seq_id, which seeds a `shuffle` (required then)."""
     check_finite(values, n_pad, first_row)
     e = normalize(values, n_pad, cfg, exclude)
     w = e if cfg.invert else 1.0 - e
     if cfg.floor:
         w = np.maximum(w, cfg.floor)
-    return np.where(weighable(n_pad, w.shape[1], exclude), w, 0.0).astype(np.float32)
+    mask = weighable(n_pad, w.shape[1], exclude)
+    w = np.where(mask, w, 0.0).astype(np.float32)
+    if cfg.shuffle is not None:
+        if keys is None:
+            raise ValueError("a shuffled weighting needs each row's seq_id (weighted_batch passes them)")
+        w = shuffle_rows(w, mask, keys, cfg.shuffle)
+    return w
+
+
+def shuffle_rows(w: np.ndarray, mask: np.ndarray, keys: list[str], seed: int) -> np.ndarray:
+    """Each row's values at its `mask` positions permuted among those positions; the rest in place.
+    The permutation depends on `seed` and the row's key alone (not on the batch, segment or engine)."""
+    import hashlib
+
+    out = w.copy()
+    for r, key in enumerate(keys):
+        idx = np.flatnonzero(mask[r])
+        if len(idx) < 2:
+            continue
+        digest = hashlib.blake2b(str(key).encode(), digest_size=16).digest()
+        rng = np.random.default_rng([seed, *np.frombuffer(digest, dtype=np.uint32).tolist()])
+        out[r, idx] = w[r, idx[rng.permutation(len(idx))]]
+    return out
 
 
 def weighted_batch(
@@ -185,7 +219,8 @@ def weighted_batch(
     column kept or not). The score stage, the weigh stage and a workflow's `values_from` all come
     here, so the same values and options give the same bytes whichever command wrote them."""
     n_pad = sequences.column("n_pad").to_numpy().astype(np.int64)
-    weights = encode_weights(weigh(values, n_pad, cfg, first_row, excluded), cfg.dtype)
+    keys = sequences.column("seq_id").to_pylist() if cfg.shuffle is not None else None
+    weights = encode_weights(weigh(values, n_pad, cfg, first_row, excluded, keys), cfg.dtype)
     columns = {name: sequences.column(name) for name in schema.names if name not in WEIGHTED_COLUMNS}
     columns[ENTROPY] = lists(np.asarray(values, dtype=np.float32), pa.float32())
     columns["excluded"] = encode_excluded(excluded, len(values))

@@ -34,6 +34,7 @@ def compare_cmd(scored_dir_a, scored_dir_b, column, as_json):
     click.echo(f"  R²        {result['r2']:.4f}")
     click.echo(f"  Pearson   {result['pearson']:.4f}")
     click.echo(f"  Spearman  {result['spearman']:.4f}")
+    click.echo(f"  line      B = {result['slope']:.4f} · A {result['intercept']:+.4f}")
     click.echo(f"  tokens    {result['n_tokens']:,} in {result['n_sequences']:,} sequences")
     if result["only_a"] or result["only_b"]:
         click.echo(f"  skipped   {result['only_a']} sequences only in A, {result['only_b']} only in B")

@@ -287,6 +287,7 @@ def headline(wf: Workflow) -> dict:
                 "data": r.data,
                 "label": label,
                 "primary": r.name == wf.primary_run(),
+                "role": r.role,
                 "cells": cells,
             }
         )
@@ -358,7 +359,8 @@ def scorer_rows(wf: Workflow, scores: dict) -> list[dict]:
         rows.append(
             {
                 "name": s.name,
-                "scorer": s.scorer or f"{s.values_from}, weighed anew",
+                "scorer": s.scorer
+                or (f"{s.op} of {' and '.join(s.sources())}" if s.op else f"{s.values_from}, weighed anew"),
                 "n_files": sc["n_files"],
                 "n_sequences": sc["n_sequences"],
                 "n_tokens": sc["n_tokens"],
@@ -382,11 +384,14 @@ def samples(scores: dict, n: int) -> list[dict]:
 
 
 def agreement(wf: Workflow, scores: dict) -> list[dict] | None:
-    """Per pair of scorers that stored entropies: R², Pearson, Spearman over the sequences both
-    scored, or the reason the pair cannot be compared; None with fewer than two."""
+    """Per pair of scorers that stored entropies (not the steps that re-weigh another's: the same
+    values): R², Pearson, Spearman over the sequences both scored, or the reason the pair cannot be
+    compared; None with fewer than two."""
     from entroweight.transforms.agreement import compare_dirs
 
-    names = [n for n, s in scores.items() if s["entropy"] is not None]
+    # a step that weighs another's values anew stores that step's values: comparing the two says nothing
+    reweighs = {s.name for s in wf.scores if isinstance(s.values_from, str)}
+    names = [n for n, s in scores.items() if s["entropy"] is not None and n not in reweighs]
     if len(names) < 2:
         return None
     rows = []
@@ -399,6 +404,15 @@ def agreement(wf: Workflow, scores: dict) -> list[dict] | None:
                 continue
             rows.append({"a": a, "b": b, **r})
     return rows
+
+
+def writeup_agreement(wf: Workflow) -> dict | None:
+    """The agreement step's table (`agreement:`), each row beside the write-up's where it has one;
+    None when the workflow has no agreement section or it has not run."""
+    if wf.agreement is None:
+        return None
+    path = wf.root / wf.agreement.out
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def curves(wf: Workflow) -> dict:
@@ -454,6 +468,7 @@ def report_data(run_dir: str | Path, n_samples: int = 3, max_tokens: int = 2_000
         "tokenizer": load_tokenizer_of(wf) if scores and n_samples else None,
         "samples": samples(scores, n_samples) if scores and n_samples else None,
         "agreement": agreement(wf, scores) if scores else None,
+        "writeup_agreement": writeup_agreement(wf),
         "curves": curves(wf),
         "bpb": [bpb_section(wf, t) for t in wf.eval_texts()] if experiment else [],
     }

@@ -1,5 +1,5 @@
-"""Run a workflow: holdout -> tokenizer -> tokenize -> models -> scores -> experiment training -> eval
--> report.
+"""Run a workflow: holdout -> tokenizer -> tokenize -> models -> scores -> agreement -> experiment
+training -> eval -> report.
 
 Every step is incremental. Data stages skip shards whose manifest matches their config (the
 stage machinery); a trained model skips when its directory holds a finished checkpoint whose
@@ -32,6 +32,7 @@ from .spec import TOKENS, ModelSpec, TrainSpec, Workflow
 from .steps import (
     RUN_FILE,
     STEP_FILE,
+    AgreementStep,
     DataStep,
     EvalStep,
     HoldoutStep,
@@ -175,6 +176,10 @@ class Runner:
             yield TrainStep("model", m.name, out, self.ctx, [TOKENS], make_config=config, nproc=m.nproc)
         for s in wf.scores:
             yield self._score(s)
+        if wf.agreement is not None:
+            pairs = [n for p in wf.agreement.pairs for n in (p.y, p.x)]
+            out = wf.root / wf.agreement.out
+            yield AgreementStep("agreement", "agreement", out, self.ctx, list(dict.fromkeys(pairs)))
         if wf.train:
             t = wf.train
             if wf.eval:
@@ -243,21 +248,26 @@ class Runner:
         from .quantiles import reference_quantiles, scorer_unit, values_unit
 
         wf = self.wf
-        upstream = [TOKENS, s.checkpoint_from or "", s.weighting.quantiles_from or "", s.values_from or ""]
+        sources = s.sources()
+        upstream = [TOKENS, s.checkpoint_from or "", s.weighting.quantiles_from or "", *sources]
 
         def build():
+            from entroweight.transforms.derive import derived_unit
+
             w = s.weighting
             quantiles = None
             if w.quantiles_from:  # in the unit of the values this step weighs, else refused
-                unit = (
-                    values_unit(wf.score_dir(s.values_from))
-                    if s.values_from
-                    else scorer_unit(s.scorer, dict(s.options))
-                )
+                if len(sources) == 2:
+                    unit = derived_unit(s.op, *(values_unit(wf.score_dir(x)) for x in sources))
+                elif sources:
+                    unit = values_unit(wf.score_dir(sources[0]))
+                else:
+                    unit = scorer_unit(s.scorer, dict(s.options))
                 quantiles = reference_quantiles(wf.score_dir(w.quantiles_from), unit, "quantiles_from")
             weigh = WeighConfig(**w.model_dump(exclude={"quantiles_from"}), quantiles=quantiles)
-            if s.values_from:  # an earlier step's values, weighed anew: no second scoring
-                return WeighStage(wf.score_dir(s.values_from), weigh, s.with_entropy)
+            if sources:  # earlier steps' values, weighed anew (or combined first): no second scoring
+                combine = (s.op, wf.score_dir(sources[1])) if len(sources) == 2 else None
+                return WeighStage(wf.score_dir(sources[0]), weigh, s.with_entropy, combine=combine)
             options = dict(s.options)  # validated with the spec (the scorer's Options model)
             if s.checkpoint_from:
                 options["checkpoint"] = str(wf.model_dir(s.checkpoint_from))
@@ -269,6 +279,7 @@ class Runner:
                 s.with_entropy,
                 self.ctx.tokenizer_file(),
                 limit=s.limit_shards,
+                rows=s.limit_rows,
             )
 
         return DataStep("score", s.name, wf.score_dir(s.name), self.ctx, upstream, build=build)

@@ -28,6 +28,8 @@ from entroweight.options import refusal_lines
 from entroweight.trainers import config as trainer_config
 from entroweight.trainers.config import LossName, LossSettings
 from entroweight.trainers.losses import LOSSES
+from entroweight.transforms.agreement import WRITEUP
+from entroweight.transforms.derive import OPS as VALUE_OPS
 from entroweight.transforms.weigh import GLOBAL_SCALE, WeighOptions
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -151,10 +153,29 @@ class ScoreSpec(_Strict):
     weighting: Weighting = Field(default_factory=Weighting)
     with_entropy: bool = True
     limit_shards: int | None = Field(None, ge=1)  # score the first N shards only (slow scorers)
+    limit_rows: int | None = Field(None, ge=1)  # and the first N rows of each (a sample: decomposition)
     # instead of a scorer: an earlier score step whose stored values are weighed anew (the weigh
-    # stage, as `entroweight weigh`: no second scoring), e.g. Rho-1's top-k of the excess loss
-    values_from: str | None = None
+    # stage, as `entroweight weigh`: no second scoring), e.g. Rho-1's top-k of the excess loss; or two
+    # earlier steps on the same tokens whose values `op` combines (derived values: Rho-1's excess as
+    # causal_loss minus a reference model's stored losses)
+    values_from: str | list[str] | None = None
+    op: Literal[VALUE_OPS] | None = None  # type: ignore[valid-type]
     out: str | None = None  # default scores/<name>
+
+    @field_validator("values_from")
+    @classmethod
+    def _sources(cls, v):
+        if isinstance(v, list):
+            if len(v) == 1:
+                return v[0]
+            if len(v) != 2 or v[0] == v[1]:
+                raise ValueError("one score step, or two different ones combined by `op`")
+        return v
+
+    def sources(self) -> list[str]:
+        """The score steps whose stored values this step reads (none: it scores)."""
+        v = self.values_from
+        return [] if v is None else [v] if isinstance(v, str) else list(v)
 
     _name = field_validator("name")(_name)
     _out = field_validator("out")(_inside)
@@ -204,11 +225,40 @@ class ScoreSpec(_Strict):
         return problems
 
 
+class AgreementPair(_Strict):
+    """One row of the agreement table: the least-squares line of score step `y`'s values on `x`'s over
+    the tokens both scored (the write-up's "y vs x"), and the write-up's row it reproduces, if any."""
+
+    y: str
+    x: str
+    writeup: Literal[tuple(WRITEUP)] | None = None  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _two(self):
+        if self.x == self.y:
+            raise ValueError(f"x and y are both {self.x!r}: compare two score steps")
+        return self
+
+
+class AgreementSpec(_Strict):
+    """The write-up's estimator-agreement table on this run's scores: slope, intercept and R² of each
+    pair (transforms/agreement.py, as `entroweight compare`), written to `out` for the report."""
+
+    pairs: list[AgreementPair] = Field(min_length=1)
+    column: Literal["entropy", "weight"] = "entropy"
+    out: str = "agreement.json"
+
+    _out = field_validator("out")(_inside)
+
+
 class ExperimentRun(LossSettings):
     """One run of the experiment: its data and its loss (trainers/config.py's LossSettings)."""
 
     name: str
     data: str = TOKENS  # `tokens` or a score step's name
+    # what the run is for, shown beside it in the report: a control (what a difference would mean
+    # without the entropy signal) or an extension beyond the write-up; none: a run of the comparison
+    role: Literal["control", "extension"] | None = None
 
     _name = field_validator("name")(_name)
 
@@ -277,6 +327,7 @@ class Workflow(_Strict):
     holdout: HoldoutSpec | None = None
     models: list[ModelSpec] = Field(default_factory=list)
     scores: list[ScoreSpec] = Field(default_factory=list)
+    agreement: AgreementSpec | None = None
     train: TrainSpec | None = None
     eval: EvalSpec | None = None
     report: ReportSpec | None = Field(default_factory=ReportSpec)
@@ -309,15 +360,40 @@ class Workflow(_Strict):
             v = s.values_from
             if (v is None) == (s.scorer is None):
                 raise _At(f"scores[{i}]", "give either scorer (score the tokens) or values_from (weigh anew)")
-            if v is not None and (s.checkpoint_from or s.options or s.limit_shards):
+            if v is not None and (s.checkpoint_from or s.options or s.limit_shards or s.limit_rows):
                 raise _At(
                     f"scores[{i}].values_from",
-                    "weighs stored values: checkpoint_from, options and limit_shards belong to its scorer's step",
+                    "weighs stored values: checkpoint_from, options and limit_shards/limit_rows belong to "
+                    "its scorer's step",
                 )
-            if v is not None and v not in {x.name for x in self.scores[:i]}:
-                raise _At(f"scores[{i}].values_from", f"{v!r} is not an earlier score step")
+            earlier = {x.name for x in self.scores[:i]}
+            for src in s.sources():
+                if src not in earlier:
+                    raise _At(f"scores[{i}].values_from", f"{src!r} is not an earlier score step")
+            if len(s.sources()) == 2 and s.op is None:
+                raise _At(
+                    f"scores[{i}].op", f"two score steps need an op to combine them ({', '.join(VALUE_OPS)})"
+                )
+            if s.op is not None and len(s.sources()) != 2:
+                raise _At(f"scores[{i}].op", "combines two score steps: give values_from: [A, B]")
+            if s.op is not None:
+                for src in s.sources():
+                    if _aggregate(next(x for x in self.scores if x.name == src)) == "mean":
+                        raise _At(
+                            f"scores[{i}].values_from",
+                            f"{src!r} maps its model's losses with aggregate: mean (each small token gets "
+                            f"its model token's whole loss): the {s.op} needs losses that add up to the "
+                            "model's nats; score it with aggregate: sum",
+                        )
         if problems:
             raise _At(None, "\n".join(problems))
+        for i, pair in enumerate(self.agreement.pairs if self.agreement else ()):
+            for side in ("y", "x"):
+                if getattr(pair, side) not in score_names:
+                    raise _At(
+                        f"agreement.pairs[{i}].{side}",
+                        f"{getattr(pair, side)!r} is not a score step ({', '.join(sorted(score_names)) or 'none'})",
+                    )
         if self.train is not None:
             unique(self.train.runs, "train.runs")
             for i, r in enumerate(self.train.runs):
@@ -369,7 +445,12 @@ class Workflow(_Strict):
             outs.append(("holdout.out", self.holdout.out))
         outs += [(f"models[{i}] (models/{m.name})", f"models/{m.name}") for i, m in enumerate(self.models)]
         outs += [(f"scores[{i}].out", s.out or f"scores/{s.name}") for i, s in enumerate(self.scores)]
-        for name, section in (("train", self.train), ("eval", self.eval), ("report", self.report)):
+        for name, section in (
+            ("agreement", self.agreement),
+            ("train", self.train),
+            ("eval", self.eval),
+            ("report", self.report),
+        ):
             if section is not None:
                 outs.append((f"{name}.out", section.out))
         return [(f, PurePosixPath(os.path.normpath(p))) for f, p in outs]
@@ -443,6 +524,18 @@ class Workflow(_Strict):
     def primary_run(self) -> str | None:
         """The run whose comparison with the reference is primary (ReportSpec.primary); None: none."""
         return self.report.primary if self.report is not None else None
+
+
+def _aggregate(step: ScoreSpec) -> str | None:
+    """The `aggregate` option a score step's scorer will use (its default filled in), if it has one."""
+    from entroweight.scorers import check_options
+
+    if step.scorer is None:
+        return None
+    try:
+        return getattr(check_options(step.scorer, dict(step.options)), "aggregate", None)
+    except Exception:  # refused with the step's option problems
+        return None
 
 
 class _At(ValueError):

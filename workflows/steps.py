@@ -81,7 +81,7 @@ class RunContext:
 class Step:
     """One step of a run: what it is, where it writes, and then what happened (run.json's record)."""
 
-    kind: str  # holdout | tokenizer | tokenize | model | score | train | eval | report
+    kind: str  # holdout | tokenizer | tokenize | model | score | agreement | train | eval | report
     name: str
     out: Path
     run_ctx: RunContext = field(repr=False)
@@ -366,6 +366,44 @@ class UnigramStep(Step):
         res = unigram_bpb([str(self.wf.tokens_dir())], self.run_ctx.tokenizer_file(), e.text, e.max_bytes)
         write_json_atomic({**res, "key": self.key()}, self.out)
         return "ran", f"BPB {res['bpb']:.4f}"
+
+
+class AgreementStep(Step):
+    """The agreement table (`agreement:`): each pair's line and R² over the tokens both scored
+    (transforms/agreement.py `compare_dirs`, as `entroweight compare`), cached as JSON keyed by the
+    pairs and each score's shards."""
+
+    def _dirs(self) -> dict[str, Path]:
+        names = {n for p in self.wf.agreement.pairs for n in (p.y, p.x)}
+        return {n: self.wf.score_dir(n) for n in sorted(names)}
+
+    def key(self) -> str:
+        spec = self.wf.agreement.model_dump(mode="json", exclude={"out"})
+        return _key({"spec": spec, "data": {n: data_fingerprint(d) for n, d in self._dirs().items()}})
+
+    def done(self):
+        cached = json.loads(self.out.read_text()) if self.out.exists() else {}
+        return str(self.out) if cached.get("key") == self.key() else None
+
+    def plan(self):
+        return f"{len(self.wf.agreement.pairs)} pair(s)"
+
+    def run(self):
+        from entroweight.transforms.agreement import WRITEUP, AgreementError, compare_dirs
+
+        spec, rows = self.wf.agreement, []
+        for pair in spec.pairs:
+            try:  # the write-up's "y vs x": y's values on x's
+                r = compare_dirs(self.wf.score_dir(pair.x), self.wf.score_dir(pair.y), spec.column)
+            except AgreementError as e:
+                raise WorkflowError(f"agreement {pair.y} vs {pair.x}: {e}") from None
+            row = {"y": pair.y, "x": pair.x, **r}
+            if pair.writeup is not None:
+                what, m, b, r2 = WRITEUP[pair.writeup]
+                row["writeup"] = {"key": pair.writeup, "what": what, "slope": m, "intercept": b, "r2": r2}
+            rows.append(row)
+        write_json_atomic({"key": self.key(), "column": spec.column, "pairs": rows}, self.out)
+        return "ran", "; ".join(f"{r['y']} vs {r['x']} R² {r['r2']:.4f}" for r in rows)
 
 
 class ReportStep(Step):
