@@ -64,7 +64,9 @@ def offline_task_config(items_file: str | Path, cache_dir: str | Path) -> dict:
         "doc_to_target": "label",
         "target_delimiter": "",
         "num_fewshot": 0,
-        "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in CHOICE_METRICS],
+        "metric_list": [
+            {"metric": m, "aggregation": "mean", "higher_is_better": True} for m in CHOICE_METRICS
+        ],
         "metadata": {"version": 1},
     }
 
@@ -101,13 +103,29 @@ def task_manager(tasks: list[str], work_dir: Path, items_file: str | Path | None
         (include / f"{OFFLINE_TASK}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     online = [t for t in tasks if t != OFFLINE_TASK]
     tm = TaskManager(include_path=str(include) if include else None, include_defaults=bool(online))
-    unknown = [t for t in tasks if t not in tm.all_tasks]
+    _refuse_unknown([t for t in tasks if t not in tm.all_tasks])
+    return tm
+
+
+def unknown_tasks(tasks: list[str]) -> list[str]:
+    """The names in `tasks` that are neither lm-eval's (tasks, groups, tags) nor the offline task."""
+    require_lm_eval()
+    online = [t for t in tasks if t != OFFLINE_TASK]
+    if not online:
+        return []
+    from lm_eval.tasks import TaskManager
+
+    with _quiet_lm_eval():
+        known = set(TaskManager().all_tasks)
+    return [t for t in online if t not in known]
+
+
+def _refuse_unknown(unknown: list[str]) -> None:
     if unknown:
         raise AccuracyError(
             f"unknown task {', '.join(unknown)}: give lm-eval task names (`lm_eval ls tasks`) or "
             f"{OFFLINE_TASK} (docs/workflows.md, downstream accuracy)"
         )
-    return tm
 
 
 def model_context(hf_dir: Path) -> int:
@@ -252,7 +270,10 @@ def summarize(results: dict) -> dict:
             metric, filt = key.split(",", 1)
             name = metric if filt == "none" else key
             err = res.get(f"{metric}_stderr,{filt}")
-            metrics[name] = {"value": float(value), "stderr": float(err) if isinstance(err, int | float) else None}
+            metrics[name] = {
+                "value": float(value),
+                "stderr": float(err) if isinstance(err, int | float) else None,
+            }
         if task in groups or task not in samples:
             out["groups"][task] = {"metrics": metrics}
             continue
@@ -265,7 +286,12 @@ def summarize(results: dict) -> dict:
                 if v is not None:
                     items.setdefault(metric if filt == "none" else f"{metric},{filt}", []).append(v)
         n = len({s["doc_id"] for s in logged})
-        entry = {"n": n, "chance": None, "metrics": metrics, "items": {k: v for k, v in items.items() if len(v) == n}}
+        entry = {
+            "n": n,
+            "chance": None,
+            "metrics": metrics,
+            "items": {k: v for k, v in items.items() if len(v) == n},
+        }
         if configs.get(task, {}).get("output_type") == "multiple_choice" and logged:
             entry["chance"] = float(sum(1 / _n_choices(s) for s in logged) / len(logged))
         out["tasks"][task] = entry
