@@ -153,7 +153,8 @@ def test_paper_workflow_dry_runs_here():
     assert "tokenizer tokenizer: would run - train a 8000-token bpe" in out
     assert "train reference/seed-0: would run" in out
     assert "score llama-1b: would run - after tokens" in out
-    assert "33 of 33 step(s) would run" in out
+    assert "accuracy reference/seed-0: would run - after reference/seed-0" in out
+    assert "46 of 46 step(s) would run" in out  # 33 + the items step + 12 accuracy steps
 
 
 # -- the end-to-end run

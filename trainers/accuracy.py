@@ -203,7 +203,8 @@ def evaluate_checkpoint(
     items = read_items(items_file) if items_file is not None and OFFLINE_TASK in tasks else None
     from .export import export_hf
 
-    with _hf_caches(work / CACHE_DIR), _quiet_lm_eval():
+    # the export builds a model (random init) before loading the weights: its draws are put back too
+    with _kept_random_state(), _hf_caches(work / CACHE_DIR), _quiet_lm_eval():
         tm = task_manager(tasks, work, items_file if items is not None else None)
         with tempfile.TemporaryDirectory(prefix=".hf-export-", dir=work) as tmp:
             hf_dir = export_hf(ckpt_dir, tmp, allow_pickle=allow_pickle)
@@ -219,7 +220,13 @@ def _simple_evaluate(hf_dir, tasks, tm, batch_size, device, num_fewshot, limit) 
     from lm_eval.models.huggingface import HFLM
 
     dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    with _kept_random_state():
+    threads = torch.get_num_threads()
+    if dev == "cpu":
+        # lm-eval scores request by request (a slice, an argmax, a gather per choice): small ops whose
+        # thread hand-offs cost more than they share; one thread took 6-7x less CPU time for the
+        # same answers on 2 busy cores (docs/workflows.md, downstream accuracy)
+        torch.set_num_threads(1)
+    try:
         lm = HFLM(pretrained=str(hf_dir), device=dev, batch_size=batch_size, dtype="float32")
         return simple_evaluate(
             model=lm,
@@ -229,6 +236,8 @@ def _simple_evaluate(hf_dir, tasks, tm, batch_size, device, num_fewshot, limit) 
             limit=limit,
             log_samples=True,
         )
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

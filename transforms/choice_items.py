@@ -14,6 +14,7 @@ a (context, continuation) pair (`encode(context + continuation)` split after `en
 - every choice starts a word (one space, then a non-space), so the true one cannot be told by a cut
   inside a word that the others lack; the prefix ends in no whitespace (lm-eval would move it);
 - the distractors come from other documents, each from a different one;
+- no text holds a special token's string (lm-eval's tokenizer would read it as the special token);
 - the longest (prefix + choice) fits `max_tokens`, the model's context (lm-eval silently cuts a
   longer one from the left).
 
@@ -87,6 +88,9 @@ def spans(texts: list[str], tok, prefix_tokens: int, continuation_tokens: int, m
     """Every cut point of every document, in document order: the prefix's `prefix_tokens` tokens and the
     next `continuation_tokens`, tiled without overlap, each one a valid item for its own continuation."""
     tb, enc = token_bytes(tok), _Encoder(tok)
+    # lm-eval's HF tokenizer reads a special token's string ("<|eos|>") in text as that token; ours reads
+    # it as text (schemas.tokenizer.text_as_data): leave such cuts out, their lengths would differ
+    specials = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
     out: list[Span] = []
     for d, text in enumerate(texts):
         ids = tok.encode(text, add_special_tokens=False).ids
@@ -99,6 +103,7 @@ def spans(texts: list[str], tok, prefix_tokens: int, continuation_tokens: int, m
                 and cont is not None
                 and prefix == prefix.rstrip()
                 and _starts_word(cont)
+                and not any(sp in prefix or sp in cont for sp in specials)
                 and enc.fits(prefix, cont, continuation_tokens, max_tokens) is not None
             )
             if ok:

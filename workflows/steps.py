@@ -457,12 +457,14 @@ class AccuracyItemsStep(Step):
     def run(self):
         from tokenizers import Tokenizer
 
+        from entroweight.schemas.tokenizer import text_as_data
         from entroweight.trainers.accuracy import write_items
         from entroweight.transforms.choice_items import ItemError, build_items
 
         a = self.spec
         _, held = split_holdout(self.wf)
-        tok = Tokenizer.from_file(self.run_ctx.tokenizer_file())
+        path = self.run_ctx.tokenizer_file()
+        tok = text_as_data(Tokenizer.from_file(path), path)  # as the exported model's tokenizer reads text
         try:
             items = build_items(
                 held,
