@@ -9,6 +9,7 @@ import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from test_trainer_fixtures import tiny_ckpt, weighted_dir  # noqa: F401 - fixtures
+from test_trainer_fixtures import one_thread, tiny_ckpt, weighted_dir  # noqa: F401 - fixtures
 from tokenizers import Tokenizer
 
 from entroweight.trainers.accuracy import (
@@ -107,6 +108,11 @@ def test_items_are_deterministic_and_seeded(held, tok, items):
     for it in every:
         by_doc.setdefault(it["doc"], []).append(it["cut"])
     assert all(b - a >= P + L for cuts in by_doc.values() for a, b in zip(cuts, cuts[1:], strict=False))
+    # a shorter stride: more cuts from the same documents, still at least `stride` tokens apart
+    denser = build_items(held, tok, P, L, choices=4, seed=0, max_tokens=128, stride=L)
+    assert len(denser) > 1.5 * len(every)
+    cuts = [(it["doc"], it["cut"]) for it in denser]
+    assert all(b[1] - a[1] >= L for a, b in zip(cuts, cuts[1:], strict=False) if a[0] == b[0])
 
 
 def test_items_that_cannot_fit_or_be_built_are_refused(held, tok):
@@ -311,3 +317,10 @@ def test_workflow_refuses_accuracy_it_cannot_run(tmp_path):
     r = _cli("run", wf, "--dry-run")
     assert r.exit_code == 2 and "lm-eval knows no task no_such_task" in r.output, r.output
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
+
+
+def test_without_lm_eval_the_command_names_the_extra(tiny_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if the `eval` extra were not installed
+    r = _cli("evaluate", tiny_ckpt, "--tasks", "hellaswag", "--out", tmp_path / "out")
+    assert r.exit_code == 2 and "pip install 'entroweight[eval]'" in r.output, r.output
+    assert not (tmp_path / "out").exists()

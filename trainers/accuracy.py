@@ -20,6 +20,7 @@ were). Needs the `eval` extra (`pip install 'entroweight[eval]'`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -111,13 +112,17 @@ def unknown_tasks(tasks: list[str]) -> list[str]:
     """The names in `tasks` that are neither lm-eval's (tasks, groups, tags) nor the offline task."""
     require_lm_eval()
     online = [t for t in tasks if t != OFFLINE_TASK]
-    if not online:
-        return []
+    return [t for t in online if t not in lm_eval_tasks()] if online else []
+
+
+@functools.cache
+def lm_eval_tasks() -> frozenset[str]:
+    """Every name lm-eval's own task index knows; built once per process (it parses thousands of YAML
+    files: seconds)."""
     from lm_eval.tasks import TaskManager
 
     with _quiet_lm_eval():
-        known = set(TaskManager().all_tasks)
-    return [t for t in online if t not in known]
+        return frozenset(TaskManager().all_tasks)
 
 
 def _refuse_unknown(unknown: list[str]) -> None:

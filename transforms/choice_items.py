@@ -19,7 +19,7 @@ a (context, continuation) pair (`encode(context + continuation)` split after `en
   longer one from the left).
 
 The cuts tile each document: a prefix, its continuation, then the next prefix after it (no two
-items of a document share tokens). Everything random (which spans, the distractors, the gold
+items of a document share tokens), or, with a shorter `stride`, every `stride` tokens. Everything random (which spans, the distractors, the gold
 position) is drawn from one seeded generator: the same documents, tokenizer and settings give the
 same items, byte for byte. Nothing here looks at a model.
 """
@@ -84,9 +84,13 @@ class _Encoder:
         return len(whole)
 
 
-def spans(texts: list[str], tok, prefix_tokens: int, continuation_tokens: int, max_tokens=None) -> list[Span]:
+def spans(
+    texts: list[str], tok, prefix_tokens: int, continuation_tokens: int, max_tokens=None, stride=None
+) -> list[Span]:
     """Every cut point of every document, in document order: the prefix's `prefix_tokens` tokens and the
-    next `continuation_tokens`, tiled without overlap, each one a valid item for its own continuation."""
+    next `continuation_tokens`, each one a valid item for its own continuation. Cuts lie at least
+    `stride` tokens apart (default prefix + continuation: no two items of a document share a token)."""
+    stride = stride or prefix_tokens + continuation_tokens
     tb, enc = token_bytes(tok), _Encoder(tok)
     # lm-eval's HF tokenizer reads a special token's string ("<|eos|>") in text as that token; ours reads
     # it as text (schemas.tokenizer.text_as_data): leave such cuts out, their lengths would differ
@@ -108,7 +112,7 @@ def spans(texts: list[str], tok, prefix_tokens: int, continuation_tokens: int, m
             )
             if ok:
                 out.append(Span(d, pos, prefix, cont))
-                pos += continuation_tokens + prefix_tokens  # the next item starts after this one
+                pos += stride
             else:
                 pos += 1
     return out
@@ -123,17 +127,22 @@ def build_items(
     seed: int = 0,
     max_items: int | None = None,
     max_tokens: int | None = None,
+    stride: int | None = None,
 ) -> list[dict]:
     """The items, in document order: {"prefix", "choices", "label", "doc", "cut", "tokens"} where
-    `tokens` is the longest prefix + choice in tokens. `tok`: a `tokenizers.Tokenizer`."""
-    if prefix_tokens < 1 or continuation_tokens < 1 or choices < 2:
-        raise ItemError("an item needs a prefix, a continuation and at least 2 choices")
+    `tokens` is the longest prefix + choice in tokens. `tok`: a `tokenizers.Tokenizer`. `stride`: the
+    least distance between two cuts of a document (default prefix + continuation, no overlap; shorter
+    gives more items from the same documents, which then share text and are not independent)."""
+    if prefix_tokens < 1 or continuation_tokens < 1 or choices < 2 or (stride is not None and stride < 1):
+        raise ItemError(
+            "an item needs a prefix, a continuation, at least 2 choices and a stride of 1 or more"
+        )
     if max_tokens is not None and prefix_tokens + continuation_tokens > max_tokens:
         raise ItemError(
             f"prefix {prefix_tokens} + continuation {continuation_tokens} tokens do not fit the model's "
             f"context of {max_tokens} tokens (lm-eval would cut the prefix from the left)"
         )
-    pool = spans(texts, tok, prefix_tokens, continuation_tokens, max_tokens)
+    pool = spans(texts, tok, prefix_tokens, continuation_tokens, max_tokens, stride)
     docs = {s.doc for s in pool}
     if len(docs) < choices:
         raise ItemError(

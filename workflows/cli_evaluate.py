@@ -42,6 +42,12 @@ ITEMS = "items.jsonl"
 @click.option("--prefix-tokens", type=click.IntRange(min=1), default=48, show_default=True)
 @click.option("--continuation-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--choices", type=click.IntRange(min=2), default=4, show_default=True)
+@click.option(
+    "--stride",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Least tokens between two cuts of a document (default: prefix + continuation, no overlap).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Item construction's seed.")
 @click.option("--text-column", default="text", show_default=True, help="The field that holds the text.")
 @click.option("--num-fewshot", type=click.IntRange(min=0), default=None, help="Default: each task's own.")
@@ -138,6 +144,7 @@ def _items(ckpt_dir, documents, config, **kw) -> list[dict]:
         kw["seed"],
         kw["items"],
         n_ctx,
+        kw["stride"],
     )
 
 

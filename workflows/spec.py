@@ -261,6 +261,7 @@ class AccuracySpec(_Strict):
     prefix_tokens: int = Field(48, ge=1)
     continuation_tokens: int = Field(16, ge=1)
     choices: int = Field(4, ge=2)
+    stride: int | None = Field(None, ge=1)  # least tokens between two cuts (None: prefix + continuation)
     seed: int = 0  # which cut points, which distractors, where the true one stands
     num_fewshot: int | None = Field(None, ge=0)  # lm-eval's tasks (None: each task's own default)
     limit: int | None = Field(None, ge=1)  # items per lm-eval task (a quick look, not a result)

@@ -436,7 +436,9 @@ class AccuracyItemsStep(Step):
         a, tok = self.spec, Path(self.run_ctx.tokenizer_file())
         if not tok.is_file():
             return ""  # no tokenizer yet (a dry run): not up to date
-        settings = a.model_dump(include={"items", "prefix_tokens", "continuation_tokens", "choices", "seed"})
+        settings = a.model_dump(
+            include={"items", "prefix_tokens", "continuation_tokens", "choices", "stride", "seed"}
+        )
         hold = {"sources": list(self.wf.sources), "docs": self.wf.holdout.docs}
         return _key(
             {**settings, "holdout": hold, "tokenizer": sha256_file(tok), "n_ctx": self.wf.tokenize.n_ctx}
@@ -475,6 +477,7 @@ class AccuracyItemsStep(Step):
                 a.seed,
                 a.items,
                 self.wf.tokenize.n_ctx,
+                a.stride,
             )
         except ItemError as e:
             raise WorkflowError(f"accuracy items: {e}") from None
