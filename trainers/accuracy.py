@@ -96,6 +96,7 @@ def task_manager(tasks: list[str], work_dir: Path, items_file: str | Path | None
 
     if OFFLINE_TASK in tasks and items_file is None:
         raise AccuracyError(f"the {OFFLINE_TASK} task needs its items (held-out documents): none given")
+    _refuse_unknown(unknown_tasks(tasks))  # lm-eval's index, read once per process
     include = None
     if items_file is not None:
         include = work_dir / TASK_DIR
@@ -103,9 +104,7 @@ def task_manager(tasks: list[str], work_dir: Path, items_file: str | Path | None
         config = offline_task_config(items_file, work_dir / CACHE_DIR)
         (include / f"{OFFLINE_TASK}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     online = [t for t in tasks if t != OFFLINE_TASK]
-    tm = TaskManager(include_path=str(include) if include else None, include_defaults=bool(online))
-    _refuse_unknown([t for t in tasks if t not in tm.all_tasks])
-    return tm
+    return TaskManager(include_path=str(include) if include else None, include_defaults=bool(online))
 
 
 def unknown_tasks(tasks: list[str]) -> list[str]:
