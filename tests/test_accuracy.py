@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from test_trainer_fixtures import one_thread, tiny_ckpt, weighted_dir  # noqa: F401 - fixtures
 from tokenizers import Tokenizer
 
+from entroweight import storage
 from entroweight.trainers.accuracy import (
     CHOICE_METRICS,
     OFFLINE_TASK,
@@ -272,7 +273,7 @@ def _spec(tmp: Path) -> dict:
             "runs": [{"name": "reference", "data": "tokens", "loss": "ce"}],
         },
         "accuracy": {"items": 12, "prefix_tokens": 24, "continuation_tokens": 8, "device": "cpu"},
-        "report": None,
+        "report": {"samples": 0},
     }
 
 
@@ -290,7 +291,15 @@ def test_workflow_accuracy_steps_run_and_are_cached(tmp_path):
         and res["seed"] == 0
         and len(res["tasks"][OFFLINE_TASK]["items"]["acc"]) == 12
     )
+    assert res["items_sha256"] == storage.sha256(run / "accuracy" / ".items" / "items.jsonl")
     assert (run / "accuracy" / ".lm-eval" / "hf-datasets").is_dir()
+    page = (run / "report.html").read_text()
+    acc = res["tasks"][OFFLINE_TASK]["metrics"]["acc_mutual_info"]["value"]
+    assert (
+        f"data-task='{OFFLINE_TASK}' data-run='reference' data-metric='acc_mutual_info' data-value='{acc!r}'"
+        in page
+    )
+    assert "12 items, chance 0.250): the reference reference&#39;s acc" in page
     r = _cli("run", wf)  # nothing new: both cached
     assert "accuracy heldout-items: up to date - 12 items" in r.output
     assert "accuracy reference/seed-0: up to date" in r.output and ": ran" not in r.output
@@ -299,7 +308,7 @@ def test_workflow_accuracy_steps_run_and_are_cached(tmp_path):
     wf.write_text(yaml.safe_dump(spec))
     r = _cli("run", wf, "--dry-run")
     would = sorted(ln.split(":")[0] for ln in r.output.splitlines() if ": would run" in ln)
-    assert would == ["accuracy heldout-items", "accuracy reference/seed-0"], r.output
+    assert would == ["accuracy heldout-items", "accuracy reference/seed-0", "report report"], r.output
 
 
 def test_workflow_refuses_accuracy_it_cannot_run(tmp_path):
@@ -324,3 +333,16 @@ def test_without_lm_eval_the_command_names_the_extra(tiny_ckpt, tmp_path, monkey
     r = _cli("evaluate", tiny_ckpt, "--tasks", "hellaswag", "--out", tmp_path / "out")
     assert r.exit_code == 2 and "pip install 'entroweight[eval]'" in r.output, r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_the_reference_is_placed_against_chance_with_its_interval():
+    from entroweight.workflows.report_data import Z95, above_chance
+
+    def row(mean, se):
+        return {"cells": [{"metric": "acc", "mean": mean, "stderr": se, "seeds": {0: mean}}]}
+
+    above = above_chance(row(0.30, 0.01), 0.25)[0]
+    assert above["verdict"] == "above chance" and above["lo"] == pytest.approx(0.30 - Z95 * 0.01)
+    assert above_chance(row(0.26, 0.01), 0.25)[0]["verdict"] == "not distinguishable from chance"
+    assert above_chance(row(0.20, 0.01), 0.25)[0]["verdict"] == "below chance"
+    assert above_chance(None, 0.25) == [] and above_chance(row(0.3, 0.01), None) == []

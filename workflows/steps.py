@@ -545,7 +545,10 @@ class AccuracyStep(Step):
             )
         except AccuracyError as e:
             raise WorkflowError(f"accuracy {self.name}: {e}") from None
+        items = self.items.items_file()
         res = {"key": self.key(), "run": r.name, "seed": self.seed, "loss": r.loss, "data": r.data, **res}
+        # what pairs two results item by item (McNemar): the same items file
+        res["items_sha256"] = sha256_file(items) if items is not None else None
         write_json_atomic({**res, "checkpoint": str(self.ckpt)}, self.out)
         return "ran", headline_metrics(res)
 
