@@ -270,7 +270,11 @@ def _spec(tmp: Path) -> dict:
             "steps": 4,
             "batch_size": 8,
             "seeds": [0],
-            "runs": [{"name": "reference", "data": "tokens", "loss": "ce"}],
+            # a second ce run: the same model, the same answers (the comparison's wiring, not its power)
+            "runs": [
+                {"name": "reference", "data": "tokens", "loss": "ce"},
+                {"name": "copy", "data": "tokens", "loss": "ce"},
+            ],
         },
         "accuracy": {"items": 12, "prefix_tokens": 24, "continuation_tokens": 8, "device": "cpu"},
         "report": {"samples": 0},
@@ -300,6 +304,12 @@ def test_workflow_accuracy_steps_run_and_are_cached(tmp_path):
         in page
     )
     assert "12 items, chance 0.250): the reference reference&#39;s acc" in page
+    # copy against the reference, item by item on acc_mutual_info: no item answered differently
+    assert (
+        f"data-task='{OFFLINE_TASK}' data-run='copy' data-metric='acc_mutual_info' data-outcome='within noise'"
+        in page
+    )
+    assert "McNemar over 12 item pairs of 1 seeds" in page
     r = _cli("run", wf)  # nothing new: both cached
     assert "accuracy heldout-items: up to date - 12 items" in r.output
     assert "accuracy reference/seed-0: up to date" in r.output and ": ran" not in r.output
@@ -308,7 +318,12 @@ def test_workflow_accuracy_steps_run_and_are_cached(tmp_path):
     wf.write_text(yaml.safe_dump(spec))
     r = _cli("run", wf, "--dry-run")
     would = sorted(ln.split(":")[0] for ln in r.output.splitlines() if ": would run" in ln)
-    assert would == ["accuracy heldout-items", "accuracy reference/seed-0", "report report"], r.output
+    assert would == [
+        "accuracy copy/seed-0",
+        "accuracy heldout-items",
+        "accuracy reference/seed-0",
+        "report report",
+    ], r.output
 
 
 def test_workflow_refuses_accuracy_it_cannot_run(tmp_path):

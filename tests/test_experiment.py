@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -144,10 +145,11 @@ def test_report_opens_with_the_table_and_a_verdict_from_the_numbers(run):
     assert page.sentence == verdict_sentence(wf, tables)
 
 
-def _fake_run(tmp: Path, tokenizer_dir: Path, bpb: dict) -> object:
-    wf = parse_workflow(
-        spec(tmp, tokenizer_dir, train={**spec(tmp, tokenizer_dir)["train"], "seeds": [0, 1, 2, 3, 4]})
-    )
+def _fake_run(tmp: Path, tokenizer_dir: Path, bpb: dict, seeds: int = 5, **changes) -> object:
+    """A workflow whose eval files hold `bpb` ((run, text) -> one value per seed) and nothing else."""
+    base = spec(tmp, tokenizer_dir)
+    train = {**base["train"], "seeds": list(range(seeds))} | changes.pop("train", {})
+    wf = parse_workflow(spec(tmp, tokenizer_dir, train=train, **changes))
     for (run, text), values in bpb.items():
         for s, v in enumerate(values):
             p = wf.eval_file(run, s, text)
@@ -187,6 +189,94 @@ def test_verdict_names_winners_losers_and_ties(tmp_path, tokenizer_dir):
     assert "topk loses to the reference beyond noise on WikiText-2 and held-out text" in sentence
 
 
+def test_report_names_the_primary_corrects_the_others_and_shows_what_noise_hides(tmp_path, tokenizer_dir):
+    """6 seeds: the primary run (named in the workflow) is read unadjusted, the other runs' p are
+    Holm-corrected per table, each within-noise verdict carries the smallest detectable difference at
+    the alpha it faces, Wilcoxon sits beside the paired t-test; the page opens with that table."""
+    from entroweight.workflows import stats
+    from entroweight.workflows.report import write_report
+
+    base = [2.00, 2.01, 1.99, 2.005, 1.995, 2.0]
+    jitter = [0.004, -0.003, 0.002, -0.004, 0.003, -0.001]
+    runs = [*spec(tmp_path, tokenizer_dir)["train"]["runs"], {"name": "causal-2", "data": "causal_loss"}]
+    runs[-1]["loss"] = "weighted_ce"
+    bpb = {
+        ("reference", "main"): base,
+        ("reference", "heldout"): base,
+        ("weighted", "main"): [v + 0.001 + j for v, j in zip(base, jitter, strict=True)],  # within noise
+        ("weighted", "heldout"): [v - 0.02 + j / 4 for v, j in zip(base, jitter, strict=True)],  # beats
+        ("topk", "main"): [v + 0.05 + j for v, j in zip(base, jitter, strict=True)],
+        ("topk", "heldout"): [v + 0.05 + j for v, j in zip(base, jitter, strict=True)],
+        ("causal-2", "main"): [v + 0.002 - j for v, j in zip(base, jitter, strict=True)],
+        ("causal-2", "heldout"): [v + j for v, j in zip(base, jitter, strict=True)],
+    }
+    wf = _fake_run(
+        tmp_path,
+        tokenizer_dir,
+        bpb,
+        seeds=6,
+        train={"runs": runs},
+        report={"samples": 0, "primary": "weighted"},
+    )
+    assert wf.primary_run() == "weighted"
+    for text in wf.eval_texts():
+        by = {c["run"]: c for c in bpb_table(wf, text)["comparisons"]}
+        assert by["weighted"]["primary"] and by["weighted"]["p_adjusted"] == by["weighted"]["p"]
+        family = [by["topk"], by["causal-2"]]
+        assert [c["p_adjusted"] for c in family] == pytest.approx(stats.holm([c["p"] for c in family]))
+        assert all(c["alpha"] == 0.025 and c["wilcoxon"] is not None for c in family)
+        for c in by.values():
+            d = np.subtract(bpb[(c["run"], text)], base)
+            assert c["delta"] == pytest.approx(d.mean()) and c["p"] == pytest.approx(
+                stats.paired_t(bpb[(c["run"], text)], base)["p"]
+            )
+            if c["outcome"] == "within noise":
+                assert c["mde"] == pytest.approx(stats.mde_paired_t(d.std(ddof=1), 6, c["alpha"]))
+                assert f"could have detected |Δ| ≥ {c['mde']:.4f} BPB" in c["verdict"]
+            else:
+                assert c["mde"] is None
+    got = {(c["run"], t): outcome(c) for t in wf.eval_texts() for c in bpb_table(wf, t)["comparisons"]}
+    assert got == {
+        ("weighted", "main"): "within noise",
+        ("weighted", "heldout"): "beats",
+        ("topk", "main"): "loses",
+        ("topk", "heldout"): "loses",
+        ("causal-2", "main"): "within noise",
+        ("causal-2", "heldout"): "within noise",
+    }
+
+    (wf.root / "run.json").write_text(json.dumps({"config": wf.model_dump(mode="json", by_alias=True)}))
+    html = write_report(wf.root, samples=0).read_text()
+    page = Headline()
+    page.feed(html)
+    assert page.order[:2] == ["h2", "verdict"]
+    assert "Holm-corrected except the primary comparison, weighted" in page.sentence
+    cells = {(c["data-head-run"], c["data-head-text"]): c for c in page.cells}
+    assert len(cells) == 8
+    assert "<td>weighted (primary)</td>" in html and "<th>Wilcoxon p</th>" in html
+    assert "Primary comparison, named in the workflow before the runs (report.primary): weighted" in html
+    assert stats.RULE in unescape(html)
+    causal2 = next(c for c in bpb_table(wf, "main")["comparisons"] if c["run"] == "causal-2")
+    assert (
+        f"data-head-mde='{causal2['mde']!r}'>within noise (could detect |Δ| ≥ {causal2['mde']:.4f})" in html
+    )
+    assert f"data-head-p='{causal2['p_adjusted']!r}'>{causal2['p_adjusted']:.3g} (Holm)</td>" in html
+
+
+def test_the_primary_defaults_to_weighted_occlusion_where_it_runs(tmp_path, tokenizer_dir):
+    runs = spec(tmp_path, tokenizer_dir)["train"]["runs"]
+    assert parse_workflow(spec(tmp_path, tokenizer_dir)).primary_run() is None  # no such run: none
+    renamed = [runs[0], {**runs[1], "name": "weighted-occlusion"}, runs[2]]
+    train = {**spec(tmp_path, tokenizer_dir)["train"], "runs": renamed}
+    wf = parse_workflow(spec(tmp_path, tokenizer_dir, train=train))
+    assert wf.primary_run() == "weighted-occlusion"
+    # run.json records the primary in force, and reads back as it
+    for w in (wf, parse_workflow(spec(tmp_path, tokenizer_dir))):
+        assert parse_workflow(w.model_dump(mode="json", by_alias=True)).primary_run() == w.primary_run()
+    none = parse_workflow(spec(tmp_path, tokenizer_dir, train=train, report={"primary": None}))
+    assert none.primary_run() is None
+
+
 def test_spec_refusals(tmp_path, tokenizer_dir):
     good = spec(tmp_path, tokenizer_dir)
     bad = json.loads(json.dumps(good))
@@ -203,6 +293,19 @@ def test_spec_refusals(tmp_path, tokenizer_dir):
         parse_workflow(bad)
     with pytest.raises(SpecError, match="holdout.docs"):
         parse_workflow({**good, "holdout": {"docs": 0}})
+    with pytest.raises(SpecError, match=r"report.primary: 'weighted-occlusion' is not a run of train.runs"):
+        parse_workflow({**good, "report": {"primary": "weighted-occlusion"}})
+    with pytest.raises(SpecError, match="report.primary: 'reference' is the reference"):
+        parse_workflow({**good, "report": {"primary": "reference"}})
+    with pytest.raises(SpecError, match="report.primary: 'weighted' is not a run"):
+        parse_workflow({**good, "train": None, "eval": None, "report": {"primary": "weighted"}})
+
+
+def test_an_unknown_primary_is_refused_before_anything_runs(tmp_path, tokenizer_dir):
+    p = write_yaml(tmp_path / "wf.yaml", spec(tmp_path, tokenizer_dir, report={"primary": "weigthed"}))
+    code, out = run_cli("run", p)
+    assert code == 2 and "report.primary: 'weigthed' is not a run of train.runs" in out
+    assert "Traceback" not in out and not (tmp_path / "run").exists()
 
 
 def test_holdout_larger_than_the_sources_is_refused(tmp_path, tokenizer_dir):
@@ -223,4 +326,5 @@ def test_shipped_experiment_workflows_parse(name):
     excess = next(s for s in wf.scores if s.name == "excess")
     assert excess.scorer == "excess_loss" and excess.options["cross_tokenizer"] is True
     assert wf.holdout is not None and wf.eval_texts() == ["main", "heldout"]
-    assert len(wf.train.seeds) == (2 if name == "default.yaml" else 5)
+    assert len(wf.train.seeds) == {"default.yaml": 2, "experiment.yaml": 6}.get(name, 5)
+    assert wf.primary_run() == "weighted-occlusion"

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from test_workflow import run_cli, tiny_run  # noqa: F401 - the session fixture: one tiny run for both files
 
-from entroweight.workflows.report import ReportError, compare, highlight, write_report
+from entroweight.workflows.report import ReportError, compare, highlight, outcome, verdict, write_report
+from entroweight.workflows.stats import decide
 
 
 class Page(HTMLParser):
@@ -77,9 +78,9 @@ def test_bpb_numbers_equal_the_eval_files(page, tiny_run):  # noqa: F811
             values.append(bpb)
         assert stats[(r, "mean")] == pytest.approx(np.mean(values), rel=1e-12)
         assert stats[(r, "std")] == pytest.approx(np.std(values, ddof=1), rel=1e-12)
-    ((verdict, attrs),) = page.verdicts
-    assert attrs["data-run"] == "weighted-causal"
-    assert "seed noise" in verdict
+    ((sentence, attrs),) = page.verdicts
+    assert attrs["data-run"] == "weighted-causal" and attrs["data-primary"] == "False"
+    assert "seed noise" in sentence and "paired t-test over 2 seeds" in sentence
 
 
 def test_training_curves_come_from_the_metrics_files(tiny_run):  # noqa: F811
@@ -112,11 +113,53 @@ def test_highlight_joins_tokens_split_inside_a_character():
 def test_noise_verdict():
     ref = {"run": "ref", "seeds": {0: 1.00, 1: 1.01, 2: 0.99}}
     near = compare({"run": "w", "seeds": {0: 1.005, 1: 0.995, 2: 1.0}}, ref)
-    assert near["exceeds_noise"] is False and "within the seed noise" in near["verdict"]
-    far = compare({"run": "w", "seeds": {0: 0.90, 1: 0.91, 2: 0.89}}, ref)
-    assert far["exceeds_noise"] is True and "beyond the seed noise" in far["verdict"]
-    one = compare({"run": "w", "seeds": {0: 0.9}}, {"run": "ref", "seeds": {0: 1.0}})
-    assert one["exceeds_noise"] is None and "add seeds" in one["verdict"]
+    far = compare({"run": "w2", "seeds": {0: 0.90, 1: 0.91, 2: 0.89}}, ref)
+    one = compare({"run": "w3", "seeds": {0: 0.9}}, ref)
+    for c in decide([near, far, one], None, lower_is_better=True):
+        c["verdict"] = verdict(c)
+    assert outcome(near) == "within noise" and "within the seed noise" in near["verdict"]
+    assert "could have detected |Δ| ≥" in near["verdict"] and near["mde"] > abs(near["delta"])
+    assert outcome(far) == "beats" and "beyond the seed noise" in far["verdict"]
+    assert outcome(one) == "undecided" and "add seeds" in one["verdict"]
+
+
+def test_runs_are_compared_seed_by_seed():
+    """A run 0.01 BPB better on every seed, seeds 0.1 apart: the paired test sees it; a test of the
+    two seed means (the report's former Welch's t-test) called it noise."""
+    ref = {"run": "ref", "seeds": {0: 1.00, 1: 1.10, 2: 0.90, 3: 1.05}}
+    run = {"run": "w", "seeds": {s: v - 0.01 + 0.001 * s for s, v in ref["seeds"].items()}}
+    (c,) = decide([compare(run, ref)], "w", lower_is_better=True)
+    assert c["p"] < 0.001 and outcome(c) == "beats" and c["delta"] == pytest.approx(-0.0085)
+    assert c["seeds"] == [0, 1, 2, 3]
+    partial = {"run": "w", "seeds": {0: 0.99, 2: 0.89, 7: 0.5}}  # only seeds both have are paired
+    assert compare(partial, ref)["seeds"] == [0, 2]
+
+
+def test_accuracy_verdict_from_item_vectors():
+    """The accuracy table's path: compare_accuracy per run, decide over the table, verdict(unit=accuracy)."""
+    from entroweight.workflows.stats import compare_accuracy
+
+    ref = {s: [1, 0, 0, 1] * 100 for s in range(6)}
+    better = {s: [1, 1, 0, 1] * 100 for s in range(6)}  # 100 more items right per seed
+    same = {s: [0, 1, 0, 1] * 100 for s in range(6)}  # as many right, other items
+    few = {s: [1, 0, 0, 1] * 100 for s in range(6)}
+    few[0] = [0] + few[0][1:]  # one item of one seed differs
+    comps = [
+        {"run": n, "reference": "ref"} | compare_accuracy(ref, r)
+        for n, r in (("better", better), ("same", same), ("few", few))
+    ]
+    for c in decide(comps, "better", lower_is_better=False):
+        c["verdict"] = verdict(c, "accuracy")
+    b, s_, f = comps
+    assert outcome(b) == "beats" and b["delta"] == pytest.approx(0.25)
+    assert b["verdict"].startswith(
+        "better (the primary comparison) is higher (better) than ref by 0.2500 accuracy"
+    )
+    assert "McNemar over 2400 item pairs of 6 seeds (chi-square, continuity corrected)" in b["verdict"]
+    assert "Wilcoxon signed-rank p" in b["verdict"]
+    assert outcome(s_) == "within noise" and "could have detected |Δ| ≥" in s_["verdict"]
+    assert s_["alpha"] == 0.025 and "Holm-adjusted" in s_["verdict"]
+    assert outcome(f) == "within noise" and f["mde"] is None and "too few pairs disagree" in f["verdict"]
 
 
 def test_report_cli_and_refusal(tiny_run, tmp_path):  # noqa: F811

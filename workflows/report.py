@@ -1,12 +1,14 @@
 """`entroweight report RUN_DIR`: one self-contained HTML page of a workflow run (opens offline).
 
 Sections: the experiment's headline (a table of every run's BPB on each evaluation text, mean ± std
-over seeds, Δ and Welch's t-test against the reference, and one sentence computed from them: which
-runs beat the reference beyond the seed noise, which lose, which are within it); provenance and
+over seeds, Δ and the paired test against the reference seed by seed with each run's verdict and,
+within noise, the smallest difference it could have detected; the primary comparison, the verdict
+rule (workflows/stats.py) and one sentence computed from them: which runs beat the reference, which
+lose, which are within noise); provenance and
 config; per scorer the entropy and weight histograms, mean entropy by position, sample texts with
 every token shaded by its entropy (the write-up's red highlighting, decoded from exact token bytes);
 scorer agreement; training curves; the BPB table of the reference and weighted runs over seeds with
-a sentence on whether the difference exceeds the seed noise.
+each run's verdict sentence.
 
 The values come from `report_data.py`; the page is the Jinja2 template `templates/report.html.j2`
 (autoescaped); this module draws the plots (matplotlib's Agg backend, PNGs embedded as base64) and
@@ -35,6 +37,7 @@ from .report_data import (  # noqa: F401 - re-exported: the report's public name
     read_metrics,
     read_scores,
     report_data,
+    verdict,
     verdict_sentence,
 )
 

@@ -2,14 +2,14 @@
 
 Reads run.json and the step outputs under the run directory: the scores' entropy and weight
 columns, the BPB and the downstream accuracy (lm-eval) of every run and seed, the training metrics,
-the manifests; compares each run with
-the reference over seeds (Welch's t-test) and says, in one sentence, which runs beat it. No HTML here.
+the manifests; compares each run with the reference seed by seed (workflows/stats.py: paired tests,
+McNemar over the items, the primary comparison, Holm, the smallest detectable difference) and says,
+per run and in one sentence, which runs beat it. No HTML.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,8 @@ from entroweight.schemas.weighted import (
     weights_matrix,
 )
 
-from .spec import TOKENS, SpecError, Workflow, parse_workflow
+from . import stats
+from .spec import PRIMARY, TOKENS, SpecError, Workflow, parse_workflow
 
 
 class ReportError(ValueError):
@@ -124,7 +125,8 @@ def text_name(wf: Workflow, text: str) -> str:
 
 def bpb_table(wf: Workflow, text: str = "main") -> dict:
     """Per run: each seed's BPB (from eval/RUN/seed-S[.TEXT].json), mean, std; per compared run: the
-    difference to the reference and whether it exceeds the seed noise."""
+    paired comparison with the reference seed by seed, decided by the rule of workflows/stats.py
+    (the primary run unadjusted, the others Holm-corrected over this table), with its verdict."""
     runs = []
     for r in wf.train.runs:
         seeds = {}
@@ -146,50 +148,62 @@ def bpb_table(wf: Workflow, text: str = "main") -> dict:
     ref_name = wf.reference_run()
     ref = next((x for x in runs if x["run"] == ref_name), None)
     comparisons = [compare(x, ref) for x in runs if ref is not None and x is not ref and x["seeds"]]
-    return {"reference": ref_name, "runs": runs, "comparisons": comparisons}
+    stats.decide(comparisons, wf.primary_run(), lower_is_better=True)
+    for c in comparisons:
+        c["verdict"] = verdict(c)
+    return {"reference": ref_name, "primary": wf.primary_run(), "runs": runs, "comparisons": comparisons}
 
 
 def compare(run: dict, ref: dict) -> dict:
-    """Δ mean BPB of `run` vs `ref`, and whether it exceeds seed noise: |Δ| > 2·pooled std and
-    Welch's t-test p < 0.05 (both, with at least 2 seeds each; otherwise noise cannot be told)."""
-    a, b = np.array(list(run["seeds"].values())), np.array(list(ref["seeds"].values()))
-    out = {"run": run["run"], "reference": ref["run"], "delta": None, "pooled_std": None, "p_value": None}
-    if not len(a) or not len(b):
-        out["verdict"] = "no BPB for one of the runs yet"
-        return out
-    out["delta"] = float(a.mean() - b.mean())
-    if len(a) < 2 or len(b) < 2:
-        out["exceeds_noise"] = None
-        out["verdict"] = "one seed only: the seed noise cannot be estimated; add seeds"
-        return out
-    from scipy import stats
+    """`run`'s BPB against `ref`'s, seed by seed (stats.compare_seeds): Δ = mean of the per-seed
+    differences, the paired t-test's p, Wilcoxon's from 6 seeds. `decide` then reads it."""
+    return {"run": run["run"], "reference": ref["run"]} | stats.compare_seeds(ref["seeds"], run["seeds"])
 
-    pooled = math.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2)
-    t = stats.ttest_ind(a, b, equal_var=False)
-    p = float(t.pvalue) if np.isfinite(t.pvalue) else (0.0 if out["delta"] != 0 else 1.0)
-    exceeds = abs(out["delta"]) > 2 * pooled and p < 0.05
-    out |= {"pooled_std": pooled, "p_value": p, "exceeds_noise": bool(exceeds)}
-    direction = "lower (better)" if out["delta"] < 0 else "higher (worse)"
-    if exceeds:
-        out["verdict"] = (
-            f"{run['run']} is {direction} than {ref['run']} by {abs(out['delta']):.4f} BPB, beyond the seed "
-            f"noise (|Δ| > 2 × pooled std {pooled:.4f}; Welch t-test p = {p:.3g})."
-        )
+
+def verdict(c: dict, unit: str = "BPB") -> str:
+    """The sentence of one comparison that `stats.decide` decided (BPB from `compare`, or accuracy
+    from `stats.compare_accuracy` with unit "accuracy"): the outcome, the test and its p
+    (Holm-adjusted where it is not the primary), the test beside it, and, within noise, the smallest
+    difference it could have detected."""
+    who = f"{c['run']}{' (the primary comparison)' if c['primary'] else ''}"
+    ref = c.get("reference", "the reference")
+    if c["delta"] is None:
+        return f"{who}: nothing paired with {ref} yet: nothing to compare."
+    if c["p"] is None:
+        return f"{who}: one seed only: the seed noise cannot be estimated; add seeds."
+    if c["test"] == "mcnemar":
+        m, beside = c["mcnemar"], c["seeds_test"]
+        test = f"McNemar over {c['n_pairs']} item pairs of {c['n']} seeds ({m['method']}), p = {c['p']:.3g}"
+        noise = "the noise"
     else:
-        out["verdict"] = (
-            f"{run['run']} differs from {ref['run']} by {out['delta']:+.4f} BPB: within the seed noise "
-            f"(pooled std {pooled:.4f}, Welch t-test p = {p:.3g}); no difference can be claimed."
-        )
-    return out
+        beside, test, noise = None, f"paired t-test over {c['n']} seeds, p = {c['p']:.3g}", "the seed noise"
+    if not c["primary"]:
+        test += f", Holm-adjusted {c['p_adjusted']:.3g}"
+    if beside is not None and beside["p"] is not None:
+        test += f"; per-seed paired t-test p = {beside['p']:.3g}"
+    wilcoxon = (beside or c).get("wilcoxon")
+    if wilcoxon:
+        test += f"; Wilcoxon signed-rank p = {wilcoxon['p']:.3g}"
+    if c["outcome"] in ("better", "worse"):
+        direction = f"{'lower' if c['delta'] < 0 else 'higher'} ({c['outcome']})"
+        return f"{who} is {direction} than {ref} by {abs(c['delta']):.4f} {unit}, beyond {noise} ({test})."
+    reach = (
+        f"it could have detected |Δ| ≥ {c['mde']:.4f} {unit} ({stats.POWER:.0%} power at α = {c['alpha']:.3g})"
+        if c["mde"] is not None
+        else f"too few pairs disagree for any difference to reach {stats.POWER:.0%} power"
+    )
+    return (
+        f"{who} differs from {ref} by {c['delta']:+.4f} {unit}: within {noise} ({test}); {reach}. "
+        "No difference can be claimed."
+    )
+
+
+OUTCOMES = {"better": "beats", "worse": "loses", "within noise": "within noise", "undecided": "undecided"}
 
 
 def outcome(c: dict) -> str:
-    """beats | loses | within noise | undecided (fewer than 2 seeds or no BPB)."""
-    if c.get("exceeds_noise") is None:
-        return "undecided"
-    if not c["exceeds_noise"]:
-        return "within noise"
-    return "beats" if c["delta"] < 0 else "loses"
+    """beats | loses | within noise | undecided (fewer than 2 seeds or no BPB), against the reference."""
+    return OUTCOMES[c["outcome"]]
 
 
 def verdict_sentence(wf: Workflow, tables: dict[str, dict]) -> str:
@@ -201,8 +215,8 @@ def verdict_sentence(wf: Workflow, tables: dict[str, dict]) -> str:
     for r in wf.train.runs:
         if r.name == ref:
             continue
-        comps = [next((c for c in tab["comparisons"] if c["run"] == r.name), {}) for tab in tables.values()]
-        groups.setdefault(tuple(outcome(c) for c in comps), []).append(r.name)
+        comps = [next((c for c in tab["comparisons"] if c["run"] == r.name), None) for tab in tables.values()]
+        groups.setdefault(tuple(outcome(c) if c else "undecided" for c in comps), []).append(r.name)
     if not groups:
         return "Only the reference was trained: nothing to compare."
     clauses = []
@@ -217,11 +231,13 @@ def verdict_sentence(wf: Workflow, tables: dict[str, dict]) -> str:
             )
     n = len(wf.train.seeds)
     seeds = f"{n} seed{'s' if n != 1 else ''} each"
-    return (
-        f"Against {ref} ({seeds}; beyond noise: |Δ| > 2 pooled std and Welch p < 0.05), "
-        + "; ".join(clauses)
-        + "."
+    primary = wf.primary_run()
+    rule = "paired t-test seed by seed, p < 0.05, " + (
+        f"Holm-corrected except the primary comparison, {primary}"
+        if primary
+        else "all Holm-corrected (no primary)"
     )
+    return f"Against {ref} ({seeds}; {rule}), " + "; ".join(clauses) + "."
 
 
 def _join(items: list[str]) -> str:
@@ -239,8 +255,9 @@ def _say(kind: str, n: int = 1) -> str:
 
 
 def headline(wf: Workflow) -> dict:
-    """The experiment at a glance: per run and evaluation text, mean ± std over seeds, Δ and Welch p
-    against the reference, and the verdict sentence."""
+    """The experiment at a glance: per run and evaluation text, mean ± std over seeds, Δ, the paired
+    test's p (Holm-adjusted but for the primary), Wilcoxon's p from 6 seeds, the outcome and, within
+    noise, the smallest detectable difference; the verdict sentence and the rule it applies."""
     texts = wf.eval_texts()
     tables = {t: bpb_table(wf, t) for t in texts}
     rows = []
@@ -257,17 +274,38 @@ def headline(wf: Workflow) -> dict:
                     "std": run["std"],
                     "n": len(run["seeds"]),
                     "delta": c["delta"] if compared else None,
-                    "p": c["p_value"] if compared else None,
+                    "p": c["p_adjusted"] if compared else None,
+                    "wilcoxon": c["wilcoxon"]["p"] if compared and c["wilcoxon"] else None,
                     "outcome": outcome(c) if compared else None,
+                    "mde": c["mde"] if compared else None,
                     "reference": not compared and r.name == tables[t]["reference"],
                 }
             )
         label = f"{r.loss}" + (f", normalize {r.normalize}" if r.loss == "weighted_ce" else "")
-        rows.append({"run": r.name, "data": r.data, "label": label, "cells": cells})
+        rows.append(
+            {
+                "run": r.name,
+                "data": r.data,
+                "label": label,
+                "primary": r.name == wf.primary_run(),
+                "cells": cells,
+            }
+        )
+    n_seeds = len(wf.train.seeds)
     return {
-        "n_seeds": len(wf.train.seeds),
+        "n_seeds": n_seeds,
+        "wilcoxon": n_seeds >= stats.MIN_WILCOXON_SEEDS,
         "texts": [text_name(wf, t) for t in texts],
         "verdict": verdict_sentence(wf, tables),
+        "primary": wf.primary_run(),
+        "primary_note": (
+            f"Primary comparison, named in the workflow before the runs (report.primary): "
+            f"{wf.primary_run()} against {wf.reference_run()}."
+            if wf.primary_run()
+            else f"No primary comparison (report.primary; by default {PRIMARY}, which this workflow "
+            "does not run): every comparison is Holm-corrected."
+        ),
+        "rule": stats.RULE,
         "rows": rows,
     }
 
@@ -332,9 +370,51 @@ def accuracy_tables(wf: Workflow) -> list[dict]:
                 "reference": ref,
                 "rows": rows,
                 "above_chance": above_chance(next((x for x in rows if x["run"] == ref), None), chance),
+                **accuracy_comparisons(wf, results, task, metrics),
             }
         )
     return tables
+
+
+# The metric an accuracy table's comparisons decide on, named before any run: acc_mutual_info where a
+# task has it (plain acc favours continuations of frequent tokens for models near the unigram level,
+# which every run here is), else acc. The other metrics are shown, not tested.
+DECIDING_METRICS = ("acc_mutual_info", "acc")
+
+
+def accuracy_comparisons(wf: Workflow, results: dict, task: str, metrics: list[str]) -> dict:
+    """Each run against the reference on one task, item by item (stats.compare_accuracy: McNemar pooled
+    over the seeds both have, on the same items file), decided by the rule of workflows/stats.py."""
+    metric = next((m for m in DECIDING_METRICS if m in metrics), metrics[0] if metrics else None)
+    ref = wf.reference_run()
+
+    def answers(run: str) -> dict[int, tuple[str | None, list[float]]]:
+        out = {}
+        for s in wf.train.seeds:
+            res = results.get((run, s), {})
+            items = res.get("tasks", {}).get(task, {}).get("items", {}).get(metric)
+            if items is not None:
+                out[s] = (res.get("items_sha256"), items)
+        return out
+
+    ref_answers = answers(ref) if ref else {}
+    comparisons = []
+    for r in wf.train.runs:
+        if r.name == ref or not ref_answers:
+            continue
+        mine = answers(r.name)
+        # only the seeds answered on the same items (a stale result of other items is left out)
+        shared = [s for s in mine if s in ref_answers and mine[s][0] == ref_answers[s][0]]
+        if not shared:
+            continue
+        c = {"run": r.name, "reference": ref} | stats.compare_accuracy(
+            {s: ref_answers[s][1] for s in shared}, {s: mine[s][1] for s in shared}
+        )
+        comparisons.append(c)
+    stats.decide(comparisons, wf.primary_run(), lower_is_better=False)
+    for c in comparisons:
+        c["verdict"] = verdict(c, unit=metric)
+    return {"deciding_metric": metric, "comparisons": comparisons}
 
 
 def above_chance(ref_row: dict | None, chance: float | None) -> list[dict]:

@@ -279,8 +279,15 @@ class AccuracySpec(_Strict):
         return v
 
 
+PRIMARY = "weighted-occlusion"  # the write-up's weighting: the comparison named before any run
+
+
 class ReportSpec(_Strict):
     out: str = "report.html"
+    # The one comparison with the reference read without correction (workflows/stats.py); the
+    # others are Holm-corrected. Given: it must name a run. Left out: weighted-occlusion where the
+    # workflow has that run, else none (every comparison corrected; Workflow._resolve_primary).
+    primary: str | None = PRIMARY
     samples: int = Field(3, ge=0, le=50)  # sample texts highlighted per scorer
     max_tokens: int = Field(2_000_000, ge=1000)  # tokens read per scorer for the histograms
 
@@ -359,6 +366,8 @@ class Workflow(_Strict):
                 raise _At("train.reference", f"{self.train.reference!r} is not a run ({', '.join(names)})")
             if len(set(self.train.seeds)) != len(self.train.seeds):
                 raise _At("train.seeds", "seeds repeat")
+        if self.report is not None:
+            self._resolve_primary()
         if self.eval is not None and self.train is None:
             raise _At("eval", "evaluation needs a train section (the models it evaluates)")
         if self.accuracy is not None:
@@ -383,6 +392,23 @@ class Workflow(_Strict):
                     f"prefix_tokens + continuation_tokens = {width} exceed tokenize.n_ctx "
                     f"{self.tokenize.n_ctx}, the context the models are trained on",
                 )
+
+    def _resolve_primary(self) -> None:
+        """report.primary given: a run compared with the reference, or refused. Left out: PRIMARY where
+        the workflow has that run, else None, written back so run.json records the one in force."""
+        names = [r.name for r in self.train.runs] if self.train is not None else []
+        given = self.report.primary
+        if "primary" not in self.report.model_fields_set:
+            self.report.primary = given if given in names and given != self.reference_run() else None
+            return
+        if given is None:
+            return
+        if given not in names:
+            raise _At(
+                "report.primary", f"{given!r} is not a run of train.runs ({', '.join(names) or 'none'})"
+            )
+        if given == self.reference_run():
+            raise _At("report.primary", f"{given!r} is the reference: name a run compared with it")
 
     def step_outputs(self) -> list[tuple[str, PurePosixPath]]:
         """(field, path under run_dir) of every step's output, as the runner writes them."""
@@ -479,6 +505,10 @@ class Workflow(_Strict):
         if self.train.reference:
             return self.train.reference
         return next((r.name for r in self.train.runs if r.loss == "ce"), None)
+
+    def primary_run(self) -> str | None:
+        """The run whose comparison with the reference is primary (ReportSpec.primary); None: none."""
+        return self.report.primary if self.report is not None else None
 
 
 class _At(ValueError):
