@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.5"
 	# Keep that torch: a dependency asking for torchvision would otherwise swap it for another build.
 	$(BIN)/python -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/torch-pin.txt
-	# dev: the test tools, the optional engines ([beam], [ray]) and export libraries the suite runs.
+	# dev: the test tools, the optional engines ([beam], [ray]), export libraries and lm-eval ([eval],
+	# the accuracy steps of `make run`) the suite runs.
 	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e ".[dev]"
 	# LitData requires torchvision but imports it only for images and video; PyPI's torchvision is
 	# built for PyPI's torch, and beside a CPU build it fails to load and breaks transformers' imports.

@@ -120,6 +120,7 @@ OUTPUT_MARKS = (
     ("export.json", "export-data"),
     ("tokenizer.sha256", "train-tokenizer"),
     ("model.safetensors", "export-hf"),
+    ("accuracy.json", "evaluate"),
 )
 
 

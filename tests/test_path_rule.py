@@ -36,6 +36,7 @@ ROWS: dict[str, tuple[dict[str, str | None], list[str]]] = {
     "weigh": ({"SCORED_DIR": None, "--quantiles-from": "--quantiles-from"}, ["--weighting", "quantile"]),
     "export-data": ({"SCORED": None}, ["--format", "hf"]),
     "export-hf": ({"CKPT_DIR": None, "--tokenizer": "--tokenizer"}, []),
+    "evaluate": ({"CKPT_DIR": None, "--documents": "--documents"}, []),
     "train": (
         {
             "the data": None,

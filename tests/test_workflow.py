@@ -157,7 +157,8 @@ def test_paper_workflow_dry_runs_here():
         "agreement agreement: would run - after occlusion, occlusion_cosine, causal_loss, decomposition, llama-1b"
         in out
     )
-    assert "36 of 36 step(s) would run" in out
+    assert "accuracy reference/seed-0: would run - after reference/seed-0" in out
+    assert "49 of 49 step(s) would run" in out  # 33 + 3 agreement steps + the items step + 12 accuracy steps
 
 
 # -- the end-to-end run

@@ -33,6 +33,7 @@ COMMAND_MODULES = (
     "cli_workflow",
     "cli_export",
     "cli_weigh",
+    "cli_evaluate",
 )
 
 

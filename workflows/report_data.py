@@ -1,9 +1,10 @@
 """The data of a workflow run's report: what `workflows/report.py` renders, as plain values.
 
 Reads run.json and the step outputs under the run directory: the scores' entropy and weight
-columns, the BPB of every run and seed, the training metrics, the manifests; compares each run with
-the reference seed by seed (workflows/stats.py: paired tests, the primary comparison, Holm, the
-smallest detectable difference) and says, per run and in one sentence, which runs beat it. No HTML.
+columns, the BPB and the downstream accuracy (lm-eval) of every run and seed, the training metrics,
+the manifests; compares each run with the reference seed by seed (workflows/stats.py: paired tests,
+McNemar over the items, the primary comparison, Holm, the smallest detectable difference) and says,
+per run and in one sentence, which runs beat it. No HTML.
 """
 
 from __future__ import annotations
@@ -310,6 +311,147 @@ def headline(wf: Workflow) -> dict:
     }
 
 
+# -- downstream accuracy (lm-eval; workflows/steps.py AccuracyStep writes accuracy/RUN/seed-S.json)
+Z95 = 1.959964  # two-sided 95 % normal interval
+
+
+def read_accuracy(wf: Workflow) -> dict[tuple[str, int], dict]:
+    """(run, seed) -> that evaluation's results, for the ones that exist."""
+    out = {}
+    for r in wf.train.runs:
+        for s in wf.train.seeds:
+            f = wf.accuracy_file(r.name, s)
+            if f.is_file():
+                out[(r.name, s)] = json.loads(f.read_text())
+    return out
+
+
+def accuracy_tables(wf: Workflow) -> list[dict]:
+    """Per task: each run's metrics over seeds (mean ± std, ddof 1), the chance level, and whether the
+    reference is above chance: its mean with a 95 % interval from the item sampling (± 1.96 × the mean
+    of its seeds' standard errors: the seeds answer the same items, so averaging them does not shrink
+    that error)."""
+    results = read_accuracy(wf)
+    ref = wf.reference_run()
+    tables = []
+    # the tasks as lm-eval ran them: a tag or group (glue) stands for its tasks (cola, mnli, ...)
+    for task in dict.fromkeys(t for res in results.values() for t in res.get("tasks", {})):
+        found = [res["tasks"][task] for res in results.values() if task in res.get("tasks", {})]
+        metrics = list(found[0]["metrics"])
+        chance = found[0].get("chance")
+        rows = []
+        for r in wf.train.runs:
+            cells = []
+            for m in metrics:
+                seeds, errs = {}, []
+                for s in wf.train.seeds:
+                    t = results.get((r.name, s), {}).get("tasks", {}).get(task)
+                    if t and m in t["metrics"]:
+                        seeds[s] = t["metrics"][m]["value"]
+                        errs.append(t["metrics"][m]["stderr"])
+                v = np.array(list(seeds.values()), dtype=np.float64)
+                se = float(np.mean(errs)) if errs and None not in errs else None
+                cells.append(
+                    {
+                        "metric": m,
+                        "seeds": seeds,
+                        "mean": float(v.mean()) if len(v) else None,
+                        "std": float(v.std(ddof=1)) if len(v) > 1 else None,
+                        "stderr": se,
+                    }
+                )
+            rows.append({"run": r.name, "data": r.data, "loss": r.loss, "cells": cells})
+        tables.append(
+            {
+                "task": task,
+                "n_items": found[0]["n"],
+                "chance": chance,
+                "metrics": metrics,
+                "seeds": wf.train.seeds,
+                "reference": ref,
+                "rows": rows,
+                "above_chance": above_chance(next((x for x in rows if x["run"] == ref), None), chance),
+                **accuracy_comparisons(wf, results, task, metrics),
+            }
+        )
+    return tables
+
+
+# The metric an accuracy table's comparisons decide on, named before any run: acc_mutual_info where a
+# task has it (plain acc favours continuations of frequent tokens for models near the unigram level,
+# which every run here is), else acc. The other metrics are shown, not tested.
+DECIDING_METRICS = ("acc_mutual_info", "acc")
+
+
+def accuracy_comparisons(wf: Workflow, results: dict, task: str, metrics: list[str]) -> dict:
+    """Each run against the reference on one task, item by item (stats.compare_accuracy: McNemar pooled
+    over the seeds both have, on the same items file), decided by the rule of workflows/stats.py."""
+    metric = next((m for m in DECIDING_METRICS if m in metrics), metrics[0] if metrics else None)
+    ref = wf.reference_run()
+
+    def answers(run: str) -> dict[int, tuple[str | None, list[float]]]:
+        out = {}
+        for s in wf.train.seeds:
+            res = results.get((run, s), {})
+            items = res.get("tasks", {}).get(task, {}).get("items", {}).get(metric)
+            if items is not None:
+                out[s] = (res.get("items_sha256"), items)
+        return out
+
+    ref_answers = answers(ref) if ref else {}
+    comparisons = []
+    for r in wf.train.runs:
+        if r.name == ref or not ref_answers:
+            continue
+        mine = answers(r.name)
+        # only the seeds answered on the same items (a stale result of other items is left out)
+        shared = [s for s in mine if s in ref_answers and mine[s][0] == ref_answers[s][0]]
+        if not shared:
+            continue
+        c = {"run": r.name, "reference": ref} | stats.compare_accuracy(
+            {s: ref_answers[s][1] for s in shared}, {s: mine[s][1] for s in shared}
+        )
+        comparisons.append(c)
+    stats.decide(comparisons, wf.primary_run(), lower_is_better=False)
+    for c in comparisons:
+        c["verdict"] = verdict(c, unit=metric)
+    return {"deciding_metric": metric, "comparisons": comparisons}
+
+
+def above_chance(ref_row: dict | None, chance: float | None) -> list[dict]:
+    """Per metric of the reference: its mean, the 95 % interval and whether it lies above chance."""
+    if ref_row is None or chance is None:
+        return []
+    out = []
+    for c in ref_row["cells"]:
+        if c["mean"] is None or c["stderr"] is None:
+            continue
+        lo, hi = c["mean"] - Z95 * c["stderr"], c["mean"] + Z95 * c["stderr"]
+        verdict = (
+            "above chance"
+            if lo > chance
+            else "below chance"
+            if hi < chance
+            else "not distinguishable from chance"
+        )
+        out.append({"metric": c["metric"], "mean": c["mean"], "lo": lo, "hi": hi, "verdict": verdict})
+    return out
+
+
+def accuracy_sentence(table: dict) -> str:
+    """One sentence: where the reference stands against chance on this task, metric by metric."""
+    parts = [
+        f"{a['metric']} {a['mean']:.3f} (95 % interval {a['lo']:.3f}–{a['hi']:.3f}) is {a['verdict']}"
+        for a in table["above_chance"]
+    ]
+    if not parts:
+        return f"The reference ({table['reference']}) has no result on {table['task']} yet."
+    return (
+        f"{table['task']} ({table['n_items']} items, chance {table['chance']:.3f}): the reference "
+        f"{table['reference']}'s " + "; ".join(parts) + "."
+    )
+
+
 def truncation(tokens_dir: Path) -> dict | None:
     """What the tokenized data lost (tokenize.overflow: truncate), where a reader of results looks."""
     ms = [p.manifest for p in DataDir(tokens_dir).parts]
@@ -471,4 +613,11 @@ def report_data(run_dir: str | Path, n_samples: int = 3, max_tokens: int = 2_000
         "writeup_agreement": writeup_agreement(wf),
         "curves": curves(wf),
         "bpb": [bpb_section(wf, t) for t in wf.eval_texts()] if experiment else [],
+        "accuracy": accuracy_section(wf),
     }
+
+
+def accuracy_section(wf: Workflow) -> list[dict]:
+    if wf.train is None or wf.accuracy is None:
+        return []
+    return [{**t, "sentence": accuracy_sentence(t)} for t in accuracy_tables(wf)]

@@ -1,5 +1,5 @@
 """Run a workflow: holdout -> tokenizer -> tokenize -> models -> scores -> agreement -> experiment
-training -> eval -> report.
+training -> eval (BPB) and accuracy (lm-eval) -> report.
 
 Every step is incremental. Data stages skip shards whose manifest matches their config (the
 stage machinery); a trained model skips when its directory holds a finished checkpoint whose
@@ -32,6 +32,8 @@ from .spec import TOKENS, ModelSpec, TrainSpec, Workflow
 from .steps import (
     RUN_FILE,
     STEP_FILE,
+    AccuracyItemsStep,
+    AccuracyStep,
     AgreementStep,
     DataStep,
     EvalStep,
@@ -186,6 +188,13 @@ class Runner:
                 yield UnigramStep(
                     "eval", "unigram", wf.root / wf.eval.out / "unigram.json", self.ctx, [TOKENS]
                 )
+            items = None
+            if wf.accuracy:
+                out = wf.accuracy_items_dir()
+                items = AccuracyItemsStep(
+                    "accuracy", "heldout-items", out, self.ctx, ["tokenizer", "holdout"]
+                )
+                yield items
             # seed by seed, each run evaluated once trained: a run stopped part way has every run at
             # the same number of seeds, and those are complete
             for seed in t.seeds:
@@ -207,6 +216,18 @@ class Runner:
                             run_spec=r,
                             seed=seed,
                             text=text,
+                        )
+                    if items is not None:
+                        out = wf.accuracy_file(r.name, seed)
+                        yield AccuracyStep(
+                            "accuracy",
+                            name,
+                            out,
+                            self.ctx,
+                            [name, "heldout-items"],
+                            run_spec=r,
+                            seed=seed,
+                            items=items,
                         )
         if wf.report is not None:
             yield ReportStep("report", "report", wf.root / wf.report.out, self.ctx)

@@ -26,6 +26,7 @@ from pydantic import (
 
 from entroweight.options import refusal_lines
 from entroweight.trainers import config as trainer_config
+from entroweight.trainers.accuracy import OFFLINE_TASK
 from entroweight.trainers.config import LossName, LossSettings
 from entroweight.trainers.losses import LOSSES
 from entroweight.transforms.agreement import WRITEUP
@@ -301,6 +302,33 @@ class EvalSpec(_Strict):
     _out = field_validator("out")(_inside)
 
 
+class AccuracySpec(_Strict):
+    """Downstream accuracy through lm-eval: every run and seed on `tasks`; the offline task
+    (`entroweight_heldout`) is built from the held-out documents (transforms/choice_items.py)."""
+
+    tasks: list[str] = Field(default_factory=lambda: [OFFLINE_TASK], min_length=1)
+    items: int | None = Field(None, ge=1)  # of the offline task, drawn from every cut point (None: all)
+    prefix_tokens: int = Field(48, ge=1)
+    continuation_tokens: int = Field(16, ge=1)
+    choices: int = Field(4, ge=2)
+    stride: int | None = Field(None, ge=1)  # least tokens between two cuts (None: prefix + continuation)
+    seed: int = 0  # which cut points, which distractors, where the true one stands
+    num_fewshot: int | None = Field(None, ge=0)  # lm-eval's tasks (None: each task's own default)
+    limit: int | None = Field(None, ge=1)  # items per lm-eval task (a quick look, not a result)
+    batch_size: int = Field(32, ge=1)
+    device: str = "auto"
+    out: str = "accuracy"
+
+    _out = field_validator("out")(_inside)
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, v):
+        if len(set(v)) != len(v):
+            raise ValueError("tasks repeat")
+        return v
+
+
 PRIMARY = "weighted-occlusion"  # the write-up's weighting: the comparison named before any run
 
 
@@ -330,6 +358,7 @@ class Workflow(_Strict):
     agreement: AgreementSpec | None = None
     train: TrainSpec | None = None
     eval: EvalSpec | None = None
+    accuracy: AccuracySpec | None = None
     report: ReportSpec | None = Field(default_factory=ReportSpec)
 
     @model_validator(mode="after")
@@ -417,8 +446,28 @@ class Workflow(_Strict):
             self._resolve_primary()
         if self.eval is not None and self.train is None:
             raise _At("eval", "evaluation needs a train section (the models it evaluates)")
+        if self.accuracy is not None:
+            self._accuracy_fits()
         self._outputs_apart()
         return self
+
+    def _accuracy_fits(self) -> None:
+        a = self.accuracy
+        if self.train is None:
+            raise _At("accuracy", "accuracy needs a train section (the models it evaluates)")
+        if OFFLINE_TASK in a.tasks:
+            if self.holdout is None:
+                raise _At(
+                    "accuracy.tasks",
+                    f"{OFFLINE_TASK} is built from the held-out documents: add a holdout section",
+                )
+            width = a.prefix_tokens + a.continuation_tokens
+            if width > self.tokenize.n_ctx:
+                raise _At(
+                    "accuracy.prefix_tokens",
+                    f"prefix_tokens + continuation_tokens = {width} exceed tokenize.n_ctx "
+                    f"{self.tokenize.n_ctx}, the context the models are trained on",
+                )
 
     def _resolve_primary(self) -> None:
         """report.primary given: a run compared with the reference, or refused. Left out: PRIMARY where
@@ -445,12 +494,14 @@ class Workflow(_Strict):
             outs.append(("holdout.out", self.holdout.out))
         outs += [(f"models[{i}] (models/{m.name})", f"models/{m.name}") for i, m in enumerate(self.models)]
         outs += [(f"scores[{i}].out", s.out or f"scores/{s.name}") for i, s in enumerate(self.scores)]
-        for name, section in (
+        sections = (
             ("agreement", self.agreement),
             ("train", self.train),
             ("eval", self.eval),
+            ("accuracy", self.accuracy),
             ("report", self.report),
-        ):
+        )
+        for name, section in sections:
             if section is not None:
                 outs.append((f"{name}.out", section.out))
         return [(f, PurePosixPath(os.path.normpath(p))) for f, p in outs]
@@ -501,6 +552,17 @@ class Workflow(_Strict):
         """`main`: eval.text (WikiText-2 by default); `heldout`: the held-out source documents."""
         suffix = "" if text == "main" else f".{text}"
         return self.root / self.eval.out / run / f"seed-{seed}{suffix}.json"
+
+    def accuracy_dir(self) -> Path:
+        return self.root / self.accuracy.out
+
+    def accuracy_items_dir(self) -> Path:
+        """The offline task's items (a dot name: no run's directory can be it)."""
+        return self.accuracy_dir() / ".items"
+
+    def accuracy_file(self, run: str, seed: int) -> Path:
+        """A run's lm-eval results at one seed, per-item answers included."""
+        return self.accuracy_dir() / run / f"seed-{seed}.json"
 
     def eval_texts(self) -> list[str]:
         return ["main", "heldout"] if self.holdout is not None else ["main"]

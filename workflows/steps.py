@@ -25,7 +25,7 @@ from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.stage import preview_run, read_manifests
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas.tokenizer import TOKENIZER_FILE
-from entroweight.transforms.writer import write_json_atomic
+from entroweight.transforms.writer import sha256_file, write_json_atomic
 
 from .report import read_metrics, write_report
 
@@ -116,6 +116,18 @@ class Step:
         return d
 
 
+def split_holdout(wf: Workflow) -> tuple[list[str], list[str]]:
+    """(the documents trained on, the held-out ones): the sources' last `holdout.docs` documents are
+    held out. The one rule: the holdout step writes both, the accuracy items read the held-out ones."""
+    from entroweight.transforms.train_tokenizer import corpus_texts
+
+    docs = wf.holdout.docs
+    texts = list(corpus_texts(list(wf.sources)))
+    if len(texts) <= docs:
+        raise WorkflowError(f"holdout.docs is {docs}, but the sources hold only {len(texts)} documents")
+    return texts[:-docs], texts[-docs:]
+
+
 class HoldoutStep(Step):
     """Split the sources: the last `docs` documents become the held-out text, never trained on."""
 
@@ -131,13 +143,8 @@ class HoldoutStep(Step):
     def run(self):
         import gzip
 
-        from entroweight.transforms.train_tokenizer import corpus_texts
-
-        docs, out = self.wf.holdout.docs, self.out
-        texts = list(corpus_texts(list(self.wf.sources)))
-        if len(texts) <= docs:
-            raise WorkflowError(f"holdout.docs is {docs}, but the sources hold only {len(texts)} documents")
-        train, held = texts[:-docs], texts[-docs:]
+        out = self.out
+        train, held = split_holdout(self.wf)
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / "train.jsonl.gz.tmp"
         with gzip.open(tmp, "wt", encoding="utf-8") as f:
@@ -423,3 +430,172 @@ class ReportStep(Step):
             self.wf.root, self.out, samples=self.wf.report.samples, max_tokens=self.wf.report.max_tokens
         )
         return "ran", str(self.out)
+
+
+class AccuracyItemsStep(Step):
+    """The offline task's items (transforms/choice_items.py) from the held-out documents, built once
+    per workflow and kept as `items.jsonl`; up to date when its key (the held-out split, the tokenizer's
+    sha256 and the item settings) is this run's. It also refuses what every accuracy step would: lm-eval
+    not installed, a task name lm-eval does not know."""
+
+    ITEMS = "items.jsonl"
+
+    @property
+    def spec(self):
+        return self.wf.accuracy
+
+    @property
+    def offline(self) -> bool:
+        from entroweight.trainers.accuracy import OFFLINE_TASK
+
+        return OFFLINE_TASK in self.spec.tasks
+
+    def prepare(self):
+        import importlib.util
+
+        from entroweight.trainers.accuracy import OFFLINE_TASK, AccuracyError, unknown_tasks
+
+        if importlib.util.find_spec("lm_eval") is None:
+            raise WorkflowError("accuracy needs lm-eval: pip install 'entroweight[eval]' (make installs it)")
+        if any(t != OFFLINE_TASK for t in self.spec.tasks):  # indexing lm-eval's tasks takes seconds
+            try:
+                unknown = unknown_tasks(self.spec.tasks)
+            except AccuracyError as e:
+                raise WorkflowError(f"accuracy.tasks: {e}") from None
+            if unknown:
+                raise WorkflowError(
+                    f"accuracy.tasks: lm-eval knows no task {', '.join(unknown)} (`lm_eval ls tasks`)"
+                )
+
+    def items_file(self) -> Path | None:
+        return self.out / self.ITEMS if self.offline else None
+
+    def key(self) -> str:
+        a, tok = self.spec, Path(self.run_ctx.tokenizer_file())
+        if not tok.is_file():
+            return ""  # no tokenizer yet (a dry run): not up to date
+        settings = a.model_dump(
+            include={"items", "prefix_tokens", "continuation_tokens", "choices", "stride", "seed"}
+        )
+        hold = {"sources": list(self.wf.sources), "docs": self.wf.holdout.docs}
+        return _key(
+            {**settings, "holdout": hold, "tokenizer": sha256_file(tok), "n_ctx": self.wf.tokenize.n_ctx}
+        )
+
+    def done(self):
+        if not self.offline:
+            return "no offline task"
+        f = self.out / self.ITEMS
+        if f.is_file() and _recorded_key(self.out / STEP_FILE) == self.key():
+            return f"{json.loads((self.out / STEP_FILE).read_text())['items']} items"
+        return None
+
+    def plan(self):
+        a = self.spec
+        return f"{a.choices}-choice items, {a.prefix_tokens}-token prefixes, {a.continuation_tokens}-token continuations"
+
+    def run(self):
+        from tokenizers import Tokenizer
+
+        from entroweight.schemas.tokenizer import text_as_data
+        from entroweight.trainers.accuracy import write_items
+        from entroweight.transforms.choice_items import ItemError, build_items
+
+        a = self.spec
+        _, held = split_holdout(self.wf)
+        path = self.run_ctx.tokenizer_file()
+        tok = text_as_data(Tokenizer.from_file(path), path)  # as the exported model's tokenizer reads text
+        try:
+            items = build_items(
+                held,
+                tok,
+                a.prefix_tokens,
+                a.continuation_tokens,
+                a.choices,
+                a.seed,
+                a.items,
+                self.wf.tokenize.n_ctx,
+                a.stride,
+            )
+        except ItemError as e:
+            raise WorkflowError(f"accuracy items: {e}") from None
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / STEP_FILE).unlink(missing_ok=True)
+        write_items(items, self.out / self.ITEMS)
+        docs = len({it["doc"] for it in items})
+        write_json_atomic({"key": self.key(), "items": len(items), "documents": docs}, self.out / STEP_FILE)
+        return "ran", f"{len(items)} items from {docs} of {len(held)} held-out documents"
+
+
+class AccuracyStep(Step):
+    """lm-eval on one trained run at one seed (trainers/accuracy.py), cached as JSON keyed by the
+    checkpoint's weights, the items and the task settings; lm-eval's scratch (the task YAML, HF
+    datasets' cache, the temporary HF export) lies under the accuracy directory."""
+
+    WORK = ".lm-eval"
+
+    def __init__(self, *args, run_spec, seed: int, items: AccuracyItemsStep, **kw):
+        super().__init__(*args, **kw)
+        self.run_spec, self.seed, self.items = run_spec, seed, items
+        self.ckpt = self.wf.run_ckpt(run_spec.name, seed)
+
+    def key(self) -> str:
+        from importlib.metadata import version
+
+        a = self.wf.accuracy
+        weights = json.loads((self.ckpt / "trainer_state.json").read_text())["weights_sha256"]
+        items = self.items.items_file()
+        settings = a.model_dump(mode="json", include={"tasks", "num_fewshot", "limit"})
+        return _key(
+            {
+                "weights": weights,
+                "items": sha256_file(items) if items is not None and items.is_file() else None,
+                "lm_eval": version("lm_eval"),
+                **settings,
+            }
+        )
+
+    def done(self):
+        if not (self.ckpt / "trainer_state.json").exists():
+            if self.run_ctx.dry_run:
+                return None
+            raise WorkflowError(f"accuracy {self.name}: no checkpoint at {self.ckpt}")
+        cached = json.loads(self.out.read_text()) if self.out.exists() else {}
+        return headline_metrics(cached) if cached.get("key") == self.key() else None
+
+    def plan(self):
+        return "lm-eval: " + ", ".join(self.wf.accuracy.tasks)
+
+    def run(self):
+        from entroweight.trainers.accuracy import AccuracyError, evaluate_checkpoint
+
+        a, r = self.wf.accuracy, self.run_spec
+        try:
+            res = evaluate_checkpoint(
+                self.ckpt,
+                a.tasks,
+                self.wf.accuracy_dir() / self.WORK,
+                items_file=self.items.items_file(),
+                batch_size=a.batch_size,
+                device=a.device,
+                num_fewshot=a.num_fewshot,
+                limit=a.limit,
+            )
+        except AccuracyError as e:
+            raise WorkflowError(f"accuracy {self.name}: {e}") from None
+        items = self.items.items_file()
+        res = {"key": self.key(), "run": r.name, "seed": self.seed, "loss": r.loss, "data": r.data, **res}
+        # what pairs two results item by item (McNemar): the same items file
+        res["items_sha256"] = sha256_file(items) if items is not None else None
+        write_json_atomic({**res, "checkpoint": str(self.ckpt)}, self.out)
+        return "ran", headline_metrics(res)
+
+
+def headline_metrics(res: dict) -> str:
+    """The step's one line: each task's choice metrics (or its first metric)."""
+    parts = []
+    for task, t in res.get("tasks", {}).items():
+        m = t["metrics"]
+        shown = [k for k in ("acc", "acc_mutual_info") if k in m] or list(m)[:1]
+        parts.append(f"{task} " + ", ".join(f"{k} {m[k]['value']:.3f}" for k in shown) + f" ({t['n']} items)")
+    return "; ".join(parts)

@@ -1,0 +1,151 @@
+"""`entroweight evaluate CKPT --tasks T1,T2 --out DIR`: downstream accuracy through lm-eval.
+
+A thin shell over trainers/accuracy.py: the checkpoint is exported as a LlamaForCausalLM and scored by
+lm-eval's `simple_evaluate` on the named tasks; the offline task (`entroweight_heldout`) is built
+from `--documents` first (transforms/choice_items.py). DIR receives `accuracy.json` (per task: each
+metric with its standard error, the chance level, the per-item 0/1 answers), the items, and lm-eval's
+scratch (`.lm-eval/`: the task YAML, HF datasets' cache).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import click
+
+from .cli_common import Location, _fail, check_output
+
+RESULTS = "accuracy.json"  # marks DIR as this command's output (entroweight.storage.OUTPUT_MARKS)
+ITEMS = "items.jsonl"
+
+
+@click.command("evaluate")
+@click.argument("ckpt_dir", type=Location(exists=True, file_okay=False))
+@click.option(
+    "--tasks",
+    default="entroweight_heldout",
+    show_default=True,
+    help="Comma-separated lm-eval task names (hellaswag, arc_easy, ...; docs/workflows.md lists the "
+    "write-up's) and/or entroweight_heldout, the offline task built from --documents.",
+)
+@click.option(
+    "--documents",
+    multiple=True,
+    help="Held-out documents for entroweight_heldout (files, dirs, globs, as `tokenize` reads them); "
+    "repeatable. Never documents the model trained on.",
+)
+@click.option(
+    "--items", type=click.IntRange(min=1), default=None, help="At most N items (default: every cut)."
+)
+@click.option("--prefix-tokens", type=click.IntRange(min=1), default=48, show_default=True)
+@click.option("--continuation-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--choices", type=click.IntRange(min=2), default=4, show_default=True)
+@click.option(
+    "--stride",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Least tokens between two cuts of a document (default: prefix + continuation, no overlap).",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Item construction's seed.")
+@click.option("--text-column", default="text", show_default=True, help="The field that holds the text.")
+@click.option("--num-fewshot", type=click.IntRange(min=0), default=None, help="Default: each task's own.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N items per lm-eval task.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--out", required=True, type=click.Path(file_okay=False))
+@click.option("--overwrite", is_flag=True, help="Replace a --out that holds another command's output.")
+def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
+    """Accuracy of CKPT_DIR (a llama checkpoint) on lm-eval tasks, per item and in all."""
+    from entroweight.models.checkpoint import CheckpointError, read_checkpoint_config
+    from entroweight.trainers.accuracy import (
+        OFFLINE_TASK,
+        AccuracyError,
+        evaluate_checkpoint,
+        require_lm_eval,
+        unknown_tasks,
+        write_items,
+    )
+
+    reads = [("CKPT_DIR", ckpt_dir)] + [("--documents", d) for d in documents]
+    foreign = check_output(out, reads, "evaluate", overwrite=overwrite)
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        _fail("--tasks names no task")
+    if OFFLINE_TASK in names and not documents:
+        _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
+    try:
+        require_lm_eval()
+        config = read_checkpoint_config(ckpt_dir)
+        if config.get("kind") != "llama":
+            raise CheckpointError(
+                f"{ckpt_dir} holds a {config.get('kind')} model; lm-eval reads llama checkpoints"
+            )
+        unknown = unknown_tasks(names)
+        if unknown:
+            raise AccuracyError(
+                f"unknown --tasks {', '.join(unknown)}: lm-eval knows no such task (`lm_eval ls tasks`)"
+            )
+        items = _items(ckpt_dir, documents, config, **kw) if OFFLINE_TASK in names else None
+    except (AccuracyError, CheckpointError, ValueError) as e:
+        _fail(str(e))
+    if foreign:
+        shutil.rmtree(out)
+    dest = Path(out)
+    dest.mkdir(parents=True, exist_ok=True)
+    items_file = write_items(items, dest / ITEMS) if items is not None else None
+    try:
+        res = evaluate_checkpoint(
+            ckpt_dir,
+            names,
+            dest / ".lm-eval",
+            items_file=items_file,
+            batch_size=kw["batch_size"],
+            device=kw["device"],
+            num_fewshot=kw["num_fewshot"],
+            limit=kw["limit"],
+        )
+    except (AccuracyError, CheckpointError) as e:
+        _fail(str(e))
+    res["checkpoint"] = str(ckpt_dir)
+    tmp = dest / (RESULTS + ".tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(dest / RESULTS)
+    for task, t in res["tasks"].items():
+        metrics = ", ".join(
+            f"{k} {m['value']:.4f}" + (f" ± {m['stderr']:.4f}" if m["stderr"] is not None else "")
+            for k, m in t["metrics"].items()
+        )
+        chance = f"; chance {t['chance']:.4f}" if t["chance"] is not None else ""
+        click.echo(f"{task}: {metrics} ({t['n']} items{chance})")
+    for group, g in res["groups"].items():
+        click.echo(f"{group}: " + ", ".join(f"{k} {m['value']:.4f}" for k, m in g["metrics"].items()))
+    click.echo(f"wrote {dest / RESULTS}")
+
+
+def _items(ckpt_dir, documents, config, **kw) -> list[dict]:
+    """The offline task's items from --documents, sized to the checkpoint's context."""
+    from tokenizers import Tokenizer
+
+    from entroweight.trainers.bpb import checkpoint_tokenizer
+    from entroweight.transforms.choice_items import build_items
+    from entroweight.transforms.train_tokenizer import corpus_texts
+
+    tok: Tokenizer = checkpoint_tokenizer(ckpt_dir, None, config.get("tokenizer_sha256"))
+    texts = list(corpus_texts(list(documents), None, kw["text_column"]))
+    n_ctx = int(config["model"]["n_ctx"])  # what export_hf writes as max_position_embeddings
+    return build_items(
+        texts,
+        tok,
+        kw["prefix_tokens"],
+        kw["continuation_tokens"],
+        kw["choices"],
+        kw["seed"],
+        kw["items"],
+        n_ctx,
+        kw["stride"],
+    )
+
+
+COMMANDS = [evaluate_cmd]
