@@ -81,7 +81,11 @@ class TokenMixer(nn.Module):
         receives this call's (the conv's input,) (to build such a prefix)."""
         B, T, D = x.shape
         flat = self.n_heads == 1 and not hasattr(self, "in_proj")
-        h = x[:, None] if flat else self.in_proj(x).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)
+        h = (
+            x[:, None]
+            if flat
+            else self.in_proj(x).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)
+        )
         if capture is not None:
             capture.append((h,))
         y = self.conv(h, None if prefix is None else prefix[0])
