@@ -207,9 +207,12 @@ class Scorer(ABC):
         return state
 
 
-def score_rows(scorer: Scorer, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching) -> Scored:
-    """`scorer.score_batch` over length-sorted batches of the rows (gathered on a background thread
-    while the model runs the previous batch); values put back in row order, pads 0."""
+def score_rows(
+    scorer: Scorer, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching, score_batch=None
+) -> Scored:
+    """`scorer.score_batch` (or `score_batch`) over length-sorted batches of the rows (gathered on a
+    background thread while the model runs the previous batch); values put back in row order, pads 0."""
+    score_batch = score_batch or scorer.score_batch
     input_ids, n_pad = np.asarray(input_ids), np.asarray(n_pad)
     B, T = input_ids.shape
     out = np.zeros((B, T), dtype=np.float32)
@@ -226,7 +229,7 @@ def score_rows(scorer: Scorer, input_ids: np.ndarray, n_pad: np.ndarray, batchin
 
     computed = 0
     for idx, width, cut, ids, pads in prefetch(batches()):
-        values = scorer.score_batch(ids, pads)
+        values = score_batch(ids, pads)
         if isinstance(values, Scored):  # a batch that says what it computed (packed rows)
             computed += values.computed
             values = values.values

@@ -41,7 +41,7 @@ from .forward import (
     to_device,
     with_start_token,
 )
-from .packing import PadPrefixes, pack_rows, shared_pad
+from .packing import Memo, pack_rows, pad_prefix, shared_pad
 
 ONE_MODEL = "give exactly one of --model (HF id, directory or .gguf) or --checkpoint (ours)"
 
@@ -119,9 +119,7 @@ class OurCheckpoint(ModelSource):
         self.mask_pads = bool(getattr(getattr(model, "config", None), "mask_pads", False))
         # a model that attends to its pads reads them from a prefix computed once (llama, mixer)
         self.prefix_rows = not self.mask_pads and hasattr(model, "prefix_of")
-        self.prefixes = PadPrefixes(
-            lambda pad: model.prefix_of(model.embed(torch.full((1, model.config.n_ctx), pad, device=device)))
-        )
+        self.prefixes = Memo()
         self.cut_padding = self.mask_pads
         return model
 
@@ -133,7 +131,9 @@ class OurCheckpoint(ModelSource):
                 return self._packed(model, ids, n_pad, device)
             pad = shared_pad(ids, T - W) if pack and self.prefix_rows else None
             if pad is not None:
-                layout = None if pad < 0 else after_prefix(self.prefixes(pad), T - W, W, device)
+                layout = (
+                    None if pad < 0 else after_prefix(pad_prefix(model, pad, self.prefixes), T - W, W, device)
+                )
                 out = torch.zeros((B, T), dtype=torch.float32, device=device)
                 x = to_device(np.ascontiguousarray(ids[:, T - W :]), device)
                 h = model.forward_hidden(model.embed(x), layout=layout)

@@ -2,7 +2,7 @@
 
 - `pack_rows`: several rows in one sequence of `width` slots (first-fit decreasing), positions restarting
   per row: for models whose positions restart at each row's first token (HF, our `mask_pads` llama).
-- `PadPrefixes` and `shared_pad`: for models that attend to their left padding (the write-up's), the
+- `Memo` and `shared_pad`: for models that attend to their left padding (the write-up's), the
   states of a run of pads, computed once per pad id and read by every row.
 
 Values equal those of one row per forward (tests/test_packing.py, every scorer of the registry).
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from entroweight.models.packing import Layout, block_causal, flex_available, flex_block_causal
 
@@ -71,17 +72,18 @@ def pack_rows(rows: list[np.ndarray], width: int) -> Packed:
     return Packed(ids, positions, segments, starts)
 
 
-class PadPrefixes:
-    """A model's pad prefix (`prefix_of` over a row of one pad id) per pad id, built on first use where
-    the model runs (under the caller's autocast: the prefix has the dtype the rows are computed in)."""
+class Memo:
+    """What a model computes once and every batch reads (a pad prefix, the empty row's embedding), by
+    key, built on first use where the model runs: under the caller's autocast, so it has the dtype
+    the rows are computed in."""
 
-    def __init__(self, build: Callable[[int], list]):
-        self.build, self.cache = build, {}
+    def __init__(self):
+        self.cache: dict = {}
 
-    def __call__(self, pad_id: int) -> list:
-        if pad_id not in self.cache:
-            self.cache[pad_id] = self.build(pad_id)
-        return self.cache[pad_id]
+    def get(self, key, build: Callable[[], object]):
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]
 
 
 def shared_pad(ids: np.ndarray, columns: int) -> int | None:
@@ -92,3 +94,13 @@ def shared_pad(ids: np.ndarray, columns: int) -> int | None:
     head = ids[:, :columns]
     pad = int(head.flat[0])
     return pad if bool((head == pad).all()) else None
+
+
+def pad_prefix(model, pad_id: int, memo: Memo) -> list:
+    """A causal model's prefix (`prefix_of`) over a row of `pad_id` as wide as it reads, once."""
+
+    def build():
+        pads = torch.full((1, model.config.n_ctx), pad_id, device=model.embed_tokens.weight.device)
+        return model.prefix_of(model.embed(pads))
+
+    return memo.get(("pad_prefix", id(model), pad_id), build)
