@@ -297,7 +297,7 @@ def bench_paths(quick: bool = False) -> list[dict]:
             n_pad = t.column("n_pad").to_numpy()
             real = int(ids.size - n_pad.sum())
             is_hf = "model" in spec
-            for dtype in DTYPES:
+            for dtype in os.environ.get("BENCH_SCORING_DTYPES", ",".join(DTYPES)).split(","):
                 stage = _stage(d, name, options, BUDGET, dtype)
                 packed = np.concatenate([ids[r, n_pad[r] :] for r in range(len(ids))])
                 seen = _counting(stage.scorer)
