@@ -257,6 +257,15 @@ def _limit(name: str, model, tokens: np.ndarray, width: int, hf: bool, dtype: st
     return _packed_forward(model, tokens, width, BUDGET, hf, dtype)
 
 
+def _written_values(out: Path) -> np.ndarray:
+    """The raw values (`entropy`) the stage wrote for the real positions of its shard."""
+    t = pq.read_table(next(out.glob("part-*.parquet")), columns=["entropy", "n_pad"])
+    vals = t.column("entropy").to_numpy(zero_copy_only=False)
+    return np.concatenate(
+        [np.asarray(v)[p:] for v, p in zip(vals, t.column("n_pad").to_numpy(), strict=True)]
+    )
+
+
 def _pad_fraction() -> float | None:
     """The pad fraction the last shard's manifest records."""
     return (getattr(_run_shard.manifest, "extra", None) or {}).get("pad_fraction")
@@ -297,6 +306,7 @@ def bench_paths(quick: bool = False) -> list[dict]:
             n_pad = t.column("n_pad").to_numpy()
             real = int(ids.size - n_pad.sum())
             is_hf = "model" in spec
+            values = {}  # dtype -> the values the stage wrote (the raw scorer output)
             for dtype in os.environ.get("BENCH_SCORING_DTYPES", ",".join(DTYPES)).split(","):
                 stage = _stage(d, name, options, BUDGET, dtype)
                 packed = np.concatenate([ids[r, n_pad[r] :] for r in range(len(ids))])
@@ -312,6 +322,7 @@ def bench_paths(quick: bool = False) -> list[dict]:
                     t_path.append(_run_shard(stage, d, tmp / "out"))
                     t_bare.append(_limit(name, model, packed, width, is_hf, dtype))
                 pad = _pad_fraction()
+                values[dtype] = _written_values(tmp / "out")
                 note = (
                     f"{len(ids)} C4 rows <= {width} tokens, {real} real; {dtype}, {torch.get_num_threads()} "
                     f"thread(s); limit: {LIMITS.get(name, LIMITS[None])}; pads computed "
@@ -325,6 +336,19 @@ def bench_paths(quick: bool = False) -> list[dict]:
                         real / median(t_bare),
                         ">= 0.9",
                         note,
+                    )
+                )
+            if "fp32" in values and "bf16" in values:  # what bf16 changes in the values, real text
+                diff = np.abs(values["bf16"] - values["fp32"])
+                out_rows.append(
+                    row(
+                        "score-path",
+                        f"{label}: bf16 − fp32 values, max abs difference",
+                        float(diff.max()),
+                        None,
+                        None,
+                        f"mean abs difference {diff.mean():.3g} over {diff.size} real positions; mean |fp32| "
+                        f"{np.abs(values['fp32']).mean():.3g}",
                     )
                 )
             if os.environ.get("BENCH_SCORING_NO_FEED"):
