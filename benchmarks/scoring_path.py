@@ -218,19 +218,20 @@ def _packed_forward(
 
 def _occlusion_forward(model, tokens: np.ndarray, n_ctx: int, budget: int, dtype: str = "fp32") -> float:
     """Occlusion's packed limit: its encoder and its two decoders (the row's embedding, the baseline's)
-    over `tokens` packed into full rows, with the logits formed once (their difference's head)."""
+    over `tokens` packed into full rows, the head applied once (to their difference)."""
+    from entroweight.scorers.estimator_common import hidden_outputs
     from entroweight.scorers.forward import autocast
 
     n = max(len(tokens) // n_ctx, 1) * n_ctx
     rows = torch.as_tensor(np.resize(tokens, n).reshape(-1, n_ctx))
     step = max(1, budget // n_ctx)
     start = time.perf_counter()
-    with torch.inference_mode(), autocast("cpu", dtype):
+    with torch.inference_mode(), autocast("cpu", dtype), hidden_outputs(model) as head:
         base = model.encode(rows[:1])
         for s in range(0, len(rows), step):
             x = rows[s : s + step]
             h = model.decode(x, model.encode(x))
-            model.decode(x, base.expand(len(x), -1)) - h
+            head(model.decode(x, base.expand(len(x), -1)) - h)
     return (time.perf_counter() - start) * len(tokens) / n
 
 

@@ -191,10 +191,17 @@ def windows(rows: list[np.ndarray], ends: list[int], keep: int, width: int, pad_
     """For row r and end j: the last `keep` real tokens of rows[r][: j + 1], left-padded to `width`.
     Returns (N, width) int64 windows."""
     out = np.full((len(ends), width), pad_id, dtype=np.int64)
-    for i, (row, j) in enumerate(zip(rows, ends, strict=True)):
-        w = row[max(0, j + 1 - keep) : j + 1]
-        if len(w):
-            out[i, width - len(w) :] = w
+    ends = np.asarray(ends, dtype=np.int64)
+    i = 0
+    while i < len(ends):  # one strided view per run of windows over the same row
+        row, n = rows[i], 1
+        while i + n < len(ends) and rows[i + n] is row:
+            n += 1
+        # a window ending at j is padded[j + 1 : j + 1 + keep], `keep` pads before the row
+        padded = np.concatenate([np.full(keep, pad_id, dtype=np.int64), np.asarray(row, dtype=np.int64)])
+        view = np.lib.stride_tricks.sliding_window_view(padded, keep)
+        out[i : i + n, width - keep :] = view[ends[i : i + n] + 1]
+        i += n
     return out
 
 
