@@ -741,7 +741,8 @@ def markdown(records: list[dict], machine: dict) -> str:
             lines.append(f"| {r['label']} | {r['dtype']} | ERROR: {r['error'][:120]} | | | | | | |")
             continue
         lines.append(
-            f"| {r['label']} | {r['dtype']} | {r['rows']} × {r['width']} | {fmt(r['tok_s'], ',.0f')} | "
+            f"| {r['label']} | {r['dtype']}{'' if r.get('layout', 'packed') == 'packed' else ', rows'} | "
+            f"{r['rows']} × {r['width']} | {fmt(r['tok_s'], ',.0f')} | "
             f"{fmt(r.get('limit_tok_s'), ',.0f')} | {fmt(r.get('ratio'), '.2f')} | {fmt(r.get('mfu'), '.1%')} | "
             f"{fmt(r.get('limit_mfu'), '.1%')} | {fmt(r.get('pad_fraction'), '.3f')} |"
         )
@@ -866,6 +867,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="hash an HF model directory's weights once per process (the stage re-reads them 5 times a shard)",
     )
+    ap.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["packed"],
+        choices=["packed", "rows"],
+        help="packed: rows laid out without pads (scorers/packing.py); rows: one row per batch row, "
+        "pads computed (Scorer.pack = False), the layout before packing; both: alternated per case",
+    )
     ap.add_argument("--peak-bf16", type=float, default=None, help="TFLOP/s, for a device not in the table")
     ap.add_argument("--peak-fp32", type=float, default=None, help="TFLOP/s, for a device not in the table")
     args = ap.parse_args(argv)
@@ -885,7 +894,10 @@ def main(argv=None) -> int:
     if not device.startswith("cuda"):
         torch.set_num_threads(bench_threads())
     peaks = device_peaks(device, args)
-    machine = machine_info(size, device, peaks) | {"cache_weights_hash": args.cache_weights_hash}
+    machine = machine_info(size, device, peaks) | {
+        "cache_weights_hash": args.cache_weights_hash,
+        "layouts": args.layouts,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-gpu-"))
@@ -901,8 +913,12 @@ def main(argv=None) -> int:
 
         ctx = dict(size=size, device=device, work=work, data=data, models=models, rounds=args.rounds,
                    peaks=peaks, vocab=load_tokenizer(model_tok).vocab_size)  # fmt: skip
+        from entroweight.scorers.base import Scorer
+
+        runs = [(dtype, layout) for dtype in args.dtypes for layout in args.layouts]
         for case in cases:
-            for dtype in args.dtypes:
+            for dtype, layout in runs:
+                Scorer.pack = layout == "packed"  # every scorer of this run (a class default)
                 if args.deadline and time.perf_counter() - begin > args.deadline:
                     records.append(
                         {"case": case.key, "label": case.label, "dtype": dtype, "error": "skipped: deadline"}
@@ -924,10 +940,14 @@ def main(argv=None) -> int:
                     if device.startswith("cuda"):
                         torch.cuda.empty_cache()
                 rec["case_s"] = round(time.perf_counter() - t, 1)
+                rec["layout"] = layout
                 records.append(rec)
                 _print(rec)
                 _save(out, machine, records)
     finally:
+        from entroweight.scorers.base import Scorer
+
+        Scorer.pack = True
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
     _save(out, machine, records)

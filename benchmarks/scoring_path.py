@@ -5,12 +5,16 @@ For each scorer that runs a model over rows (causal_loss with our checkpoint, th
 model; occlusion; decomposition), on one shard scored by `ScoreStage` as a run does (read -> batch
 -> forward -> weigh -> write):
 
-- ratio: real tokens scored per second / a bare forward of the same model over the same real tokens
-  packed into full rows with no padding (same dtype and threads);
+- ratio, in fp32 and in bf16: real tokens scored per second / the scorer's packed limit, the bare
+  forwards it needs over the same real tokens packed into full rows with no padding (same dtype and
+  threads): one forward of the model for causal_loss and cross_tokenizer; for occlusion its
+  encoder and its two decoders (with the row's embedding and with the baseline); for decomposition
+  its own limit, one model-width forward per real position;
 - feed: real tokens per second of the same path with the scorer's forward replaced by a stub that
   returns zeros of the right shape (what the CPU side can feed an accelerator);
-- pad fraction: of the row positions the forwards computed, the share that were padding (for
-  cross_tokenizer, of the model-token positions: it scores windows of the text in its own tokens);
+- pad fraction: of the positions the forwards computed, the share that were not real tokens, as
+  the stage records it (for cross_tokenizer, of the model-token positions: it scores windows of the
+  text in its own tokens);
 - with CUDA: MFU of a Llama-3.2-1B-shaped random model (bf16, a 64k-token budget).
 
 Models have random weights (speed does not depend on them). Runs on the code it is imported with,
@@ -23,6 +27,7 @@ from __future__ import annotations
 import gzip
 import inspect
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -37,6 +42,12 @@ from .common import C4, bench_threads, bench_tokenizer, median, row
 
 BUDGET = 4096  # tokens per forward on CPU (8 rows of 512; 64k on an accelerator)
 N_CTX = 512
+DTYPES = ("fp32", "bf16")  # each scorer in both, against its limit in the same dtype
+LIMITS = {
+    None: "one bare forward of the model",
+    "occlusion": "encoder + 2 decoders",
+    "decomposition": "one model-width forward per position",
+}
 
 
 def _shard(tmp: Path, tok: Path, n_ctx: int, rows: int, tag: str = "") -> Path:
@@ -92,14 +103,14 @@ def _models(tmp: Path, sha: str, tok: Path, vocab: int) -> dict[str, str]:
     }
 
 
-def _stage(data: Path, name: str, options: dict, budget: int | None):
+def _stage(data: Path, name: str, options: dict, budget: int | None, dtype: str = "fp32"):
     from entroweight.pipelines.score import ScoreStage
 
     kw = {}
     if "batch_tokens" in inspect.signature(ScoreStage.__init__).parameters:
         kw["batch_tokens"] = budget
     tokenizer = str(data / "tokenizer.json")  # cross_tokenizer reads the data's text
-    stage = ScoreStage(data, name, {**options, "dtype": "fp32"}, tokenizer=tokenizer, **kw)
+    stage = ScoreStage(data, name, {**options, "dtype": dtype}, tokenizer=tokenizer, **kw)
     stage.setup()
     return stage
 
@@ -114,7 +125,7 @@ def _run_shard(stage, data: Path, out: Path) -> float:
     out.mkdir()
     task = ShardTask(shard="part-00000", inputs=[inp], out_dir=str(out))
     start = time.perf_counter()
-    stage.process(task)
+    _run_shard.manifest = stage.process(task)
     return time.perf_counter() - start
 
 
@@ -128,13 +139,13 @@ class _Counting:
         self.computed = self.real = 0
         scorer.score_batch = self
 
-    def __call__(self, ids, n_pad):
+    def __call__(self, ids, n_pad, *more):
         model_width = getattr(self.scorer, "n_ctx", 0)  # our estimators widen rows to their n_ctx
         self.computed += ids.shape[0] * max(ids.shape[1], model_width)
         self.real += int((ids.shape[1] - n_pad).sum())
         if self.stub:
             return np.zeros(ids.shape, dtype=np.float32)
-        return self.inner(ids, n_pad)
+        return self.inner(ids, n_pad, *more)
 
     def restore(self):
         self.scorer.score_batch = self.inner
@@ -142,16 +153,21 @@ class _Counting:
 
 class _CountingHF:
     """The same for cross_tokenizer, which batches windows of model tokens its own way: wraps the HF
-    forward it calls (`hf_token_losses` as its module imported it). Keeps the real model tokens it
-    was given (`tokens`: what the packed bare forward runs over)."""
+    forwards it calls (`hf_token_losses`, left-padded windows, and `hf_packed_losses`, packed ones,
+    as its module imported them). Keeps the real model tokens it was given (`tokens`: what the packed
+    bare forward runs over)."""
 
     def __init__(self, scorer, stub: bool = False):
         import entroweight.scorers.cross_tokenizer as module
 
-        self.module, self.inner, self.stub = module, module.hf_token_losses, stub
+        self.module, self.stub = module, stub
+        self.inner = module.hf_token_losses
+        self.inner_packed = getattr(module, "hf_packed_losses", None)
         self.computed = self.real = 0
         self.tokens: list[np.ndarray] = []
         module.hf_token_losses = self
+        if self.inner_packed is not None:
+            module.hf_packed_losses = self.packed
 
     def __call__(self, model, x, mask, dtype):
         self.computed += x.numel()
@@ -161,28 +177,99 @@ class _CountingHF:
             return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         return self.inner(model, x, mask, dtype)
 
+    def packed(self, model, packed, device, dtype):
+        real = packed.segments >= 0
+        self.computed += packed.ids.size
+        self.real += int(real.sum())
+        self.tokens.append(packed.ids[real])
+        if self.stub:
+            return torch.zeros(packed.ids.shape, dtype=torch.float32)
+        return self.inner_packed(model, packed, device, dtype)
+
     def restore(self):
         self.module.hf_token_losses = self.inner
+        if self.inner_packed is not None:
+            self.module.hf_packed_losses = self.inner_packed
 
 
 def _counting(scorer, stub: bool = False):
     return _CountingHF(scorer, stub) if scorer.name == "cross_tokenizer" else _Counting(scorer, stub)
 
 
-def _packed_forward(model, tokens: np.ndarray, n_ctx: int, budget: int, hf: bool) -> float:
+def _packed_forward(
+    model, tokens: np.ndarray, n_ctx: int, budget: int, hf: bool, dtype: str = "fp32"
+) -> float:
     """Seconds of a bare forward over `tokens` packed into full rows of n_ctx (no padding), batches of
-    the token budget; the logits are formed (the model's whole forward) but no loss."""
+    the token budget, in `dtype`; the logits are formed (the model's whole forward) but no loss."""
+    from entroweight.scorers.forward import autocast
+
     n = len(tokens) // n_ctx * n_ctx
     rows = torch.as_tensor(tokens[:n].reshape(-1, n_ctx))
     rest = torch.as_tensor(tokens[n:])[None] if n < len(tokens) else None
     step = max(1, budget // n_ctx)
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), autocast("cpu", dtype):
         for s in range(0, len(rows), step):
             model(rows[s : s + step]) if not hf else model(input_ids=rows[s : s + step])
         if rest is not None:
             model(rest) if not hf else model(input_ids=rest)
     return time.perf_counter() - start
+
+
+def _occlusion_forward(model, tokens: np.ndarray, n_ctx: int, budget: int, dtype: str = "fp32") -> float:
+    """Occlusion's packed limit: its encoder and its two decoders (the row's embedding, the baseline's)
+    over `tokens` packed into full rows, the head applied once (to their difference)."""
+    from entroweight.scorers.estimator_common import hidden_outputs
+    from entroweight.scorers.forward import autocast
+
+    n = max(len(tokens) // n_ctx, 1) * n_ctx
+    rows = torch.as_tensor(np.resize(tokens, n).reshape(-1, n_ctx))
+    step = max(1, budget // n_ctx)
+    start = time.perf_counter()
+    with torch.inference_mode(), autocast("cpu", dtype), hidden_outputs(model) as head:
+        base = model.encode(rows[:1])
+        for s in range(0, len(rows), step):
+            x = rows[s : s + step]
+            h = model.decode(x, model.encode(x))
+            head(model.decode(x, base.expand(len(x), -1)) - h)
+    return (time.perf_counter() - start) * len(tokens) / n
+
+
+def _per_position_forward(model, tokens: np.ndarray, n_ctx: int, budget: int, dtype: str = "fp32") -> float:
+    """decomposition's own limit: one bare forward of a model-width window per real position (batches
+    of the token budget); the windows are rows of `tokens` (their content does not change the time)."""
+    from entroweight.scorers.forward import autocast
+
+    n = len(tokens)
+    wins = torch.as_tensor(np.lib.stride_tricks.sliding_window_view(np.resize(tokens, n + n_ctx), n_ctx)[:n])
+    step = max(1, budget // n_ctx)
+    start = time.perf_counter()
+    with torch.inference_mode(), autocast("cpu", dtype):
+        for s in range(0, n, step):
+            model(wins[s : s + step])
+    return time.perf_counter() - start
+
+
+def _limit(name: str, model, tokens: np.ndarray, width: int, hf: bool, dtype: str) -> float:
+    if name == "occlusion":
+        return _occlusion_forward(model, tokens, width, BUDGET, dtype)
+    if name == "decomposition":
+        return _per_position_forward(model, tokens, width, BUDGET, dtype)
+    return _packed_forward(model, tokens, width, BUDGET, hf, dtype)
+
+
+def _written_values(out: Path) -> np.ndarray:
+    """The raw values (`entropy`) the stage wrote for the real positions of its shard."""
+    t = pq.read_table(next(out.glob("part-*.parquet")), columns=["entropy", "n_pad"])
+    vals = t.column("entropy").to_numpy(zero_copy_only=False)
+    return np.concatenate(
+        [np.asarray(v)[p:] for v, p in zip(vals, t.column("n_pad").to_numpy(), strict=True)]
+    )
+
+
+def _pad_fraction() -> float | None:
+    """The pad fraction the last shard's manifest records."""
+    return (getattr(_run_shard.manifest, "extra", None) or {}).get("pad_fraction")
 
 
 CASES = (
@@ -209,26 +296,64 @@ def bench_paths(quick: bool = False) -> list[dict]:
         data["big", N_CTX] = _shard(tmp, tok, N_CTX, 200 if quick else 100_000, "big")
         sha = read_file_metadata(next(data[N_CTX].glob("part-*.parquet")))["tokenizer_sha256"]
         models = _models(tmp, sha, tok, max(vocab, 8000))
+        only = os.environ.get("BENCH_SCORING_CASES")  # e.g. "occlusion,decomposition": those rows only
         for label, name, spec, width in CASES:
+            if only and not any(k.strip() and k.strip() in label for k in only.split(",")):
+                continue
             d = data[width]
             options = {k: models[v] for k, v in spec.items()}
-            stage = _stage(d, name, options, BUDGET)
             t = pq.read_table(next(d.glob("part-*.parquet")), columns=["input_ids", "n_pad"])
             ids = np.stack(t.column("input_ids").to_numpy(zero_copy_only=False)).astype(np.int64)
             n_pad = t.column("n_pad").to_numpy()
             real = int(ids.size - n_pad.sum())
-            packed = np.concatenate([ids[r, n_pad[r] :] for r in range(len(ids))])
-            seen = _counting(stage.scorer)
-            _run_shard(stage, d, tmp / "warm")  # warm-up
-            seen.restore()
-            if name == "cross_tokenizer":  # the bare forward runs over the model's tokens of the text
-                packed = np.concatenate(seen.tokens)
             is_hf = "model" in spec
-            model = stage.scorer._model
-            t_path, t_bare = [], []
-            for _ in range(1 if quick else 2):  # alternated, so load from others falls on both
-                t_path.append(_run_shard(stage, d, tmp / "out"))
-                t_bare.append(_packed_forward(model, packed, width, BUDGET, is_hf))
+            values = {}  # dtype -> the values the stage wrote (the raw scorer output)
+            for dtype in os.environ.get("BENCH_SCORING_DTYPES", ",".join(DTYPES)).split(","):
+                stage = _stage(d, name, options, BUDGET, dtype)
+                packed = np.concatenate([ids[r, n_pad[r] :] for r in range(len(ids))])
+                seen = _counting(stage.scorer)
+                _run_shard(stage, d, tmp / "warm")  # warm-up
+                seen.restore()
+                if name == "cross_tokenizer":  # the bare forward runs over the model's tokens of the text
+                    packed = np.concatenate(seen.tokens)
+                model = stage.scorer._model
+                _limit(name, model, packed, width, is_hf, dtype)  # warm-up
+                t_path, t_bare = [], []
+                for _ in range(1 if quick else 2):  # alternated, so load from others falls on both
+                    t_path.append(_run_shard(stage, d, tmp / "out"))
+                    t_bare.append(_limit(name, model, packed, width, is_hf, dtype))
+                pad = _pad_fraction()
+                values[dtype] = _written_values(tmp / "out")
+                note = (
+                    f"{len(ids)} C4 rows <= {width} tokens, {real} real; {dtype}, {torch.get_num_threads()} "
+                    f"thread(s); limit: {LIMITS.get(name, LIMITS[None])}; pads computed "
+                    + ("?" if pad is None else f"{pad:.1%}")
+                )
+                out_rows.append(
+                    row(
+                        "score-path",
+                        f"{label}, {dtype}: real tok/s (vs its packed limit)",
+                        real / median(t_path),
+                        real / median(t_bare),
+                        ">= 0.9",
+                        note,
+                    )
+                )
+            if "fp32" in values and "bf16" in values:  # what bf16 changes in the values, real text
+                diff = np.abs(values["bf16"] - values["fp32"])
+                out_rows.append(
+                    row(
+                        "score-path",
+                        f"{label}: bf16 − fp32 values, max abs difference",
+                        float(diff.max()),
+                        None,
+                        None,
+                        f"mean abs difference {diff.mean():.3g} over {diff.size} real positions; mean |fp32| "
+                        f"{np.abs(values['fp32']).mean():.3g}",
+                    )
+                )
+            if os.environ.get("BENCH_SCORING_NO_FEED"):
+                continue
             # feed rate and pad fraction on a whole shard (all the sample's documents): forward = zeros
             big = data.get(("big", width), d)
             feed_stage = _stage(big, name, options, BUDGET) if big is not d else stage
@@ -237,17 +362,7 @@ def bench_paths(quick: bool = False) -> list[dict]:
             stub.restore()
             t = pq.read_table(next(big.glob("part-*.parquet")), columns=["n_pad"])
             big_rows, big_real = t.num_rows, int(t.num_rows * width - pc.sum(t.column("n_pad")).as_py())
-            pad = 1 - stub.real / stub.computed if stub.computed else 0.0
-            note = f"{len(ids)} C4 rows <= {width} tokens, {real} real; fp32, {torch.get_num_threads()} thread(s)"
-            out_rows += [
-                row(
-                    "score-path",
-                    f"{label}: real tok/s (vs packed bare forward)",
-                    real / median(t_path),
-                    real / median(t_bare),
-                    ">= 0.9",
-                    note,
-                ),
+            out_rows.append(
                 row(
                     "score-path",
                     f"{label}: feed rate, real tok/s (stub forward)",
@@ -255,16 +370,8 @@ def bench_paths(quick: bool = False) -> list[dict]:
                     None,
                     None,
                     f"{big_rows} rows: read -> batch -> weigh -> write, forward = zeros",
-                ),
-                row(
-                    "score-path",
-                    f"{label}: pad fraction computed",
-                    pad,
-                    None,
-                    None,
-                    f"of rows x model width the forwards ran, {big_rows} rows, budget {BUDGET}",
-                ),
-            ]
+                )
+            )
     return out_rows
 
 

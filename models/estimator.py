@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from .llama import Llama
 from .mixer import MaskedMixer
+from .packing import Layout, after_prefix
 from .quant import Q_EMBEDDING, Q_PRE_DOWN, sequence_nats, uniform_noise
 
 PARTS = {"mixer": MaskedMixer, "llama": Llama}
@@ -80,10 +81,10 @@ class Bottleneck(nn.Module):
         return e
 
 
-def last_state(encoder: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def last_state(encoder: nn.Module, input_ids: torch.Tensor, layout: Layout | None = None) -> torch.Tensor:
     """The encoder's final-norm hidden state at the last position (B, d): with left padding, the
     last real token, which has read the whole sequence."""
-    return encoder.forward_hidden(encoder.embed(input_ids))[:, -1]
+    return encoder.forward_hidden(encoder.embed(input_ids), layout=layout)[:, -1]
 
 
 class EntropyEstimator(nn.Module):
@@ -138,18 +139,33 @@ class EntropyEstimator(nn.Module):
             nn.init.normal_(self.up.weight, std=c.init_std)
 
     # -- the scorer API
-    def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The compressed embedding e (B, k) of each sequence (noised in training mode)."""
-        return self.bottleneck(last_state(self.encoder, input_ids))
+    def encode(self, input_ids: torch.Tensor, prefix: list | None = None) -> torch.Tensor:
+        """The compressed embedding e (B, k) of each sequence (noised in training mode). With `prefix`
+        (`encoder_prefix`), `input_ids` are the last columns of rows whose earlier columns are pads."""
+        layout = None
+        if prefix is not None:
+            W = input_ids.shape[1]
+            layout = after_prefix(prefix, self.config.n_ctx - W, W, input_ids.device)
+        return self.bottleneck(last_state(self.encoder, input_ids, layout))
 
-    def decode(self, input_ids: torch.Tensor, emb: torch.Tensor | None) -> torch.Tensor:
-        """Logits (B, T, V) given the embedding; `emb=None` is the occluded forward (see module doc)."""
+    def decode(
+        self, input_ids: torch.Tensor, emb: torch.Tensor | None, prefix: list | None = None
+    ) -> torch.Tensor:
+        """Logits (B, T, V) given the embedding; `emb=None` is the occluded forward (see module doc).
+        With `prefix` (`decoder_prefix` of the same embedding, shared by every row), `input_ids` are
+        the last columns of rows whose earlier columns are pads."""
         dec, mode = self.decoder, self.config.injection
         x = dec.embed(input_ids)
         B, T, _ = x.shape
+        layout = None
+        if prefix is not None:  # the decoder positions before the window: pads (+ the memory position)
+            offset = self.config.n_ctx - T + self._memory_slots(emb)
+            layout = after_prefix(prefix, offset, T, x.device)
         if mode == "token":
             if emb is None and self.config.decoder == "llama":
-                return dec.head(dec.forward_hidden(x))  # position 0 masked from attention = left out
+                return dec.head(dec.forward_hidden(x, layout=layout))  # position 0 masked = left out
+            if prefix is not None:  # the memory position is in the prefix
+                return dec.head(dec.forward_hidden(x, layout=layout))
             p = x.new_zeros(B, 1, x.shape[-1]) if emb is None else self.up(emb.to(x.dtype))[:, None]
             return dec.head(dec.forward_hidden(torch.cat([p, x], dim=1))[:, 1:])
         if mode == "embedding":
@@ -157,7 +173,34 @@ class EntropyEstimator(nn.Module):
             x = torch.cat([x, e[:, None].expand(B, T, -1)], dim=-1)
         elif emb is not None:  # combination
             x = x + self.up(emb.to(x.dtype))[:, None]
-        return dec.head(dec.forward_hidden(x))
+        return dec.head(dec.forward_hidden(x, layout=layout))
+
+    def _memory_slots(self, emb: torch.Tensor | None) -> int:
+        """Decoder positions before the tokens: 1 for token injection (the embedding's), else 0."""
+        removed = emb is None and self.config.decoder == "llama"
+        return int(self.config.injection == "token" and not removed)
+
+    def encoder_prefix(self, pad_id: int) -> list:
+        """The encoder's prefix over a row of pads (models/packing.py): a row's pad columns, read once
+        for every row (`encode(..., prefix=)`)."""
+        pads = torch.full((1, self.config.n_ctx), pad_id, device=self.encoder.embed_tokens.weight.device)
+        return self.encoder.prefix_of(self.encoder.embed(pads))
+
+    def decoder_prefix(self, pad_id: int, emb: torch.Tensor | None) -> list:
+        """The decoder's prefix over a row of pads decoded with `emb` (1, k) (None: occluded): shared
+        by every row decoded with that same embedding (`decode(..., prefix=)`)."""
+        dec, mode = self.decoder, self.config.injection
+        weight = dec.embed_tokens.weight
+        x = dec.embed(torch.full((1, self.config.n_ctx), pad_id, device=weight.device))
+        if mode == "token" and self._memory_slots(emb):
+            p = x.new_zeros(1, 1, x.shape[-1]) if emb is None else self.up(emb.to(x.dtype))[:, None]
+            x = torch.cat([p, x], dim=1)
+        elif mode == "embedding":
+            e = x.new_zeros(1, self.embed_dim) if emb is None else emb.to(x.dtype)
+            x = torch.cat([x, e[:, None].expand(1, x.shape[1], -1)], dim=-1)
+        elif mode == "combination" and emb is not None:
+            x = x + self.up(emb.to(x.dtype))[:, None]
+        return dec.prefix_of(x)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, V); position t predicts token t+1 (with the whole sequence's embedding)."""

@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .packing import Layout, attend, rope_at
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -59,18 +61,24 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.d_model, bias=False)
         self.dropout = c.dropout
 
-    def forward(self, x, cos, sin, mask=None):
+    def forward(self, x, cos, sin, mask=None, prefix=None, capture=None):
+        """`prefix`: the (k, v) of shared positions before column 0 (each (1, n_kv, P, d)), read by
+        every row; `capture`: a list that receives this call's (k, v) (to build such a prefix)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if capture is not None:
+            capture.append((k, v))
+        if prefix is not None:
+            pk, pv = prefix
+            k = torch.cat([pk.to(k.dtype).expand(B, -1, -1, -1), k], dim=2)
+            v = torch.cat([pv.to(v.dtype).expand(B, -1, -1, -1), v], dim=2)
         if self.n_kv != self.n_heads:  # grouped-query attention: each kv head serves a run of q heads
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = attend(q, k, v, mask, dropout_p=self.dropout if self.training else 0.0)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -94,8 +102,8 @@ class Block(nn.Module):
         self.mlp = MLP(c)
         self.drop = nn.Dropout(c.dropout)
 
-    def forward(self, x, cos, sin, mask=None):
-        x = x + self.drop(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+    def forward(self, x, cos, sin, mask=None, prefix=None, capture=None):
+        x = x + self.drop(self.self_attn(self.input_layernorm(x), cos, sin, mask, prefix, capture))
         return x + self.drop(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -154,20 +162,40 @@ class Llama(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward_hidden(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_hidden(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        layout: Layout | None = None,
+        capture: list | None = None,
+    ) -> torch.Tensor:
         """Blocks + final norm over embeddings x (B, T, d); causal. `attention_mask` (B, T), 1 on real
-        tokens, 0 on the left padding: read only when the model masks pads (`mask_pads`)."""
+        tokens, 0 on the left padding: read only when the model masks pads (`mask_pads`). `layout`:
+        where the slots sit and what they attend to (models/packing.py: packed rows, or rows after a
+        shared pad prefix); `capture`: a list receiving each layer's (k, v) (see `prefix_of`)."""
         T = x.shape[1]
-        if T > self.config.n_ctx:
+        offset = layout.offset if layout is not None and layout.positions is None else 0
+        if offset + T > self.config.n_ctx:
             raise ValueError(f"sequence of {T} tokens is longer than the model's n_ctx {self.config.n_ctx}")
-        if self.config.mask_pads and attention_mask is not None:
+        prefix = [None] * len(self.layers)
+        if layout is not None:
+            (cos, sin), mask = rope_at(self.rope_cos, self.rope_sin, layout, T), layout.mask
+            prefix = layout.prefix or prefix
+        elif self.config.mask_pads and attention_mask is not None:
             cos, sin, mask = self._pad_masked(attention_mask.bool())
         else:
             cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        for block in self.layers:
-            x = block(x, cos, sin, mask)
+        for block, before in zip(self.layers, prefix, strict=True):
+            x = block(x, cos, sin, mask, before, capture)
         return self.norm(x)
+
+    def prefix_of(self, x: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, the (k, v) of the embeddings x (1, P, d) at positions 0..P-1: a prefix that rows
+        starting at position P may attend to (`Layout.prefix`, cut to their offset by `cut_prefix`)."""
+        kv: list = []
+        self.forward_hidden(x, capture=kv)
+        return kv
 
     def _pad_masked(self, real: torch.Tensor):
         """RoPE tables at each token's position from its row's first real token (pads at 0) and the

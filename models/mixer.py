@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .packing import Layout
+
 
 class MaskedConv(nn.Module):
     """h causal token-mixing convolutions over x (B, h, T, d_head) -> (B, h, T, d_head)."""
@@ -43,20 +45,26 @@ class MaskedConv(nn.Module):
         nn.init.uniform_(self.bias, -bound, bound)
         self.register_buffer("mask", torch.ones(n_ctx, n_ctx).tril(), persistent=False)
 
-    def forward(self, x):
-        B, h, T, d = x.shape
+    def forward(self, x, prefix=None):
+        """x (B, h, W, d) -> (B, h, W, d). `prefix` (1, h, P, d): the inputs of P positions before
+        column 0, shared by every row (models/packing.py); the output is that of positions P..P+W-1."""
+        B, h, W, d = x.shape
+        off = 0 if prefix is None else prefix.shape[2]
+        if prefix is not None:
+            x = torch.cat([prefix.to(x.dtype).expand(B, -1, -1, -1), x], dim=2)
+        T = off + W
         # mask on every forward (not once at init): the optimizer would otherwise grow the upper triangle
-        w = self.weight[:, :T, :T] * self.mask[:T, :T, None].to(self.weight.dtype)
-        b = self.bias[:, :T]
+        w = self.weight[:, off:T, :T] * self.mask[off:T, :T, None].to(self.weight.dtype)
+        b = self.bias[:, off:T]
         if self.kernel == 1:
             return torch.matmul(w[..., 0].to(x.dtype), x) + b[None, :, :, None].to(x.dtype)
         # tokens are channels, the hidden dim is the conv's length; one group per head. "same"
         # padding by hand (left (k-1)//2) as torch does, without its even-kernel warning
         left = (self.kernel - 1) // 2
         xp = F.pad(x.reshape(B, h * T, d), (left, self.kernel - 1 - left))
-        w, b = w.reshape(h * T, T, self.kernel).to(x.dtype), b.reshape(h * T).to(x.dtype)
+        w, b = w.reshape(h * W, T, self.kernel).to(x.dtype), b.reshape(h * W).to(x.dtype)
         y = F.conv1d(xp, w, b, groups=h)
-        return y.view(B, h, T, d)
+        return y.view(B, h, W, d)
 
 
 class TokenMixer(nn.Module):
@@ -68,13 +76,20 @@ class TokenMixer(nn.Module):
             self.in_proj = nn.Linear(c.d_model, c.d_model)
             self.out_proj = nn.Linear(c.d_model, c.d_model)
 
-    def forward(self, x):
+    def forward(self, x, prefix=None, capture=None):
+        """`prefix`: (the conv's input,) at shared positions before column 0; `capture`: a list that
+        receives this call's (the conv's input,) (to build such a prefix)."""
         B, T, D = x.shape
-        if self.n_heads == 1 and not hasattr(self, "in_proj"):
-            return self.conv(x[:, None])[:, 0]
-        h = self.in_proj(x).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)
-        y = self.conv(h).transpose(1, 2).reshape(B, T, D)
-        return self.out_proj(y)
+        flat = self.n_heads == 1 and not hasattr(self, "in_proj")
+        h = (
+            x[:, None]
+            if flat
+            else self.in_proj(x).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)
+        )
+        if capture is not None:
+            capture.append((h,))
+        y = self.conv(h, None if prefix is None else prefix[0])
+        return y[:, 0] if flat else self.out_proj(y.transpose(1, 2).reshape(B, T, D))
 
 
 class MixerBlock(nn.Module):
@@ -87,8 +102,8 @@ class MixerBlock(nn.Module):
         self.ff = nn.Sequential(nn.Linear(c.d_model, d_ff), nn.GELU(), nn.Linear(d_ff, c.d_model))
         self.drop = nn.Dropout(c.dropout)
 
-    def forward(self, x):
-        x = x + self.drop(self.mixer(self.seq_norm(x)))
+    def forward(self, x, prefix=None, capture=None):
+        x = x + self.drop(self.mixer(self.seq_norm(x), prefix, capture))
         return x + self.drop(self.ff(self.ff_norm(x)))
 
 
@@ -136,15 +151,28 @@ class MaskedMixer(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward_hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """Blocks + final norm over embeddings x (B, T, d); causal."""
-        if x.shape[1] > self.config.n_ctx:
+    def forward_hidden(self, x: torch.Tensor, layout: Layout | None = None, capture: list | None = None):
+        """Blocks + final norm over embeddings x (B, T, d); causal. `layout`: rows after a shared
+        prefix (models/packing.py; a mixer's weights are per position, so rows are never packed);
+        `capture`: a list receiving each layer's conv input (see `prefix_of`)."""
+        if layout is not None and layout.positions is not None:
+            raise ValueError("a masked mixer's weights are per position: its rows cannot be packed")
+        offset = layout.offset if layout is not None else 0
+        if offset + x.shape[1] > self.config.n_ctx:
             raise ValueError(
                 f"sequence of {x.shape[1]} tokens is longer than the mixer's n_ctx {self.config.n_ctx}"
             )
-        for block in self.layers:
-            x = block(x)
+        prefix = (layout.prefix if layout is not None else None) or [None] * len(self.layers)
+        for block, before in zip(self.layers, prefix, strict=True):
+            x = block(x, before, capture)
         return self.norm(x)
+
+    def prefix_of(self, x: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, (the conv's input,) for the embeddings x (1, P, d) at positions 0..P-1: a prefix
+        that rows starting at position P may read (`Layout.prefix`, cut by `cut_prefix`)."""
+        captured: list = []
+        self.forward_hidden(x, capture=captured)
+        return captured
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)

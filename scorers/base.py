@@ -139,6 +139,10 @@ class Scorer(ABC):
     unit: ClassVar[str] = "nats"
     #: cut left padding to the batch's longest row; a model that attends to pads must keep them
     cut_padding: bool = True
+    #: lay rows out without computing pads where the model allows (scorers/packing.py: several rows
+    #: in one sequence, or rows after a shared pad prefix); False: one row per batch row, padding
+    #: included, the path the equality tests compare the packed one with. Values, not speed, agree.
+    pack: bool = True
     #: loaded by setup(); never pickled (engines ship the scorer to workers, which call setup())
     _heavy: ClassVar[tuple[str, ...]] = ("_model", "_model_tok", "_data_tok")
 
@@ -169,14 +173,25 @@ class Scorer(ABC):
         start token a model read."""
         return {"unit": self.unit}
 
-    def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
-        """(B, T) left-padded ids, left padding already cut to the batch's longest -> (B, T) float32."""
+    def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray | Scored:
+        """(B, T) left-padded ids, left padding already cut to the batch's longest -> (B, T) float32,
+        or a Scored of them that says how many positions its forwards computed (packed rows)."""
         raise NotImplementedError
 
     def batch_width(self, longest: int, T: int) -> int:
         """Positions a forward computes per row for a batch whose longest real row is `longest` (of
         width T): that row's length when padding is cut, else the whole row (a model may widen it)."""
         return max(longest, 1) if self.cut_padding else T
+
+    def packs_rows(self) -> bool:
+        """Whether `score_batch` packs several rows into one sequence (after setup): a token budget
+        then counts the batch's real tokens, not rows × width."""
+        return False
+
+    def batch_columns(self, width: int, T: int) -> int:
+        """Columns of the input rows a batch of `width` is handed (the last ones): as many as it
+        computes, or more (a scorer that reads its rows after a shared pad prefix needs their width)."""
+        return min(width, T)
 
     def score(self, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching = Batching()) -> Scored:
         """(B, T) left-padded ids -> Scored, values in the input order; pads 0. The rows are batched
@@ -192,25 +207,35 @@ class Scorer(ABC):
         return state
 
 
-def score_rows(scorer: Scorer, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching) -> Scored:
-    """`scorer.score_batch` over length-sorted batches of the rows (gathered on a background thread
-    while the model runs the previous batch); values put back in row order, pads 0."""
+def score_rows(
+    scorer: Scorer, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching, score_batch=None
+) -> Scored:
+    """`scorer.score_batch` (or `score_batch`) over length-sorted batches of the rows (gathered on a
+    background thread while the model runs the previous batch); values put back in row order, pads 0."""
+    score_batch = score_batch or scorer.score_batch
     input_ids, n_pad = np.asarray(input_ids), np.asarray(n_pad)
     B, T = input_ids.shape
     out = np.zeros((B, T), dtype=np.float32)
     lengths = T - n_pad
     batch_size = batching.batch_size or scorer.batch_size
-    plan = plan_batches(lengths, lambda n: scorer.batch_width(n, T), batch_size, batching.batch_tokens)
+    plan = plan_batches(
+        lengths, lambda n: scorer.batch_width(n, T), batch_size, batching.batch_tokens, scorer.packs_rows()
+    )
 
     def batches():
         for idx, width in plan:
-            cut = min(width, T)  # columns of the input this batch reads (a model may widen it)
+            cut = scorer.batch_columns(width, T)  # columns of the input this batch reads
             yield idx, width, cut, np.ascontiguousarray(input_ids[idx, T - cut :]), n_pad[idx] - (T - cut)
 
     computed = 0
     for idx, width, cut, ids, pads in prefetch(batches()):
-        out[idx, T - cut :] = scorer.score_batch(ids, pads)
-        computed += len(idx) * width
+        values = score_batch(ids, pads)
+        if isinstance(values, Scored):  # a batch that says what it computed (packed rows)
+            computed += values.computed
+            values = values.values
+        else:
+            computed += len(idx) * width
+        out[idx, T - cut :] = values
         if batching.on_rows is not None:
             batching.on_rows(len(idx))
     out[np.arange(T)[None, :] < n_pad[:, None]] = 0.0
@@ -237,11 +262,12 @@ def length_buckets(lengths: np.ndarray, batch_size: int) -> Iterator[np.ndarray]
 
 
 def plan_batches(
-    lengths: np.ndarray, width_of, batch_size: int, batch_tokens: int | None = None
+    lengths: np.ndarray, width_of, batch_size: int, batch_tokens: int | None = None, packed: bool = False
 ) -> list[tuple[np.ndarray, int]]:
     """(row indices, width) per forward: rows sorted by real length, longest first (a stable sort keeps
     ties in order), so each batch is as wide as its first row (`width_of(its length)`). With
-    `batch_tokens`, a batch takes rows while rows × width stays within it (at least one row);
+    `batch_tokens`, a batch takes rows while rows × width stays within it (at least one row), or,
+    `packed` (rows packed into sequences of that width), while their widths add up within it;
     without, `batch_size` rows."""
     lengths = np.asarray(lengths)
     if batch_tokens is None:
@@ -249,10 +275,15 @@ def plan_batches(
     if batch_tokens < 1:
         raise ScorerError(f"--batch-tokens must be at least 1, not {batch_tokens}")
     order = np.argsort(-lengths, kind="stable")
+    if packed:  # each row's own width, added up in the sorted order
+        used = np.cumsum([width_of(int(x)) for x in lengths[order]])
     plan, start = [], 0
     while start < len(order):
         width = width_of(int(lengths[order[start]]))
         n = max(1, batch_tokens // max(width, 1))
+        if packed:  # rows while their own widths fit
+            before = int(used[start - 1]) if start else 0
+            n = max(1, int(np.searchsorted(used, before + batch_tokens, side="right")) - start)
         plan.append((order[start : start + n], width))
         start += n
     return plan

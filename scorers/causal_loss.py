@@ -17,10 +17,11 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
+from entroweight.models.packing import after_prefix
 from entroweight.transforms.tokenizer import load_tokenizer
 
 from . import hf
-from .base import HFModelOptions, Scorer, ScorerError, fill_first_token
+from .base import HFModelOptions, Scored, Scorer, ScorerError, fill_first_token
 from .estimator_common import (
     check_tokenizer,
     checkpoint_config,
@@ -32,12 +33,15 @@ from .forward import (
     autocast,
     check_dtype,
     chunked_ce,
+    hf_packed_losses,
     hf_token_losses,
+    next_token_ce,
     resolve_dtype,
     to_compute_dtype,
     to_device,
     with_start_token,
 )
+from .packing import Memo, pack_rows, pad_prefix, shared_pad
 
 ONE_MODEL = "give exactly one of --model (HF id, directory or .gguf) or --checkpoint (ours)"
 
@@ -52,6 +56,7 @@ class ModelSource(ABC):
     tokenizer_sha256: str | None = None  # the tokenizer the model was trained on, when it records one
     cut_padding = True  # the model takes an attention mask: left padding may be cut
     mask_pads = False  # our checkpoint masks the left padding: one pad is kept, to predict the first token
+    prefix_rows = False  # our checkpoint attends to its padding: read from a prefix computed once
 
     @abstractmethod
     def config(self) -> dict[str, Any]:
@@ -70,8 +75,14 @@ class ModelSource(ABC):
         """The model on `device` in the compute dtype (and what is known only once it is loaded)."""
 
     @abstractmethod
-    def token_losses(self, model, ids: torch.Tensor, lengths: torch.Tensor, device: str, dtype: str):
-        """(B, T) left-padded ids on the device and real lengths -> (B, T) CE of each token, pads 0."""
+    def token_losses(self, model, ids: np.ndarray, n_pad: np.ndarray, device: str, dtype: str, pack: bool):
+        """(B, T) left-padded ids -> ((B, T) CE of each token, pads 0; the positions the forwards
+        computed). `pack`: lay the rows out without computing pads where the model allows
+        (scorers/packing.py)."""
+
+    def packs_rows(self, model) -> bool:
+        """Whether `token_losses` packs several rows into one sequence (known once loaded)."""
+        return False
 
     @abstractmethod
     def has_context(self, n_pad: np.ndarray) -> np.ndarray:
@@ -106,11 +117,69 @@ class OurCheckpoint(ModelSource):
         to_compute_dtype(model, dtype)
         # our models see the left padding they were trained on, unless trained to mask it
         self.mask_pads = bool(getattr(getattr(model, "config", None), "mask_pads", False))
+        # a model that attends to its pads reads them from a prefix computed once (llama, mixer)
+        self.prefix_rows = not self.mask_pads and hasattr(model, "prefix_of")
+        self.prefixes = Memo()
         self.cut_padding = self.mask_pads
         return model
 
-    def token_losses(self, model, ids: torch.Tensor, lengths: torch.Tensor, device: str, dtype: str):
-        """Our models return full logits: sub-batch so that fp32 logits stay within a few chunks."""
+    def token_losses(self, model, ids: np.ndarray, n_pad: np.ndarray, device: str, dtype: str, pack: bool):
+        B, T = ids.shape
+        W = min(int((T - n_pad).max(initial=0)) + 1, T)  # the last pad before a row predicts its first token
+        with torch.inference_mode(), autocast(device, dtype):
+            if pack and self.mask_pads:
+                return self._packed(model, ids, n_pad, device)
+            pad = shared_pad(ids, T - W) if pack and self.prefix_rows else None
+            if pad is not None:
+                layout = (
+                    None if pad < 0 else after_prefix(pad_prefix(model, pad, self.prefixes), T - W, W, device)
+                )
+                out = torch.zeros((B, T), dtype=torch.float32, device=device)
+                x = to_device(np.ascontiguousarray(ids[:, T - W :]), device)
+                h = model.forward_hidden(model.embed(x), layout=layout)
+                out[:, T - W :] = self._window_ce(model, h, x, to_device(T - n_pad, device))
+                return out, B * W
+            return self._rows(model, to_device(ids, device), to_device(T - n_pad, device)), B * T
+
+    def packs_rows(self, model) -> bool:
+        return self.mask_pads
+
+    @staticmethod
+    def _window_ce(model, h: torch.Tensor, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """(B, W) CE of each real token of left-padded rows from the hidden states `h` (the pad just
+        before the first real token predicts it), pads 0."""
+        W = x.shape[1]
+        seg = (torch.arange(W, device=x.device)[None, :] >= (W - lengths - 1)[:, None]).long() - 1
+        return next_token_ce(h, x, seg.expand(len(x), W), model.lm_head)
+
+    def _packed(self, model, ids: np.ndarray, n_pad: np.ndarray, device: str) -> torch.Tensor:
+        """A `mask_pads` model: the rows' real tokens packed (positions restart per row); the first
+        token of a row with padding is predicted by its last pad, which sees only itself."""
+        B, T = ids.shape
+        rows = [ids[r, n_pad[r] :] for r in range(B)]
+        lengths = [len(r) for r in rows]
+        packed = pack_rows(rows, max(max(lengths, default=1), 1))
+        x = to_device(packed.ids, device)
+        h = model.forward_hidden(model.embed(x), layout=packed.layout(device))
+        ce = next_token_ce(h, x, to_device(packed.segments, device), model.lm_head)
+        padded = np.flatnonzero((n_pad > 0) & (n_pad < T))
+        if len(padded):  # one forward of each row's last pad alone, at position 0
+            pads = to_device(ids[padded, n_pad[padded] - 1][:, None], device)
+            firsts = to_device(ids[padded, n_pad[padded]], device)
+            h1 = model.forward_hidden(model.embed(pads))[:, 0]
+            ce_first = chunked_ce(h1, firsts, model.lm_head)
+        # one host copy, then the rows placed on the host side (no per-row device indexing)
+        values = ce.cpu().numpy()
+        full = np.zeros((B, T), dtype=np.float32)
+        for r, v in enumerate(packed.rows(values, lengths)):
+            full[r, n_pad[r] :] = v
+        if len(padded):
+            full[padded, n_pad[padded]] = ce_first.cpu().numpy()
+        return torch.from_numpy(full), packed.ids.size + len(padded)
+
+    def _rows(self, model, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """One row per batch row, padding included (the reference): full logits, sub-batched so that
+        fp32 logits stay within a few chunks."""
         B, T = ids.shape
         out = torch.zeros((B, T), dtype=torch.float32, device=ids.device)
         col = torch.arange(T, device=ids.device)[None, :]
@@ -118,13 +187,12 @@ class OurCheckpoint(ModelSource):
         pred = col[:, :-1] >= (T - lengths - 1)[:, None]
         step = max(1, 8192 // T)
         real = col >= (T - lengths)[:, None]  # read by a model that masks pads
-        with torch.inference_mode(), autocast(device, dtype):
-            for s in range(0, B, step):
-                mask = {"attention_mask": real[s : s + step]} if self.mask_pads else {}
-                logits = model(ids[s : s + step], **mask)[:, :-1]
-                ce = chunked_ce(logits.reshape(-1, logits.shape[-1]), ids[s : s + step, 1:].reshape(-1))
-                # pads zeroed by `where`, not selected by a boolean mask: no host sync per sub-batch
-                out[s : s + step, 1:] = torch.where(pred[s : s + step], ce.view(-1, T - 1), 0.0)
+        for s in range(0, B, step):
+            mask = {"attention_mask": real[s : s + step]} if self.mask_pads else {}
+            logits = model(ids[s : s + step], **mask)[:, :-1]
+            ce = chunked_ce(logits.reshape(-1, logits.shape[-1]), ids[s : s + step, 1:].reshape(-1))
+            # pads zeroed by `where`, not selected by a boolean mask: no host sync per sub-batch
+            out[s : s + step, 1:] = torch.where(pred[s : s + step], ce.view(-1, T - 1), 0.0)
         return out
 
     def has_context(self, n_pad: np.ndarray) -> np.ndarray:
@@ -210,9 +278,25 @@ class HFModel(ModelSource):
             return load_tokenizer(hf.gguf_tokenizer(self.gguf))
         return hf.model_tokenizer(self.resolved, self.revision)
 
-    def token_losses(self, model, ids: torch.Tensor, lengths: torch.Tensor, device: str, dtype: str):
-        x, mask = with_start_token(ids, lengths, self.start)
-        return hf_token_losses(model, x, mask, dtype)[:, x.shape[1] - ids.shape[1] :]
+    def token_losses(self, model, ids: np.ndarray, n_pad: np.ndarray, device: str, dtype: str, pack: bool):
+        B, T = ids.shape
+        if not (pack and hf.packs(model)):
+            t = to_device(ids, device)
+            x, mask = with_start_token(t, to_device(T - n_pad, device), self.start)
+            return hf_token_losses(model, x, mask, dtype)[:, x.shape[1] - T :], x.numel()
+        # each row from its start token, several rows per sequence (positions restart per row)
+        start = [] if self.start is None else [self.start]
+        rows = [np.concatenate([start, ids[r, n_pad[r] :]]).astype(np.int64) for r in range(B)]
+        lengths = [len(r) for r in rows]
+        packed = pack_rows(rows, max(max(lengths), 1))
+        values = hf_packed_losses(model, packed, device, dtype).cpu().numpy()  # one host copy
+        out = np.zeros((B, T), dtype=np.float32)
+        for r, v in enumerate(packed.rows(values, lengths)):
+            out[r, n_pad[r] :] = v[len(start) :]
+        return torch.from_numpy(out), packed.ids.size
+
+    def packs_rows(self, model) -> bool:
+        return hf.packs(model)
 
     def has_context(self, n_pad: np.ndarray) -> np.ndarray:
         return np.full(len(n_pad), self.start is not None)
@@ -282,19 +366,29 @@ class CausalLossScorer(Scorer):
         self._model = self.source.load(self.device, self.dtype, self.options)
 
     def batch_width(self, longest: int, T: int) -> int:
-        if self.source.mask_pads:  # one pad kept: it predicts the first real token (from nothing)
+        if self.source.mask_pads or (self.source.prefix_rows and self.pack):
+            # one pad kept: it predicts the first real token (from nothing, or from the pads before it)
             return min(longest + 1, T)
         return super().batch_width(longest, T)
 
     def metadata(self) -> dict[str, Any]:
         return {**super().metadata(), **self.source.metadata()}
 
-    def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
-        ids = to_device(input_ids.astype(np.int64), self.device)
-        lengths = to_device(ids.shape[1] - n_pad, self.device)
-        values = self.source.token_losses(self._model, ids, lengths, self.device, self.dtype).cpu().numpy()
+    def batch_columns(self, width: int, T: int) -> int:
+        # rows read after a shared pad prefix keep their width: it says where the prefix ends
+        return T if self.source.prefix_rows and self.pack else super().batch_columns(width, T)
+
+    def packs_rows(self) -> bool:
+        return self.pack and self.source.packs_rows(self._model)
+
+    def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> Scored:
+        ids = input_ids.astype(np.int64)
+        losses, computed = self.source.token_losses(
+            self._model, ids, n_pad, self.device, self.dtype, self.pack
+        )
+        values = losses.cpu().numpy()
         fill_first_token(values, n_pad, self.source.has_context(n_pad))
-        return values
+        return Scored(values, computed=computed)
 
 
 def same_vocabulary(a, b) -> bool:

@@ -25,7 +25,8 @@ from entroweight.transforms.align import AGGREGATES, AlignStats, encode_exact_ba
 from . import hf
 from .base import Batching, HFModelOptions, Scored, Scorer, ScorerError, plan_batches
 from .causal_loss import HFModel
-from .forward import check_dtype, hf_token_losses, resolve_dtype, to_device
+from .forward import check_dtype, hf_packed_losses, hf_token_losses, resolve_dtype, to_device
+from .packing import pack_rows
 
 
 class CrossTokenizerScorer(Scorer):
@@ -177,20 +178,27 @@ class CrossTokenizerScorer(Scorer):
         # each batch as wide as its longest window, so the forward computes (almost) no pads
         computed = 0
         batch_size = batching.batch_size or self.batch_size
-        for idx, width in plan_batches(lengths, lambda n: n, batch_size, batching.batch_tokens):
-            x = np.zeros((len(idx), width), dtype=np.int64)
-            mask = np.zeros((len(idx), width), dtype=np.int64)
-            for row, j in enumerate(idx):
+        packed = self.pack and hf.packs(self._model)  # several windows per sequence (block-diagonal)
+        plan = plan_batches(lengths, lambda n: n, batch_size, batching.batch_tokens, packed)
+        for idx, width in plan:
+            seqs = []
+            for j in idx:
                 t, c, a, e, w = jobs[j]
-                seq = texts_ids[t][c:e]
-                if w:
-                    seq = np.concatenate([[self._start], seq])
-                x[row, width - len(seq) :] = seq
-                mask[row, width - len(seq) :] = 1
-            x_t, mask_t = to_device(x, self.device), to_device(mask, self.device)
-            values = hf_token_losses(self._model, x_t, mask_t, self.dtype).cpu().numpy()  # one sync a batch
-            for row, j in enumerate(idx):
+                seqs.append(np.concatenate([[self._start], texts_ids[t][c:e]]) if w else texts_ids[t][c:e])
+            if packed:
+                p = pack_rows(seqs, width)
+                values = hf_packed_losses(self._model, p, self.device, self.dtype).cpu().numpy()
+                rows, computed = p.rows(values, [len(q) for q in seqs]), computed + p.ids.size
+            else:  # one window per batch row, left-padded to the batch's longest
+                x = np.zeros((len(idx), width), dtype=np.int64)
+                mask = np.zeros((len(idx), width), dtype=np.int64)
+                for row, seq in enumerate(seqs):
+                    x[row, width - len(seq) :] = seq
+                    mask[row, width - len(seq) :] = 1
+                x_t, mask_t = to_device(x, self.device), to_device(mask, self.device)
+                values = hf_token_losses(self._model, x_t, mask_t, self.dtype).cpu().numpy()  # one sync
+                rows, computed = list(values), computed + x.size
+            for row, j in zip(rows, idx, strict=True):
                 t, c, a, e, _ = jobs[j]
-                losses[t][a:e] = values[row, width - (e - a) :]
-            computed += x.size
+                losses[t][a:e] = row[len(row) - (e - a) :]
         return losses, computed, int(lengths.sum())

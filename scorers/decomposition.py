@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .base import Batching, Scored, score_rows
 from .estimator_common import CheckpointScorer, window_differences
 
 
@@ -36,7 +37,17 @@ class DecompositionScorer(CheckpointScorer):
         # the shifted windows run on the same model (two_model sets its own short model)
         self.n_short, self._short = self.n_ctx, self._model
 
-    def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
+    def score(self, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching = Batching()) -> Scored:
+        """As every scorer (length-sorted batches of rows); each batch's windows run in forwards of at
+        most `batching.batch_tokens` positions."""
+        budget = batching.batch_tokens
+        return score_rows(
+            self, input_ids, n_pad, batching, lambda ids, pads: self.score_batch(ids, pads, budget)
+        )
+
+    def score_batch(
+        self, input_ids: np.ndarray, n_pad: np.ndarray, batch_tokens: int | None = None
+    ) -> np.ndarray:
         return window_differences(
             self._model,
             self._short,
@@ -47,6 +58,8 @@ class DecompositionScorer(CheckpointScorer):
             self.pad_id,
             self.device,
             self.dtype,
+            batch_tokens,
+            self.memo if self.pack else None,
         )
 
 

@@ -17,8 +17,11 @@ import torch
 import torch.nn as nn
 from pydantic import Field
 
+from entroweight.models.packing import after_prefix
+
 from .base import ModelOptions, Scorer, ScorerError
 from .forward import autocast, check_dtype, chunked_ce, resolve_dtype, to_compute_dtype, to_device
+from .packing import Memo, pad_prefix
 
 # fp32 logits per forward sub-batch (rows × width × vocabulary × 4 bytes)
 LOGIT_BYTES = 256 << 20
@@ -70,6 +73,7 @@ class CheckpointScorer(Scorer):
 
     kinds: tuple[str, ...] | None = None
     cut_padding = False  # the models attend to the left padding they were trained on
+    _heavy = (*Scorer._heavy, "_memo")
 
     class Options(ModelOptions):
         checkpoint: str = Field(description="One of our checkpoints (a workflow's checkpoint_from).")
@@ -122,6 +126,20 @@ class CheckpointScorer(Scorer):
             self._model = load_model(self.checkpoint, self.device, self.options.get("allow_pickle", False))
             to_compute_dtype(self._model, self.dtype)
 
+    @property
+    def memo(self) -> Memo:
+        """What the model computes once for every batch (pad prefixes; not pickled: rebuilt on a worker)."""
+        if getattr(self, "_memo", None) is None:
+            self._memo = Memo()
+        return self._memo
+
+    def packed_width(self, n_pad: np.ndarray, T: int) -> int:
+        """Columns of each model-width row a packed forward computes: its real tokens and the pad just
+        before them (that pad's output predicts the first real token); the model's width unpacked."""
+        if not self.pack:
+            return self.n_ctx
+        return min(self.n_ctx, int((T - n_pad).max(initial=0)) + 1)
+
     def to_model_width(self, input_ids: np.ndarray, n_pad: np.ndarray) -> tuple[torch.Tensor, int]:
         """(B, T) left-padded ids -> (B, n_ctx) on the device, the checkpoint's pad id on the left; and
         the number of columns added (T > n_ctx is refused: the encoder must read the whole row)."""
@@ -173,44 +191,81 @@ def windows(rows: list[np.ndarray], ends: list[int], keep: int, width: int, pad_
     """For row r and end j: the last `keep` real tokens of rows[r][: j + 1], left-padded to `width`.
     Returns (N, width) int64 windows."""
     out = np.full((len(ends), width), pad_id, dtype=np.int64)
-    for i, (row, j) in enumerate(zip(rows, ends, strict=True)):
-        w = row[max(0, j + 1 - keep) : j + 1]
-        if len(w):
-            out[i, width - len(w) :] = w
+    ends = np.asarray(ends, dtype=np.int64)
+    i = 0
+    while i < len(ends):  # one strided view per run of windows over the same row
+        row, n = rows[i], 1
+        while i + n < len(ends) and rows[i + n] is row:
+            n += 1
+        # a window ending at j is padded[j + 1 : j + 1 + keep], `keep` pads before the row
+        padded = np.concatenate([np.full(keep, pad_id, dtype=np.int64), np.asarray(row, dtype=np.int64)])
+        view = np.lib.stride_tricks.sliding_window_view(padded, keep)
+        out[i : i + n, width - keep :] = view[ends[i : i + n] + 1]
+        i += n
     return out
 
 
 def window_loss_sums(
-    model: nn.Module, wins: np.ndarray, n_targets: np.ndarray, device: str, dtype: str
+    model: nn.Module,
+    wins: np.ndarray,
+    n_targets: np.ndarray,
+    device: str,
+    dtype: str,
+    batch_tokens: int | None = None,
+    pad_id: int | None = None,
+    memo: Memo | None = None,
 ) -> np.ndarray:
     """Σ per-token CE (nats) over the last `n_targets[i]` tokens of window i, each predicted by the
-    position before it under the window's full forward. (N,) float64. Identical windows run once."""
+    position before it under the window's full forward. (N,) float64. Identical windows run once, in
+    sub-batches of at most `batch_tokens` positions (and a few chunks of fp32 logits). With `memo`
+    and a model that reads a pad prefix (llama, mixer: not an estimator, whose pads depend on the
+    window's embedding), a window's leading `pad_id` columns are read from a prefix computed once, and
+    each sub-batch computes the columns of its widest window's other tokens (and the pad before them)."""
     if len(wins) == 0:
         return np.zeros(0)
     uniq, inverse = np.unique(wins, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
-    need = np.zeros(len(uniq), dtype=np.int64)  # targets any request reads from each unique window
-    np.maximum.at(need, inverse, n_targets)
     N, W = uniq.shape
-    step = max(1, LOGIT_BYTES // (4 * W * model_vocab(model)))
+    prefixed = memo is not None and pad_id is not None and hasattr(model, "prefix_of")
+    widths = np.full(N, W, dtype=np.int64)
+    if prefixed:  # leading pads are the shared prefix; keep the one before the first other token
+        lead = np.argmax(uniq != pad_id, axis=1)
+        lead[(uniq == pad_id).all(axis=1)] = W
+        widths = np.minimum(W - lead + 1, W)
+        by_width = np.argsort(-widths, kind="stable")  # widest first: each sub-batch as wide as its first
+        uniq, widths = uniq[by_width], widths[by_width]
+        inverse = np.argsort(by_width)[inverse]
+    need = np.zeros(N, dtype=np.int64)  # targets any request reads from each unique window
+    np.maximum.at(need, inverse, n_targets)
+    per_logits = max(1, LOGIT_BYTES // (4 * model_vocab(model)))
+    bounds, s = [0], 0
+    while s < N:  # sub-batches: rows × width within the budget and the logits' bytes
+        w = int(widths[s])
+        s += max(1, min(per_logits, batch_tokens or per_logits * w) // w)
+        bounds.append(min(s, N))
     order = np.argsort(inverse, kind="stable")  # requests grouped by the sub-batch of their window
-    first = np.searchsorted(inverse[order], np.arange(0, N + step, step))
+    first = np.searchsorted(inverse[order], bounds)
     x_all, need_t = to_device(uniq, device), to_device(need, device)
-    col = torch.arange(1, W, device=device)[None, :]
     found, reqs = [], []
     with torch.inference_mode(), autocast(device, dtype):
-        for c, s in enumerate(range(0, N, step)):
-            x = x_all[s : s + step]
-            pred = col >= (W - need_t[s : s + step])[:, None]  # target column p + 1 is read
-            logits = model(x)[:, :-1]
+        for c, (s, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            w = int(widths[s])
+            x = x_all[s:end, W - w :]
+            if prefixed and w < W:
+                layout = after_prefix(pad_prefix(model, pad_id, memo), W - w, w, device)
+                logits = model.head(model.forward_hidden(model.embed(x), layout=layout))[:, :-1]
+            else:
+                logits = model(x)[:, :-1]
+            col = torch.arange(1, w, device=device)[None, :]
+            pred = col >= (w - need_t[s:end])[:, None]  # target column p + 1 is read
             per_col = chunked_ce(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).view(len(x), -1)
             # ce[u, p]: CE of column p + 1 where it is read (`where`, not boolean indexing: no host
             # sync in the loop); an extra zero column, so that "the last 0 targets" sum to 0
-            ce = torch.zeros(len(x), W, dtype=torch.float64, device=device)
+            ce = torch.zeros(len(x), w, dtype=torch.float64, device=device)
             ce[:, :-1] = torch.where(pred, per_col.double(), 0.0)
             suffix = ce.flip(1).cumsum(1).flip(1)  # suffix[u, p] = Σ_{q ≥ p} ce[u, q]
             req = order[first[c] : first[c + 1]]
-            at = to_device(np.stack([inverse[req] - s, W - 1 - n_targets[req]]), device)
+            at = to_device(np.stack([inverse[req] - s, w - 1 - n_targets[req]]), device)
             found.append(suffix[at[0], at[1]])
             reqs.append(req)
     sums = np.zeros(len(wins))
@@ -228,13 +283,16 @@ def window_differences(
     pad_id: int,
     device: str = "cpu",
     dtype: str = "fp32",
+    batch_tokens: int | None = None,
+    memo: Memo | None = None,
 ) -> np.ndarray:
     """(B, T) left-padded ids -> (B, T) float32, by the chain rule H(t_i | c) = H(c, t_i) − H(c) with
     c = the n_long − 1 tokens before i: value i = L_long(window of the last n_long tokens ending at i,
     width n_long) − L_short(the same window without t_i, width n_short), each L summing CE over the
     same targets but t_i: every token of the window that has a position before it in the long window
     (in a full window the first token has none: it is context in both, never a target). All windows
-    of the batch run together (sub-batched by memory); pads 0."""
+    of the batch run together (sub-batched by `batch_tokens` and memory; with `memo`, the windows'
+    leading pads read from a prefix where the model allows, see `window_loss_sums`); pads 0."""
     B, T = input_ids.shape
     rows, ends, where = [], [], []
     for r in range(B):
@@ -252,14 +310,13 @@ def window_differences(
     t_short = t_long - 1  # the same targets but t_i
     if short is long and n_short == n_long:
         # one model: run the union of windows once (the shifted window of i is usually the window of i − 1)
-        sums = window_loss_sums(
-            long, np.concatenate([w_long, w_short]), np.concatenate([t_long, t_short]), device, dtype
-        )
+        both = np.concatenate([w_long, w_short]), np.concatenate([t_long, t_short])
+        sums = window_loss_sums(long, *both, device, dtype, batch_tokens, pad_id, memo)
         diff = sums[: len(rows)] - sums[len(rows) :]
     else:
-        diff = window_loss_sums(long, w_long, t_long, device, dtype) - window_loss_sums(
-            short, w_short, t_short, device, dtype
-        )
+        diff = window_loss_sums(
+            long, w_long, t_long, device, dtype, batch_tokens, pad_id, memo
+        ) - window_loss_sums(short, w_short, t_short, device, dtype, batch_tokens, pad_id, memo)
     r_idx, c_idx = np.array(where).T
     out[r_idx, c_idx] = diff
     return out

@@ -139,6 +139,7 @@ class ExcessLossScorer(Scorer):
         # each side buckets and pads its own way (HF: cut to the batch; ours: full rows); progress
         # is counted once, on the reference's side
         quiet = Batching(batching.batch_size, batching.batch_tokens)
+        self.model.pack = self.reference.pack = self.pack  # both sides laid out as asked
         model = self.model.score(input_ids, n_pad, quiet)
         reference = self.reference.score(input_ids, n_pad, batching)
         values = model.values - reference.values

@@ -29,19 +29,29 @@ class GradInputScorer(CheckpointScorer):
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         ids, added = self.to_model_width(input_ids, n_pad)
         first = int(n_pad.min()) + added  # no output before the pad just before the first real token
-        raw = grad_input_values(self._model, ids, self.dtype, first=max(first - 1, 0))[:, added:]
+        W = self.packed_width(n_pad, input_ids.shape[1])  # the encoder reads its pad columns once
+        model, pad = self._model, self.pad_id
+        prefix = self.memo.get(("encoder", pad), lambda: model.encoder_prefix(pad)) if self.pack else None
+        raw = grad_input_values(model, ids, self.dtype, max(first - 1, 0), prefix, W)[:, added:]
         fill_first_token(raw, n_pad, n_pad > 0)
         return minmax_rows(raw, n_pad)
 
 
-def grad_input_values(model, ids: torch.Tensor, dtype: str = "fp32", first: int = 0) -> np.ndarray:
+def grad_input_values(
+    model, ids: torch.Tensor, dtype: str = "fp32", first: int = 0, prefix=None, width: int | None = None
+) -> np.ndarray:
     """(B, T) ids -> (B, T) raw float32 attributions, shifted (value t + 1 from output t; value 0 is 0).
-    Outputs before `first` are skipped (they predict pads)."""
+    Outputs before `first` are skipped (they predict pads). With the encoder's pad `prefix`
+    (models/estimator.py `encoder_prefix`), the encoder computes the last `width` columns only."""
     B, T = ids.shape
     out = torch.zeros((B, T), dtype=torch.float32, device=ids.device)  # on the device: one copy at the end
     with torch.enable_grad(), autocast(ids.device.type, dtype):
         with torch.no_grad():
-            e = model.encode(ids)
+            e = (
+                model.encode(ids)
+                if prefix is None
+                else model.encode(ids[:, T - (width or T) :], prefix=prefix)
+            )
         e = e.detach().requires_grad_(True)
         logits = model.decode(ids, e)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))

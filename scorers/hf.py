@@ -340,3 +340,20 @@ def start_token(resolved: Path | str | None, tok: LoadedTokenizer) -> StartToken
     if tok.eos_id is not None:
         return StartToken(tok.eos_id, name(tok.eos_id), "fallback: end-of-text token by name")
     return StartToken(None, None, "fallback: none in the vocabulary")
+
+
+# model types whose attention reads packed rows from `position_ids` alone (transformers' masking
+# utilities turn restarting positions into block-diagonal attention); others are scored row by row
+PACKING_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def packs(model) -> bool:
+    """Whether `model` may be handed several rows in one sequence (scorers/forward.py
+    `hf_packed_losses`): one of transformers' own models of a type known to read them, with a
+    transformers that infers the rows from `position_ids`."""
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return False
+    own = type(model).__module__.startswith("transformers.models.")
+    return own and getattr(model.config, "model_type", None) in PACKING_MODEL_TYPES

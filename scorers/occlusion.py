@@ -40,6 +40,7 @@ from pydantic import Field
 from .base import ScorerError, fill_first_token
 from .estimator_common import CheckpointScorer, hidden_outputs, minmax_rows
 from .forward import autocast
+from .packing import Memo
 
 METRICS = ("l1", "cosine")
 BASELINES = ("empty", "remove")
@@ -74,7 +75,11 @@ class OcclusionScorer(CheckpointScorer):
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         ids, added = self.to_model_width(input_ids, n_pad)
-        raw = occlusion_values(self._model, ids, self.pad_id, self.metric, self.dtype, self.baseline)
+        width = self.packed_width(n_pad, input_ids.shape[1])
+        memo = self.memo if self.pack else None
+        raw = occlusion_values(
+            self._model, ids, self.pad_id, self.metric, self.dtype, self.baseline, width, memo
+        )
         raw = raw[:, added:]
         fill_first_token(raw, n_pad, n_pad > 0)
         # pads: Scorer.score zeroes them after every batch
@@ -82,40 +87,65 @@ class OcclusionScorer(CheckpointScorer):
 
 
 def occlusion_values(
-    model, ids: torch.Tensor, pad_id: int, metric: str = "l1", dtype: str = "fp32", baseline: str = "empty"
+    model,
+    ids: torch.Tensor,
+    pad_id: int,
+    metric: str = "l1",
+    dtype: str = "fp32",
+    baseline: str = "empty",
+    width: int | None = None,
+    memo: Memo | None = None,
 ) -> np.ndarray:
     """(B, T) ids -> (B, T) raw float32 occlusion values, already shifted (value t about token t; value 0
     is 0): the unnormalised L1 distance or 1 − cos between the logits with the embedding and with the
-    baseline (`empty`: the embedding of a row of `pad_id`; `remove`: none, see the module doc)."""
+    baseline (`empty`: the embedding of a row of `pad_id`; `remove`: none, see the module doc).
+    Values are computed for the last `width` columns only (the rest: 0), the columns before them being
+    `pad_id`. With `memo`, what does not depend on the row is computed once (scorers/packing.py): the
+    encoder and the baseline's decoder read the pad columns from a prefix; the decoder with the row's
+    own embedding reads its pads whole (their states depend on that embedding)."""
     if metric not in METRICS:  # before the forward passes, not after
         raise ScorerError(f"metric must be one of {', '.join(METRICS)}, not {metric!r}")
     if baseline not in BASELINES:
         raise ScorerError(f"baseline must be one of {', '.join(BASELINES)}, not {baseline!r}")
     device = ids.device.type
+    B, T = ids.shape
+    W = min(width or T, T)
     with torch.inference_mode(), autocast(device, dtype), hidden_outputs(model) as head:
-        h = model.decode(ids, model.encode(ids))[:, :-1]
-        empty = torch.full_like(ids[:1], pad_id)
-        base = model.encode(empty).expand(len(ids), -1) if baseline == "empty" else None
-        h_o = model.decode(ids, base)[:, :-1]
-    B, T1, D = h.shape
-    W = head.weight.float()
-    out = np.zeros((B, T1 + 1), dtype=np.float32)
+        if memo is None:
+            e = model.encode(ids)
+            empty = torch.full_like(ids[:1], pad_id)
+            base = model.encode(empty) if baseline == "empty" else None
+            h_o = model.decode(ids, None if base is None else base.expand(B, -1))[:, T - W : -1]
+        else:
+            pre = memo.get(("encoder", pad_id), lambda: model.encoder_prefix(pad_id))
+            e = model.encode(ids[:, T - W :], prefix=pre)
+            base = memo.get(("empty", pad_id), lambda: model.encode(torch.full_like(ids[:1], pad_id)))
+            base = base if baseline == "empty" else None
+            dec = memo.get(("decoder", pad_id, baseline), lambda: model.decoder_prefix(pad_id, base))
+            emb = None if base is None else base.expand(B, -1)
+            h_o = model.decode(ids[:, T - W :], emb, prefix=dec)[:, :-1]
+        h = model.decode(ids, e)[:, T - W : -1]
+    D = h.shape[-1]
+    out = np.zeros((B, T), dtype=np.float32)
     with torch.inference_mode():
         if metric == "l1":
-            diff = (h.float() - h_o.float()).reshape(-1, D)
+            # the head in the compute dtype (its weights are stored in it), the norm summed in fp32
+            Wt = head.weight
+            diff = (h.float() - h_o.float()).reshape(-1, D).to(Wt.dtype)
             # cache-sized chunks, and the norm without an |x| temporary: as fast as one bare head matmul
-            rows = max(1, L1_CHUNK_BYTES // (4 * W.shape[0]))
+            rows = max(1, L1_CHUNK_BYTES // (4 * Wt.shape[0]))
             norms = [
-                torch.linalg.vector_norm(diff[s : s + rows] @ W.T, ord=1, dim=-1)
+                torch.linalg.vector_norm(diff[s : s + rows] @ Wt.T, ord=1, dim=-1, dtype=torch.float32)
                 for s in range(0, len(diff), rows)
             ]
             vals = torch.cat(norms)
         else:  # cosine
-            G = W.T @ W  # logits·logits' = h Wᵀ W h'
+            Wf = head.weight.float()
+            G = Wf.T @ Wf  # logits·logits' = h Wᵀ W h'
             a, b = h.float().reshape(-1, D), h_o.float().reshape(-1, D)
             aG = a @ G
             ab, aa, bb = (aG * b).sum(-1), (aG * a).sum(-1), ((b @ G) * b).sum(-1)
             cos = ab / (aa.clamp_min(1e-30) * bb.clamp_min(1e-30)).sqrt()
             vals = (1.0 - cos).clamp(0.0, 2.0)
-    out[:, 1:] = vals.reshape(B, T1).cpu().numpy()
+    out[:, T - W + 1 :] = vals.reshape(B, W - 1).cpu().numpy()
     return out

@@ -69,6 +69,7 @@ def test_causal_loss_cuts_the_padding_of_a_pad_masking_checkpoint(masked_ckpt, r
 
     full = scorer()
     full.batch_width = lambda longest, T: T  # every row at the data's full width, pads and all
+    full.pack = False
     full_scored = full.score(ids, n_pad)
     want = full_scored.values
     cut = scorer()

@@ -145,7 +145,10 @@ def test_token_budget_equals_the_per_row_path(case, checkpoints, rows):
     # min-max normalised scorers: values in [0, 1] per row, so 1e-5 of the row's range (the batch's
     # float rounding, ~1e-7 of a raw value, is divided by a row's max − min); excess_loss: a difference
     # of two CEs of a few nats each, so it carries both CEs' rounding (seen: 1.9e-6 on a value of 0.09)
-    atol = 1e-5 if case in ("grad_input", "occlusion_l1", "excess_loss") else 1e-6
+    # decomposition/two_model: a difference of two sums of ~n_ctx CEs (hundreds of nats), whose rounding
+    # moves with the windows' sub-batches (seen: 3.8e-6 on a value of 0.058, 2e-8 of the sums)
+    loose = ("grad_input", "occlusion_l1", "excess_loss", "decomposition", "two_model")
+    atol = 1e-5 if case in loose else 1e-6
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol)
     computed, real = scored.computed, scored.real
     assert real == int((N_CTX - n_pad).sum()) * (2 if case == "excess_loss" else 1)

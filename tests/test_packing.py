@@ -1,0 +1,156 @@
+# ruff: noqa: F811 - pytest fixtures imported from other test modules
+"""Packed scoring (scorers/packing.py, models/packing.py) gives the values of the per-row path to
+1e-5 in fp32, for every scorer of the registry over every layout its models take: several rows in
+one sequence (HF llama, our `mask_pads` llama), rows after a shared pad prefix (the write-up's
+models, which attend to their padding: our llama and mixer, the estimators' encoders and their
+baseline decoders), decomposition's windows. Real C4 rows of mixed lengths, some full."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_token_budget import BUDGET, N_CTX, PAD, VOCAB, data, one_thread, rows, sha  # noqa: F401
+from test_token_budget import checkpoints as budget_checkpoints  # noqa: F401
+
+from entroweight.models.checkpoint import save_checkpoint
+from entroweight.models.estimator import EntropyEstimator
+from entroweight.models.llama import Llama
+from entroweight.models.mixer import MaskedMixer
+from entroweight.models.packing import Layout, block_causal, flex_block_causal
+from entroweight.scorers import Batching, make_scorer
+from entroweight.scorers.packing import pack_rows
+from entroweight.scorers.registry import BUILTIN
+
+
+@pytest.fixture(scope="module")
+def checkpoints(budget_checkpoints, tmp_path_factory, sha):
+    """The token-budget test's models, and one of each other layout: a `mask_pads` llama, a mixer, and
+    estimators with a llama encoder and the other injections."""
+    root = tmp_path_factory.mktemp("pack-models")
+    torch.manual_seed(1)
+
+    def save(model, name, kind):
+        n_ctx = model.config.n_ctx
+        return str(save_checkpoint(model, kind, root / name, tokenizer_sha256=sha, n_ctx=n_ctx, pad_id=PAD))
+
+    def estimator(injection, encoder, decoder):
+        cfg = EntropyEstimator.Config(
+            vocab_size=VOCAB, n_ctx=N_CTX, injection=injection, encoder=encoder, decoder=decoder,
+            encoder_config={"d_model": 32, "n_layers": 1, "n_heads": 2},
+            decoder_config={"d_model": 32, "n_layers": 2, "n_heads": 2}, embed_dim=8, noise="none",
+            init_std=0.2,
+        )  # fmt: skip
+        return EntropyEstimator(cfg).eval()
+
+    small = dict(vocab_size=VOCAB, n_ctx=N_CTX, d_model=32, n_layers=2)
+    return {
+        **budget_checkpoints,
+        "masked": save(Llama(Llama.Config(**small, n_heads=2, d_ff=64, mask_pads=True)).eval(), "m", "llama"),
+        "mixer": save(MaskedMixer(MaskedMixer.Config(**small, n_heads=2, kernel=3)).eval(), "mixer", "mixer"),
+        "est_llama": save(estimator("token", "llama", "llama"), "est_llama", "estimator"),
+        "est_emb": save(estimator("embedding", "llama", "mixer"), "est_emb", "estimator"),
+        "est_comb": save(estimator("combination", "mixer", "llama"), "est_comb", "estimator"),
+    }
+
+
+# every built-in scorer, each over the layouts its models take
+CASES = {
+    "causal_loss": [
+        {"model": "hf"},
+        {"checkpoint": "llama"},
+        {"checkpoint": "masked"},
+        {"checkpoint": "mixer"},
+        {"checkpoint": "est"},  # an estimator read as a causal LM: its own embedding, row by row
+    ],
+    "cross_tokenizer": [{"model": "hf", "context": 16}, {"model": "hf", "context": 16, "aggregate": "sum"}],
+    "occlusion": [
+        {"checkpoint": "est"},
+        {"checkpoint": "est", "metric": "cosine"},
+        {"checkpoint": "est", "baseline": "remove"},
+        {"checkpoint": "est_llama"},
+        {"checkpoint": "est_emb"},
+        {"checkpoint": "est_comb", "baseline": "remove"},
+    ],
+    "decomposition": [{"checkpoint": "est"}, {"checkpoint": "llama"}],
+    "two_model": [{"checkpoint": "est", "checkpoint_short": "short"}],
+    "grad_input": [{"checkpoint": "est"}, {"checkpoint": "est_llama"}],
+    "excess_loss": [{"checkpoint": "llama", "reference": "hf"}],
+}
+PARAMS = [(name, i) for name, cases in CASES.items() for i in range(len(cases))]
+
+
+def test_every_builtin_scorer_has_packing_cases():
+    assert set(CASES) == set(BUILTIN)
+
+
+def scorer(name, options, checkpoints, tokenizer_dir, packed: bool):
+    from entroweight.transforms.tokenizer import load_tokenizer
+
+    opts = {k: checkpoints.get(v, v) if isinstance(v, str) else v for k, v in options.items()}
+    s = make_scorer(name, dtype="fp32", **opts)
+    s.pack = packed
+    s.setup(load_tokenizer(tokenizer_dir))
+    return s
+
+
+@pytest.mark.parametrize("name,i", PARAMS, ids=[f"{n}-{i}" for n, i in PARAMS])
+def test_packed_values_equal_the_per_row_path(name, i, checkpoints, rows, tokenizer_dir):
+    ids, n_pad = rows
+    if name in ("grad_input", "decomposition", "two_model"):  # one pass per position: fewer rows
+        ids, n_pad = ids[:6], n_pad[:6]
+    options = CASES[name][i]
+    want = scorer(name, options, checkpoints, tokenizer_dir, False).score(ids, n_pad, Batching(batch_size=1))
+    got = scorer(name, options, checkpoints, tokenizer_dir, True).score(
+        ids, n_pad, Batching(batch_tokens=BUDGET)
+    )
+    assert np.abs(want.values).max() > 0
+    # min-max normalised values are divided by a row's range: 1e-5 of that range
+    np.testing.assert_allclose(got.values, want.values, rtol=1e-5, atol=1e-5)
+    assert got.real == want.real
+
+
+def test_packing_computes_no_pads_for_the_models_that_allow_it(checkpoints, rows, tokenizer_dir):
+    """A model that reads packed rows or a pad prefix computes about its real tokens, not the rows'
+    padding (the per-row path computes every pad of the data)."""
+    ids, n_pad = rows
+    real = int((ids.shape[1] - n_pad).sum())
+    for options in (
+        {"model": "hf"},
+        {"checkpoint": "llama"},
+        {"checkpoint": "masked"},
+        {"checkpoint": "mixer"},
+    ):
+        got = scorer("causal_loss", options, checkpoints, tokenizer_dir, True).score(
+            ids, n_pad, Batching(batch_tokens=BUDGET)
+        )
+        assert got.computed <= 1.3 * real + len(ids), options
+
+
+def test_pack_fills_each_sequence_and_keeps_rows_whole():
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(1, 50, size=n) for n in rng.integers(0, 33, size=40)]
+    p = pack_rows(rows, 32)
+    for r, (n, s) in enumerate(p.starts):
+        np.testing.assert_array_equal(p.ids[n, s : s + len(rows[r])], rows[r])
+        np.testing.assert_array_equal(p.positions[n, s : s + len(rows[r])], np.arange(len(rows[r])))
+        assert (p.segments[n, s : s + len(rows[r])] == r).all()
+    assert (p.segments >= 0).sum() == sum(map(len, rows))
+    # first-fit decreasing: each row over half the width alone, the rest close to full sequences
+    assert len(p.ids) <= max(sum(len(r) > 16 for r in rows), -(-sum(map(len, rows)) // 32)) + 2
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # eager FlexAttention on a CPU (CUDA compiles it)
+def test_flex_attention_block_mask_equals_the_bool_mask():
+    """The CUDA layout (FlexAttention's block mask) gives the values of the CPU one (SDPA, bool mask)."""
+    torch.manual_seed(0)
+    model = Llama(Llama.Config(vocab_size=64, n_ctx=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2))
+    rows = [torch.randint(1, 64, (n,)) for n in (9, 17, 4, 30)]
+    p = pack_rows([r.numpy() for r in rows], 32)
+    x, seg, pos = (torch.as_tensor(a) for a in (p.ids, p.segments, p.positions))
+    with torch.no_grad():
+        want = [model.forward_hidden(model.embed(r[None]))[0] for r in rows]
+        for mask in (block_causal(seg), flex_block_causal(seg)):
+            h = model.forward_hidden(model.embed(x), layout=Layout(positions=pos, mask=mask))
+            for r, (n, s) in enumerate(p.starts):
+                torch.testing.assert_close(h[n, s : s + len(rows[r])], want[r], rtol=1e-5, atol=1e-5)
