@@ -13,17 +13,19 @@ and writes one segment while the next is scored (`pipelines.weighted.WeightedSha
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from entroweight import __version__, storage
-from entroweight.schemas import ShardManifest, read_file_metadata
+from entroweight.schemas import ROW_IN_DOC, ShardManifest, document_starts, read_file_metadata
 from entroweight.schemas.datadir import DataDir, DataDirError
 from entroweight.schemas.manifest import ShardInput
 from entroweight.schemas.weighted import matrix
@@ -75,7 +77,11 @@ def max_id(files: list[str]) -> tuple[int, str | None]:
 def tokenized(data_dir) -> DataDir:
     """The tokenized directory a score stage reads, refused unless it is one, complete."""
     try:
-        return DataDir(data_dir).require("sequences", hint="tokenize first (`entroweight tokenize`)")
+        return (
+            DataDir(data_dir)
+            .require("sequences", hint="tokenize first (`entroweight tokenize`)")
+            .require_documents()
+        )
     except DataDirError as e:
         raise StageError(str(e)) from None
 
@@ -248,15 +254,23 @@ class ScoreStage(Stage):
                 self, task, self.file_metadata(), self.weighting, self.with_entropy, self.steps
             ) as out,
         ):
-            for batch in source.iter_batches(batch_size=self.segment_rows()):
-                ids = matrix(batch.column("input_ids"))
-                n_pad = batch.column("n_pad").to_numpy().astype(np.int64)
-                scored = self.scorer.score(ids, n_pad, batching)
+            batches = source.iter_batches(batch_size=self.segment_rows())
+            for rows, n_context in segments(batches) if self.scorer.reads_documents else _alone(batches):
+                ids = matrix(rows.column("input_ids"))
+                n_pad = rows.column("n_pad").to_numpy().astype(np.int64)
+                if self.scorer.reads_documents:
+                    continues = rows.column(ROW_IN_DOC).to_numpy() > 0
+                    scored = self.scorer.score(ids, n_pad, batching, continues=continues)
+                else:
+                    scored = self.scorer.score(ids, n_pad, batching)
+                batch = rows.slice(n_context)  # the rows of the segment, after their left context
+                values = scored.values[n_context:]
+                excluded = None if scored.excluded is None else scored.excluded[n_context:]
                 bar.update(first + batch.num_rows - bar.n)  # for scorers that report no batches
                 computed += scored.computed
                 real += scored.real
                 add_stats(stats, scored.stats)
-                out.add(batch, scored.values, scored.excluded, first)
+                out.add(batch, values, excluded, first)
                 first += batch.num_rows
             from entroweight.scorers.forward import resolved_device
 
@@ -275,4 +289,40 @@ class ScoreStage(Stage):
             )
 
 
-__all__ = ["ScoreStage", "ScorerError"]
+def _alone(batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[pa.RecordBatch, int]]:
+    return ((b, 0) for b in batches)
+
+
+def segments(batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[pa.RecordBatch, int]]:
+    """(rows, n_context) for a scorer that reads documents: the shard's rows in order, each segment
+    ending where a document starts (the rows of a document that began in it are held back for the
+    next one), so a document shorter than a segment is scored whole. A segment that begins inside a
+    document (one longer than a segment, or packed windows) comes after `n_context` = 1 row of left
+    context, the row before it, scored again and not written. Memory: at most two segments' rows."""
+    held: pa.RecordBatch | None = None
+    previous: pa.RecordBatch | None = None  # the last row of the segment before
+
+    def with_context(rows: pa.RecordBatch) -> tuple[pa.RecordBatch, int]:
+        nonlocal previous
+        begins_inside = rows.column(ROW_IN_DOC)[0].as_py() > 0
+        last, n_context = rows.slice(rows.num_rows - 1), 0
+        if begins_inside and previous is not None:
+            rows, n_context = pa.concat_batches([previous, rows]), 1
+        previous = last
+        return rows, n_context
+
+    for batch in batches:
+        rows = batch if held is None else pa.concat_batches([held, batch])
+        held = None
+        if rows.num_rows == 0:
+            continue
+        starts = document_starts(rows.column(ROW_IN_DOC).to_numpy())
+        cut = int(starts[-1]) if len(starts) and starts[-1] > 0 else rows.num_rows
+        if cut < rows.num_rows:
+            held = rows.slice(cut)
+        yield with_context(rows.slice(0, cut))
+    if held is not None:
+        yield with_context(held)
+
+
+__all__ = ["ScoreStage", "ScorerError", "segments"]

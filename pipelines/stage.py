@@ -420,6 +420,8 @@ def _mismatch_message(out: AnyPath, old: StageRecord, new: StageRecord) -> str:
         for k in keys
         if old.config.get(k) != new.config.get(k)
     ]
+    if not diff and old.stage == new.stage:  # the same settings: FORMAT_VERSION changed what they write
+        diff = [f"the data format changed since entroweight {old.code_version} wrote it"]
     return (
         f"{out} holds {old.stage} output of another config ({old.config_hash}); this run's config is "
         f"{new.config_hash} ({'; '.join(diff) or 'stage changed'}). Write to a new --out directory, "

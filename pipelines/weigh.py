@@ -34,7 +34,11 @@ READ_ROWS = 4096  # rows read, weighed and written at a time
 def weighted(data_dir) -> DataDir:
     """The weighted directory a weigh stage reads, refused unless it is one, complete."""
     try:
-        return DataDir(data_dir).require("weighted", hint="score it first (`entroweight score`)")
+        return (
+            DataDir(data_dir)
+            .require("weighted", hint="score it first (`entroweight score`)")
+            .require_documents()
+        )
     except DataDirError as e:
         raise StageError(str(e)) from None
 

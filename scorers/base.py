@@ -139,6 +139,10 @@ class Scorer(ABC):
     unit: ClassVar[str] = "nats"
     #: cut left padding to the batch's longest row; a model that attends to pads must keep them
     cut_padding: bool = True
+    #: `score` reads a split document's rows as one text: the score stage hands every row of a
+    #: document in one call where it can (else after the row before it, as left context) and passes
+    #: `continues`; a scorer of rows on their own leaves it False
+    reads_documents: ClassVar[bool] = False
     #: loaded by setup(); never pickled (engines ship the scorer to workers, which call setup())
     _heavy: ClassVar[tuple[str, ...]] = ("_model", "_model_tok", "_data_tok")
 
@@ -178,10 +182,18 @@ class Scorer(ABC):
         width T): that row's length when padding is cut, else the whole row (a model may widen it)."""
         return max(longest, 1) if self.cut_padding else T
 
-    def score(self, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching = Batching()) -> Scored:
+    def score(
+        self,
+        input_ids: np.ndarray,
+        n_pad: np.ndarray,
+        batching: Batching = Batching(),
+        continues: np.ndarray | None = None,
+    ) -> Scored:
         """(B, T) left-padded ids -> Scored, values in the input order; pads 0. The rows are batched
         by `plan_batches` (sorted by real length; a token budget when `batching.batch_tokens` is set),
-        each batch cut to its widest real row where the model allows it (`cut_padding`)."""
+        each batch cut to its widest real row where the model allows it (`cut_padding`).
+        `continues` (bool per row: the row goes on with the document of the row before it) is for a
+        scorer that `reads_documents`; a scorer of rows on their own ignores it."""
         return score_rows(self, input_ids, n_pad, batching)
 
     def __getstate__(self):
