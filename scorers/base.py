@@ -163,6 +163,13 @@ class Scorer(ABC):
         when it reads text or cannot tell. The score stage refuses data with larger ids up front."""
         return None
 
+    @classmethod
+    def unit_of(cls, options: dict[str, Any]) -> str | None:
+        """The unit of the values this scorer writes with `options`, told without constructing it (no
+        checkpoint read: a workflow's validation asks before any step ran); None when it cannot tell.
+        A scorer whose unit depends on its options overrides this, and its `unit` calls it."""
+        return cls.unit if isinstance(cls.__dict__.get("unit", getattr(cls, "unit", None)), str) else None
+
     # -- worker side
     @abstractmethod
     def setup(self, data_tokenizer=None) -> None:
