@@ -1,5 +1,9 @@
 """The score stage: a tokenized directory's shards -> weighted shards (ids + entropy + weight).
 
+Its input may also be weighted data (the output of score or weigh): its sequences are scored anew, its
+stored values, weights and the previous scorer's metadata are left behind, so the output is the same
+bytes as scoring the tokens they came from.
+
 Each `part-NNNNN.parquet` of sequences becomes a `part-NNNNN.parquet` of weighted sequences (the
 same name) in the output directory, with its manifest. The file metadata is the input's plus the
 scorer, its model id / checkpoint sha256 and the weighting. Input whose tokenizer is not the one the
@@ -25,7 +29,8 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from entroweight import __version__, storage
-from entroweight.schemas import ROW_IN_DOC, ShardManifest, document_starts, read_file_metadata
+from entroweight.schemas import ROW_IN_DOC, FileMetadata, ShardManifest, document_starts, read_file_metadata
+from entroweight.schemas.arrow import WEIGHTED_COLUMNS
 from entroweight.schemas.datadir import DataDir, DataDirError
 from entroweight.schemas.manifest import ShardInput
 from entroweight.schemas.weighted import matrix
@@ -42,7 +47,7 @@ from entroweight.transforms.tokenizer import (
 from entroweight.transforms.weigh import WeighConfig
 
 from .stage import ShardTask, Stage, StageError
-from .weighted import WEIGHING_KEYS, WeightedShardWriter, check_steps, part_inputs, weighing_metadata
+from .weighted import WeightedShardWriter, check_steps, part_inputs, weighing_metadata
 
 # positions (rows × n_ctx) scored together: the rows of a segment are sorted by length into batches
 # (fuller batches the more rows there are), and two segments are in memory at a time
@@ -74,14 +79,15 @@ def max_id(files: list[str]) -> tuple[int, str | None]:
     return top, where
 
 
-def tokenized(data_dir) -> DataDir:
-    """The tokenized directory a score stage reads, refused unless it is one, complete."""
+def tokens_of(data_dir) -> DataDir:
+    """The directory a score stage reads, refused unless it is one stage's complete output holding
+    tokens: tokenized data, or weighted data (score's or weigh's output), whose ids are the same
+    sequences (its values and weights are not read)."""
     try:
-        return (
-            DataDir(data_dir)
-            .require("sequences", hint="tokenize first (`entroweight tokenize`)")
-            .require_documents()
-        )
+        d = DataDir(data_dir).require(hint="tokenize first (`entroweight tokenize`)")
+        if d.kind not in ("sequences", "weighted"):
+            raise DataDirError(f"{d.location} holds the output of `{d.stage}`, not tokens to score")
+        return d.require_documents()
     except DataDirError as e:
         raise StageError(str(e)) from None
 
@@ -129,7 +135,7 @@ class ScoreStage(Stage):
     # -- driver side
     @cached_property
     def data(self) -> DataDir:
-        return tokenized(self.data_dir)
+        return tokens_of(self.data_dir)
 
     @cached_property
     def input_meta(self) -> dict[str, Any]:
@@ -207,7 +213,8 @@ class ScoreStage(Stage):
         }
 
     def file_metadata(self) -> dict[str, Any]:
-        inherited = {k: v for k, v in self.input_meta.items() if k not in WEIGHING_KEYS}
+        # the tokens' facts only: the metadata of a weighted input's scorer and weighting is not ours
+        inherited = {k: v for k, v in self.input_meta.items() if k in FileMetadata.model_fields}
         return {
             **inherited,
             "stage": self.name,
@@ -254,7 +261,9 @@ class ScoreStage(Stage):
                 self, task, self.file_metadata(), self.weighting, self.with_entropy, self.steps
             ) as out,
         ):
-            batches = source.iter_batches(batch_size=self.segment_rows())
+            # the sequences only: a weighted input's values and weights are not read
+            columns = [n for n in source.schema_arrow.names if n not in WEIGHTED_COLUMNS]
+            batches = source.iter_batches(batch_size=self.segment_rows(), columns=columns)
             for rows, n_context in segments(batches) if self.scorer.reads_documents else _alone(batches):
                 ids = matrix(rows.column("input_ids"))
                 n_pad = rows.column("n_pad").to_numpy().astype(np.int64)
