@@ -98,7 +98,7 @@ def open_scored(src: str | Path) -> Source:
         d = DataDir(src).require(
             "weighted", complete=True, hint="run `entroweight score` (or `weigh`) on tokenized data first"
         )
-        d.require_documents()  # documents are found by `row_in_doc`, never by equal ids
+        d.require_documents().require_one_config()  # documents by `row_in_doc`; one configuration
     except DataDirError as e:
         raise ExportError(str(e)) from None
     meta = read_file_metadata(d.files[0])

@@ -87,7 +87,7 @@ def tokens_of(data_dir) -> DataDir:
         d = DataDir(data_dir).require(hint="tokenize first (`entroweight tokenize`)")
         if d.kind not in ("sequences", "weighted"):
             raise DataDirError(f"{d.location} holds the output of `{d.stage}`, not tokens to score")
-        return d.require_documents()
+        return d.require_documents().require_one_config()
     except DataDirError as e:
         raise StageError(str(e)) from None
 
@@ -189,6 +189,9 @@ class ScoreStage(Stage):
         self.prepare()
         inputs = part_inputs(self.data, "sequences")
         return inputs[: self.limit] if self.limit else inputs
+
+    def input_universe(self, planned: list[ShardInput]) -> set[str]:
+        return {p.location for p in self.data.parts}  # with `limit`: the parts not yet scored too
 
     def carry(self, out_dir) -> None:
         if self.tokenizer_path is not None:  # the weighted data stays self-describing

@@ -38,6 +38,7 @@ def weighted(data_dir) -> DataDir:
             DataDir(data_dir)
             .require("weighted", hint="score it first (`entroweight score`)")
             .require_documents()
+            .require_one_config()
         )
     except DataDirError as e:
         raise StageError(str(e)) from None
@@ -66,8 +67,8 @@ class WeighStage(Stage):
         return read_file_metadata(self.data.files[0])
 
     def _prepare(self) -> None:
-        for f in self.data.files:
-            _check_values_stored(f)
+        for f, schema in zip(self.data.files, self.data.part_schemas, strict=True):
+            _check_values_stored(f, schema)
         try:
             path = data_tokenizer(self.data_dir, self.input_meta["tokenizer_sha256"])
         except TokenizerError as e:
@@ -116,10 +117,9 @@ class WeighStage(Stage):
             return out.finish()
 
 
-def _check_values_stored(path: str) -> None:
+def _check_values_stored(path: str, schema) -> None:
     """A shard the stage can re-weigh: its raw values are stored (not scored with --drop-entropy)."""
-    names = pq.read_schema(storage.open_input(path)).names
-    if ENTROPY not in names:
+    if ENTROPY not in schema.names:
         raise StageError(
             f"{path} was scored with --drop-entropy: there are no stored entropies to re-weigh; "
             "score the tokenized data again without --drop-entropy"

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from entroweight import storage
 
 from .arrow import DocumentRowsMissing, require_row_in_doc
+from .compat import Incompatible, check_part_config
 from .manifest import (
     REJECTS_DIR,
     SHARDS_FILE,
@@ -187,6 +188,26 @@ class DataDir:
         if not self.is_weighted or not self.parts:
             return None
         return weight_dtype(self.schema) if WEIGHT in self.schema.names else None
+
+    @cached_property
+    def part_schemas(self) -> list[pa.Schema]:
+        """The Arrow schema (with its metadata) of every part, one footer read each."""
+
+        def read(location: str) -> pa.Schema:
+            with storage.open_input(location) as f:
+                return pq.read_schema(f)
+
+        return [read(p.location) for p in self.parts]
+
+    def require_one_config(self) -> DataDir:
+        """This directory, refused (DataDirError) when a part's own metadata records another
+        configuration than its manifest (a shard of another run copied in): `schemas.compat`."""
+        try:
+            for part, schema in zip(self.parts, self.part_schemas, strict=True):
+                check_part_config(part, schema)
+        except Incompatible as e:
+            raise DataDirError(str(e)) from None
+        return self
 
     def require_documents(self) -> DataDir:
         """This directory, refused (DataDirError) unless its rows record where each document starts
