@@ -30,7 +30,12 @@ TOGETHER = {
 
 
 class Incompatible(ValueError):
-    """Inputs that cannot go together; the message names the field, both inputs and both values."""
+    """Inputs that cannot go together; the message names the field, both inputs and both values
+    (`fact`), then what to do."""
+
+    def __init__(self, fact: str, hint: str):
+        self.fact = fact
+        super().__init__(f"{fact}; {hint}")
 
 
 def facts(schema: pa.Schema) -> dict[str, Any]:
@@ -62,10 +67,8 @@ def check_compatible(inputs: list[tuple[str, dict[str, Any]]], fields=TOGETHER, 
                     if key == "config_hash"
                     else "give inputs made alike"
                 )
-                raise Incompatible(
-                    f"{what}{name} differs: {where_a} has {_short(a[key])}, {where_b} has {_short(b[key])}; "
-                    f"{hint}"
-                )
+                fact = f"{what}{name} differs: {where_a} has {_short(a[key])}, {where_b} has {_short(b[key])}"
+                raise Incompatible(fact, hint)
 
 
 def check_part_config(part, schema: pa.Schema) -> None:

@@ -84,7 +84,7 @@ def compare_dirs(dir_a: str | Path, dir_b: str | Path, column: str = "entropy") 
         fields = {k: v for k, v in TOGETHER.items() if k not in ("unit", "weight_dtype")}
         check_compatible([(str(dir_a), meta_a), (str(dir_b), meta_b)], fields)
     except Incompatible as e:
-        raise AgreementError(f"{e}: score the same tokenized directory with both scorers") from None
+        raise AgreementError(f"{e.fact}: score the same tokenized directory with both scorers") from None
     common = sorted(set(a) & set(b))
     if not common:
         raise AgreementError(
