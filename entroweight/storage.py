@@ -550,11 +550,12 @@ class Lease:
     which S3 and GCS honour), naming its holder and when it expires. A heartbeat renews it while held;
     a holder that died stops renewing, and once its lease expires the next run takes it over.
 
-    On S3 every change is conditional on what was read: a takeover overwrites the stale lease only if it
-    is still the object read (`If-Match` its ETag), and a renewal only if it is still this holder's, so of
-    several contenders for one expired lease exactly one wins, and a holder that lost its lease (paused
-    past its TTL) never overwrites its successor's. Elsewhere (gs://, memory://) a takeover deletes the
-    stale object and creates anew (the create is conditional; the delete is not)."""
+    On S3 and GCS every change is conditional on what was read: a takeover overwrites the stale lease
+    only if it is still the object read (S3: `If-Match` its ETag; GCS: `ifGenerationMatch` its
+    generation), and a renewal only if it is still this holder's, so of several contenders for one
+    expired lease exactly one wins, and a holder that lost its lease (paused past its TTL) never
+    overwrites its successor's. Elsewhere (memory://, a store with neither) a takeover deletes the stale
+    object and creates anew (the create is conditional; the delete is not)."""
 
     def __init__(self, p: AnyPath, ttl: float = 120.0):
         self.path = path(p)
@@ -562,9 +563,13 @@ class Lease:
         self.holder = f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
-        self._etag: str | None = None  # of the lease object this holder last wrote (S3)
+        self._etag: str | None = None  # of the lease object this holder last wrote (S3 ETag, GCS generation)
         fs, inner = filesystem(self.path)
         self._s3 = hasattr(fs, "_call_s3")
+        self._gcs = not self._s3 and "gs" in (
+            fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+        )
+        self._conditional = self._s3 or self._gcs  # every write conditional on what was read
         self._fs, (self._bucket, _, self._key) = fs, inner.partition("/")
 
     def _record(self) -> bytes:
@@ -574,6 +579,8 @@ class Lease:
     # the object is still absent / still the one with that tag
     def _put(self, **condition) -> bool:
         """A conditional PutObject of a fresh record; False when its precondition failed."""
+        if self._gcs:
+            return self._gcs_put(condition)
         try:
             r = self._fs.call_s3(
                 "put_object", Bucket=self._bucket, Key=self._key, Body=self._record(), **condition
@@ -586,8 +593,30 @@ class Lease:
         self._etag = r["ETag"]
         return True
 
+    def _gcs_put(self, condition: dict) -> bool:
+        """The GCS form of `_put`: one media upload with `ifGenerationMatch` (0: only if absent; else
+        only if the object is still that generation); a 412 (gcsfs: FileExistsError) is a lost race."""
+        from urllib.parse import quote
+
+        match = "0" if condition.get("IfNoneMatch") == "*" else str(condition["IfMatch"])
+        try:
+            r = self._fs.call(
+                "POST",
+                f"{self._fs._location}/upload/storage/v1/b/{quote(self._bucket)}/o",
+                uploadType="media",
+                name=self._key,
+                ifGenerationMatch=match,
+                headers={"Content-Type": "application/json"},
+                data=self._record(),
+                json_out=True,
+            )
+        except FileExistsError:
+            return False
+        self._etag = str(r["generation"])
+        return True
+
     def _try_create(self) -> bool:
-        if self._s3:
+        if self._conditional:
             return self._put(IfNoneMatch="*")
         fs, inner = filesystem(self.path)
         try:
@@ -598,7 +627,17 @@ class Lease:
             return False
 
     def _read(self) -> tuple[dict | None, str | None]:
-        """The lease's record and its ETag, from one GET (None, None when absent)."""
+        """The lease's record and its ETag (GCS: generation), from one GET (None, None when absent)."""
+        if self._gcs:
+            try:
+                headers, raw = self._fs.call("GET", self._fs.url(f"{self._bucket}/{self._key}"))
+            except FileNotFoundError:
+                return None, None
+            generation = {k.lower(): v for k, v in headers.items()}["x-goog-generation"]
+            try:
+                return json.loads(raw), generation
+            except ValueError:  # a torn or foreign object: treat as expired
+                return {"holder": "?", "expires": 0}, generation
         if not self._s3:
             return self._current(), None
         from fsspec.asyn import sync
@@ -620,7 +659,7 @@ class Lease:
     def _take_over(self, etag: str | None) -> bool:
         """Replace the stale lease read with tag `etag` by ours; False when another contender changed it
         first."""
-        if self._s3:
+        if self._conditional:
             return self._put(IfMatch=etag)
         remove(self.path)  # no conditional overwrite here: the conditional create decides the race
         return self._try_create()
@@ -656,7 +695,7 @@ class Lease:
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl / 3):
             with contextlib.suppress(Exception):
-                if not self._s3:
+                if not self._conditional:
                     self.path.write_bytes(self._record())
                 elif not self._put(IfMatch=self._etag):
                     return  # taken over while this holder was paused past its TTL: it is no longer ours

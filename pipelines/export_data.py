@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from entroweight import __version__, storage
-from entroweight.schemas import read_file_metadata
+from entroweight.schemas import ROW_IN_DOC, document_starts, read_file_metadata
 from entroweight.schemas.datadir import DataDir, DataDirError, Part
 from entroweight.schemas.exports import EXPORT_RECORD, MEGATRON_PREFIX, megatron_weight_prefix
 from entroweight.schemas.weighted import WEIGHT, describe_encoding, matrix, real_mask, row_lengths
@@ -53,6 +53,7 @@ class Rows:
 
     shard: str
     doc_ids: np.ndarray  # one per row (object array of str)
+    row_in_doc: np.ndarray  # one per row: 0 where a document (of a packed row: its first) starts
     offsets: np.ndarray
     ids: np.ndarray
     weight: np.ndarray
@@ -97,6 +98,7 @@ def open_scored(src: str | Path) -> Source:
         d = DataDir(src).require(
             "weighted", complete=True, hint="run `entroweight score` (or `weigh`) on tokenized data first"
         )
+        d.require_documents().require_one_config()  # documents by `row_in_doc`; one configuration
     except DataDirError as e:
         raise ExportError(str(e)) from None
     meta = read_file_metadata(d.files[0])
@@ -107,7 +109,7 @@ def read_rows(part: Part, packed: bool) -> Rows:
     """One shard's real tokens and their weights as stored (uint8 or float16: the export keeps them).
     The shard's bytes are read once, hashed as they stream and compared with its manifest
     (`Part.read`), then parsed from memory; a shard with no rows gives empty Rows."""
-    cols = ["doc_id", "input_ids", "n_pad", WEIGHT] + (["doc_ids"] if packed else [])
+    cols = ["doc_id", ROW_IN_DOC, "input_ids", "n_pad", WEIGHT] + (["doc_ids"] if packed else [])
     t = pq.read_table(pa.BufferReader(part.read()), columns=cols)
     path = part.location
     ids = matrix(t.column("input_ids"))
@@ -118,6 +120,7 @@ def read_rows(part: Part, packed: bool) -> Rows:
     return Rows(
         shard=str(path).rsplit("/", 1)[-1].removesuffix(".parquet"),
         doc_ids=np.asarray(t.column("doc_id").to_pylist(), dtype=object),
+        row_in_doc=t.column(ROW_IN_DOC).to_numpy(),
         offsets=np.concatenate([[0], np.cumsum(real.sum(axis=1))]).astype(np.int64),
         ids=ids[real],
         weight=matrix(t.column(WEIGHT), width=width)[real],
@@ -128,19 +131,22 @@ def read_rows(part: Part, packed: bool) -> Rows:
 def document_bounds(rows: Rows, eos_id: int | None) -> np.ndarray:
     """Offsets into `rows.ids` where each document starts, and the end.
 
-    One document per row, or over consecutive rows with one doc_id (a long document split over
-    rows). Packed rows hold the shard's documents joined by eos: a document ends after its eos.
+    A document starts at a row whose `row_in_doc` is 0 and goes on over the rows after it (a long
+    document split over rows), whatever the ids: two documents may share one. Packed rows hold the
+    shard's documents joined by eos: a document ends after its eos.
     """
     if len(rows.doc_ids) == 0:  # a shard whose documents were all rejected
         return np.zeros(1, dtype=np.int64)
     if rows.window_docs is None:
-        starts = np.flatnonzero(np.r_[True, rows.doc_ids[1:] != rows.doc_ids[:-1]])
+        starts = document_starts(rows.row_in_doc)
+        if not len(starts) or starts[0] != 0:
+            raise ExportError(f"shard {rows.shard}: its first row continues a document (row_in_doc > 0)")
         return np.r_[rows.offsets[starts], rows.offsets[-1]]
     bounds = np.r_[0, np.flatnonzero(rows.ids == eos_id) + 1]
     if bounds[-1] != len(rows.ids):
         bounds = np.r_[bounds, len(rows.ids)]
-    flat = [d for docs in rows.window_docs for d in docs]
-    n_docs = sum(1 for i, d in enumerate(flat) if i == 0 or d != flat[i - 1])
+    # a row's first document is the previous row's last one when it continues it (row_in_doc > 0)
+    n_docs = sum(len(d) for d in rows.window_docs) - int(np.count_nonzero(rows.row_in_doc > 0))
     if n_docs != len(bounds) - 1:
         raise ExportError(
             f"packed shard {rows.shard}: {len(bounds) - 1} eos-separated runs but {n_docs} documents; "

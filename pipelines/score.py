@@ -1,5 +1,9 @@
 """The score stage: a tokenized directory's shards -> weighted shards (ids + entropy + weight).
 
+Its input may also be weighted data (the output of score or weigh): its sequences are scored anew, its
+stored values, weights and the previous scorer's metadata are left behind, so the output is the same
+bytes as scoring the tokens they came from.
+
 Each `part-NNNNN.parquet` of sequences becomes a `part-NNNNN.parquet` of weighted sequences (the
 same name) in the output directory, with its manifest. The file metadata is the input's plus the
 scorer, its model id / checkpoint sha256 and the weighting. Input whose tokenizer is not the one the
@@ -13,17 +17,20 @@ and writes one segment while the next is scored (`pipelines.weighted.WeightedSha
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from entroweight import __version__, storage
-from entroweight.schemas import ShardManifest, read_file_metadata
+from entroweight.schemas import ROW_IN_DOC, FileMetadata, ShardManifest, document_starts, read_file_metadata
+from entroweight.schemas.arrow import WEIGHTED_COLUMNS
 from entroweight.schemas.datadir import DataDir, DataDirError
 from entroweight.schemas.manifest import ShardInput
 from entroweight.schemas.weighted import matrix
@@ -40,7 +47,7 @@ from entroweight.transforms.tokenizer import (
 from entroweight.transforms.weigh import WeighConfig
 
 from .stage import ShardTask, Stage, StageError
-from .weighted import WEIGHING_KEYS, WeightedShardWriter, check_steps, part_inputs, weighing_metadata
+from .weighted import WeightedShardWriter, check_steps, part_inputs, weighing_metadata
 
 # positions (rows × n_ctx) scored together: the rows of a segment are sorted by length into batches
 # (fuller batches the more rows there are), and two segments are in memory at a time
@@ -72,10 +79,15 @@ def max_id(files: list[str]) -> tuple[int, str | None]:
     return top, where
 
 
-def tokenized(data_dir) -> DataDir:
-    """The tokenized directory a score stage reads, refused unless it is one, complete."""
+def tokens_of(data_dir) -> DataDir:
+    """The directory a score stage reads, refused unless it is one stage's complete output holding
+    tokens: tokenized data, or weighted data (score's or weigh's output), whose ids are the same
+    sequences (its values and weights are not read)."""
     try:
-        return DataDir(data_dir).require("sequences", hint="tokenize first (`entroweight tokenize`)")
+        d = DataDir(data_dir).require(hint="tokenize first (`entroweight tokenize`)")
+        if d.kind not in ("sequences", "weighted"):
+            raise DataDirError(f"{d.location} holds the output of `{d.stage}`, not tokens to score")
+        return d.require_documents().require_one_config()
     except DataDirError as e:
         raise StageError(str(e)) from None
 
@@ -129,7 +141,7 @@ class ScoreStage(Stage):
     # -- driver side
     @cached_property
     def data(self) -> DataDir:
-        return tokenized(self.data_dir)
+        return tokens_of(self.data_dir)
 
     @cached_property
     def input_meta(self) -> dict[str, Any]:
@@ -186,6 +198,9 @@ class ScoreStage(Stage):
             inputs = [i.model_copy(update={"stop": self.rows}) for i in inputs]
         return inputs[: self.limit] if self.limit else inputs
 
+    def input_universe(self, planned: list[ShardInput]) -> set[str]:
+        return {p.location for p in self.data.parts}  # with `limit`: the parts not yet scored too
+
     def carry(self, out_dir) -> None:
         if self.tokenizer_path is not None:  # the weighted data stays self-describing
             carry_tokenizer(self.tokenizer_path, out_dir)
@@ -211,7 +226,8 @@ class ScoreStage(Stage):
         }
 
     def file_metadata(self) -> dict[str, Any]:
-        inherited = {k: v for k, v in self.input_meta.items() if k not in WEIGHING_KEYS}
+        # the tokens' facts only: the metadata of a weighted input's scorer and weighting is not ours
+        inherited = {k: v for k, v in self.input_meta.items() if k in FileMetadata.model_fields}
         return {
             **inherited,
             "stage": self.name,
@@ -258,19 +274,27 @@ class ScoreStage(Stage):
                 self, task, self.file_metadata(), self.weighting, self.with_entropy, self.steps
             ) as out,
         ):
-            for batch in source.iter_batches(batch_size=self.segment_rows()):
-                if inp.stop is not None:  # a sample: the shard's first rows only
-                    if first >= inp.stop:
-                        break
-                    batch = batch.slice(0, inp.stop - first)
-                ids = matrix(batch.column("input_ids"))
-                n_pad = batch.column("n_pad").to_numpy().astype(np.int64)
-                scored = self.scorer.score(ids, n_pad, batching)
+            # the sequences only: a weighted input's values and weights are not read
+            columns = [n for n in source.schema_arrow.names if n not in WEIGHTED_COLUMNS]
+            batches = source.iter_batches(batch_size=self.segment_rows(), columns=columns)
+            if inp.stop is not None:  # a sample: the shard's first rows only
+                batches = _first_rows(batches, inp.stop)
+            for rows, n_context in segments(batches) if self.scorer.reads_documents else _alone(batches):
+                ids = matrix(rows.column("input_ids"))
+                n_pad = rows.column("n_pad").to_numpy().astype(np.int64)
+                if self.scorer.reads_documents:
+                    continues = rows.column(ROW_IN_DOC).to_numpy() > 0
+                    scored = self.scorer.score(ids, n_pad, batching, continues=continues)
+                else:
+                    scored = self.scorer.score(ids, n_pad, batching)
+                batch = rows.slice(n_context)  # the rows of the segment, after their left context
+                values = scored.values[n_context:]
+                excluded = None if scored.excluded is None else scored.excluded[n_context:]
                 bar.update(first + batch.num_rows - bar.n)  # for scorers that report no batches
                 computed += scored.computed
                 real += scored.real
                 add_stats(stats, scored.stats)
-                out.add(batch, scored.values, scored.excluded, first)
+                out.add(batch, values, excluded, first)
                 first += batch.num_rows
             from entroweight.scorers.forward import resolved_device
 
@@ -289,4 +313,48 @@ class ScoreStage(Stage):
             )
 
 
-__all__ = ["ScoreStage", "ScorerError"]
+def _first_rows(batches: Iterator[pa.RecordBatch], n: int) -> Iterator[pa.RecordBatch]:
+    for batch in batches:
+        if n <= 0:
+            return
+        yield batch.slice(0, n)
+        n -= batch.num_rows
+
+
+def _alone(batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[pa.RecordBatch, int]]:
+    return ((b, 0) for b in batches)
+
+
+def segments(batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[pa.RecordBatch, int]]:
+    """(rows, n_context) for a scorer that reads documents: the shard's rows in order, each segment
+    ending where a document starts (the rows of a document that began in it are held back for the
+    next one), so a document shorter than a segment is scored whole. A segment that begins inside a
+    document (one longer than a segment, or packed windows) comes after `n_context` = 1 row of left
+    context, the row before it, scored again and not written. Memory: at most two segments' rows."""
+    held: pa.RecordBatch | None = None
+    previous: pa.RecordBatch | None = None  # the last row of the segment before
+
+    def with_context(rows: pa.RecordBatch) -> tuple[pa.RecordBatch, int]:
+        nonlocal previous
+        begins_inside = rows.column(ROW_IN_DOC)[0].as_py() > 0
+        last, n_context = rows.slice(rows.num_rows - 1), 0
+        if begins_inside and previous is not None:
+            rows, n_context = pa.concat_batches([previous, rows]), 1
+        previous = last
+        return rows, n_context
+
+    for batch in batches:
+        rows = batch if held is None else pa.concat_batches([held, batch])
+        held = None
+        if rows.num_rows == 0:
+            continue
+        starts = document_starts(rows.column(ROW_IN_DOC).to_numpy())
+        cut = int(starts[-1]) if len(starts) and starts[-1] > 0 else rows.num_rows
+        if cut < rows.num_rows:
+            held = rows.slice(cut)
+        yield with_context(rows.slice(0, cut))
+    if held is not None:
+        yield with_context(held)
+
+
+__all__ = ["ScoreStage", "ScorerError", "segments"]

@@ -156,6 +156,12 @@ class Stage(ABC):
                 paths.append(parent)
         return list(dict.fromkeys(paths))
 
+    def input_universe(self, planned: list[ShardInput]) -> set[str]:
+        """Every input URI this stage's output may hold shards of: those planned (a stage that plans a
+        part of its input, score's `limit`, says more). A committed shard of any other input is an
+        orphan (`plan_run`)."""
+        return {inp.uri for inp in planned}
+
     def resources(self) -> dict[str, float]:
         """What one worker needs (Ray: num_cpus / num_gpus)."""
         return {"num_cpus": 1}
@@ -259,6 +265,10 @@ def plan_run(
                 if n.startswith("part-"):
                     storage.remove(out / REJECTS_DIR / n)
             names = storage.listing(out)
+    manifests = read_manifests(out, names)
+    orphans = _orphans(stage, inputs, manifests, record.config_hash, names)
+    if orphans and not overwrite:  # a source renamed, moved or deleted: its documents would stay
+        raise StageError(_orphans_message(out, orphans))
     remove_stale_tmp(out)
     write_json_atomic(json.loads(record.model_dump_json()), stage_file)
 
@@ -267,8 +277,12 @@ def plan_run(
     registry_file = out / SHARDS_FILE
     registry: dict[str, str] = json.loads(registry_file.read_bytes()) if SHARDS_FILE in names else {}
     todo, done, stale, remove = _sort_shards(
-        stage, inputs, registry, read_manifests(out, names), names, record.config_hash, out
+        stage, inputs, registry, manifests, names, record.config_hash, out
     )
+    if orphans:  # --overwrite: the output holds this run's inputs only
+        remove += [m.shard for m in orphans]
+        gone = {m.shard for m in orphans}
+        registry = {k: v for k, v in registry.items() if v not in gone}
     write_json_atomic(registry, registry_file)
     # output of a shard killed after its parquet but before its manifest: redo it from scratch
     for task in todo:
@@ -284,6 +298,30 @@ def plan_run(
                 if name in names or name.removeprefix(f"{REJECTS_DIR}/") in rejects:
                     storage.remove(out / name)
     return RunPlan(stage=stage, out_dir=out, todo=todo, done=done, stale=stale, registry=registry)
+
+
+def _orphans(stage: Stage, inputs, manifests, config_hash: str, names) -> list[ShardManifest]:
+    """Committed shards of this config whose input this run does not read (its source was renamed,
+    moved or deleted since): kept, their documents would be in the output once too often or after
+    their source is gone."""
+    read = stage.input_universe(inputs)
+    return [
+        m
+        for m in manifests
+        if m.config_hash == config_hash
+        and _output_present(m, names)
+        and not all(i.uri in read for i in m.inputs)
+    ]
+
+
+def _orphans_message(out: AnyPath, orphans: list[ShardManifest]) -> str:
+    gone = list(dict.fromkeys(i.uri for m in orphans for i in m.inputs))
+    shown = ", ".join(gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+    return (
+        f"{out} holds {len(orphans)} shard(s) of inputs this run does not read ({shown}): renamed, moved "
+        "or deleted since the run that wrote them; restore them, or pass --overwrite to drop those "
+        "shards (their documents then leave the output)"
+    )
 
 
 def _sort_shards(stage: Stage, inputs, registry: dict[str, str], manifests, names, config_hash: str, out):
@@ -395,10 +433,11 @@ def preview_run(stage: Stage, out_dir: AnyPath) -> tuple[RunPlan, str]:
             tasks = [ShardTask(shard="", inputs=(inp,), out_dir=storage.key(out)) for inp in inputs]
             return RunPlan(stage, out, tasks, []), " (config changed: needs --overwrite)"
     registry = json.loads((out / SHARDS_FILE).read_bytes()) if SHARDS_FILE in names else {}
-    todo, done, stale, _ = _sort_shards(
-        stage, inputs, registry, read_manifests(out, names), names, stage.config_hash, out
-    )
-    return RunPlan(stage, out, todo, done, stale, registry), ""
+    manifests = read_manifests(out, names)
+    todo, done, stale, _ = _sort_shards(stage, inputs, registry, manifests, names, stage.config_hash, out)
+    orphans = _orphans(stage, inputs, manifests, stage.config_hash, names)
+    note = f" ({len(orphans)} shard(s) of inputs no longer read: needs --overwrite)" if orphans else ""
+    return RunPlan(stage, out, todo, done, stale, registry), note
 
 
 def _output_present(m: ShardManifest, names: dict[str, int]) -> bool:
@@ -420,6 +459,8 @@ def _mismatch_message(out: AnyPath, old: StageRecord, new: StageRecord) -> str:
         for k in keys
         if old.config.get(k) != new.config.get(k)
     ]
+    if not diff and old.stage == new.stage:  # the same settings: FORMAT_VERSION changed what they write
+        diff = [f"the data format changed since entroweight {old.code_version} wrote it"]
     return (
         f"{out} holds {old.stage} output of another config ({old.config_hash}); this run's config is "
         f"{new.config_hash} ({'; '.join(diff) or 'stage changed'}). Write to a new --out directory, "

@@ -39,7 +39,12 @@ READ_ROWS = 4096  # rows read, weighed and written at a time
 def weighted(data_dir) -> DataDir:
     """The weighted directory a weigh stage reads, refused unless it is one, complete."""
     try:
-        return DataDir(data_dir).require("weighted", hint="score it first (`entroweight score`)")
+        return (
+            DataDir(data_dir)
+            .require("weighted", hint="score it first (`entroweight score`)")
+            .require_documents()
+            .require_one_config()
+        )
     except DataDirError as e:
         raise StageError(str(e)) from None
 
@@ -78,8 +83,8 @@ class WeighStage(Stage):
         return read_file_metadata(self.data.files[0])
 
     def _prepare(self) -> None:
-        for f in self.data.files:
-            _check_values_stored(f)
+        for f, schema in zip(self.data.files, self.data.part_schemas, strict=True):
+            _check_values_stored(f, schema)
         if self.other is not None:
             self._check_other()
         try:
@@ -198,10 +203,9 @@ def _values(batch) -> tuple:
     return values, excluded_mask(batch.column(EXCLUDED), values.shape[1])
 
 
-def _check_values_stored(path: str) -> None:
+def _check_values_stored(path: str, schema) -> None:
     """A shard the stage can re-weigh: its raw values are stored (not scored with --drop-entropy)."""
-    names = pq.read_schema(storage.open_input(path)).names
-    if ENTROPY not in names:
+    if ENTROPY not in schema.names:
         raise StageError(
             f"{path} was scored with --drop-entropy: there are no stored entropies to re-weigh; "
             "score the tokenized data again without --drop-entropy"

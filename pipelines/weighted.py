@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from entroweight import __version__, storage
 from entroweight.schemas import REJECT_SCHEMA, ShardManifest
-from entroweight.schemas.arrow import weighted_sequence_schema, with_file_metadata
+from entroweight.schemas.arrow import ROW_IN_DOC, weighted_sequence_schema, with_file_metadata
 from entroweight.schemas.datadir import DataDir
 from entroweight.schemas.manifest import REJECTS_DIR, ShardInput
 from entroweight.schemas.weighted import real_mask
@@ -136,7 +136,7 @@ class WeightedShardWriter:
 
     def _documents(self, batch) -> int:
         # packed rows share documents across rows: a row is the unit there
-        return batch.num_rows if self.packed else document_count(batch.column("doc_id").to_pylist())
+        return batch.num_rows if self.packed else document_count(batch.column(ROW_IN_DOC).to_numpy())
 
     def _reject(self, rejects: list[dict]) -> None:
         self.rejects += rejects

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -49,10 +50,36 @@ def ids_type(vocab_size: int) -> pa.DataType:
     return pa.uint16() if vocab_size <= 2**16 else pa.int32()
 
 
+# How many rows before this one hold part of its document (of a packed row: of its first document,
+# `doc_id`): 0 where the document starts. Rows of one document are recognised by this, written at
+# tokenize time, never by equal ids (two documents may share an id).
+ROW_IN_DOC = "row_in_doc"
+
+
+class DocumentRowsMissing(ValueError):
+    """Sequences written before rows recorded their place in their document (`row_in_doc`)."""
+
+
+def require_row_in_doc(schema: pa.Schema, where: str) -> None:
+    """Refuse sequences without `row_in_doc`: their documents could only be told apart by equal ids,
+    which glues two documents that share an id into one (the message says what to do)."""
+    if ROW_IN_DOC not in schema.names:
+        raise DocumentRowsMissing(
+            f"{where} was written by an older entroweight: its rows do not record where each document "
+            f"starts (the `{ROW_IN_DOC}` column); tokenize the sources again (and score that output)"
+        )
+
+
+def document_starts(row_in_doc) -> np.ndarray:
+    """Indices of the rows where a document starts (its first row), from the `row_in_doc` column."""
+    return np.flatnonzero(np.asarray(row_in_doc) == 0)
+
+
 def sequence_schema(vocab_size: int, packed: bool = False) -> pa.Schema:
     fields = [
         pa.field("seq_id", pa.string(), nullable=False),
         pa.field("doc_id", pa.string(), nullable=False),
+        pa.field(ROW_IN_DOC, pa.int32(), nullable=False),
         pa.field("input_ids", pa.list_(ids_type(vocab_size)), nullable=False),
         pa.field("n_pad", pa.int32(), nullable=False),
         pa.field("n_bytes", pa.int64(), nullable=False),

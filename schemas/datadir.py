@@ -14,11 +14,14 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from entroweight import storage
 
+from .arrow import DocumentRowsMissing, require_row_in_doc
+from .compat import Incompatible, check_part_config
 from .manifest import (
     REJECTS_DIR,
     SHARDS_FILE,
@@ -171,14 +174,49 @@ class DataDir:
         return out
 
     @cached_property
+    def schema(self) -> pa.Schema | None:
+        """The Arrow schema of its first part (one footer read); None when it holds no part."""
+        if not self.parts:
+            return None
+        with storage.open_input(self.parts[0].location) as f:
+            return pq.read_schema(f)
+
+    @cached_property
     def weight_dtype(self) -> str | None:
         """How a weighted directory stores its weights ('uint8' or 'float16'), from its first part's
         stored type (schemas/weighted.py decides); None when it holds no weighted part."""
         if not self.is_weighted or not self.parts:
             return None
-        with storage.open_input(self.parts[0].location) as f:
-            schema = pq.read_schema(f)
-        return weight_dtype(schema) if WEIGHT in schema.names else None
+        return weight_dtype(self.schema) if WEIGHT in self.schema.names else None
+
+    @cached_property
+    def part_schemas(self) -> list[pa.Schema]:
+        """The Arrow schema (with its metadata) of every part, one footer read each."""
+
+        def read(location: str) -> pa.Schema:
+            with storage.open_input(location) as f:
+                return pq.read_schema(f)
+
+        return [read(p.location) for p in self.parts]
+
+    def require_one_config(self) -> DataDir:
+        """This directory, refused (DataDirError) when a part's own metadata records another
+        configuration than its manifest (a shard of another run copied in): `schemas.compat`."""
+        try:
+            for part, schema in zip(self.parts, self.part_schemas, strict=True):
+                check_part_config(part, schema)
+        except Incompatible as e:
+            raise DataDirError(str(e)) from None
+        return self
+
+    def require_documents(self) -> DataDir:
+        """This directory, refused (DataDirError) unless its rows record where each document starts
+        (`row_in_doc`): what a reader that groups rows into documents needs."""
+        try:
+            require_row_in_doc(self.schema, self.location)
+        except DocumentRowsMissing as e:
+            raise DataDirError(str(e)) from None
+        return self
 
     @property
     def files(self) -> list[str]:

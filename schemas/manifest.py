@@ -10,7 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # Bumped when the bytes a stage writes change for the same config: old shards then recompute.
 # 2: weighted shards carry `excluded`; a special token's string in a document is tokenized as text
-FORMAT_VERSION = 2
+# 3: sequences carry `row_in_doc` (where each document starts); cross_tokenizer scores a split
+#    document as one text and excludes tokens holding part of a character cut at a row edge
+FORMAT_VERSION = 3
 
 
 def config_hash(config: dict[str, Any]) -> str:

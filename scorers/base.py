@@ -143,6 +143,11 @@ class Scorer(ABC):
     #: in one sequence, or rows after a shared pad prefix); False: one row per batch row, padding
     #: included, the path the equality tests compare the packed one with. Values, not speed, agree.
     pack: bool = True
+
+    #: `score` reads a split document's rows as one text: the score stage hands every row of a
+    #: document in one call where it can (else after the row before it, as left context) and passes
+    #: `continues`; a scorer of rows on their own leaves it False
+    reads_documents: ClassVar[bool] = False
     #: loaded by setup(); never pickled (engines ship the scorer to workers, which call setup())
     _heavy: ClassVar[tuple[str, ...]] = ("_model", "_model_tok", "_data_tok")
 
@@ -162,6 +167,13 @@ class Scorer(ABC):
         """How many ids the model reads (ids from 0 to this − 1), found cheaply on the driver; None
         when it reads text or cannot tell. The score stage refuses data with larger ids up front."""
         return None
+
+    @classmethod
+    def unit_of(cls, options: dict[str, Any]) -> str | None:
+        """The unit of the values this scorer writes with `options`, told without constructing it (no
+        checkpoint read: a workflow's validation asks before any step ran); None when it cannot tell.
+        A scorer whose unit depends on its options overrides this, and its `unit` calls it."""
+        return cls.unit if isinstance(cls.__dict__.get("unit", getattr(cls, "unit", None)), str) else None
 
     # -- worker side
     @abstractmethod
@@ -193,10 +205,18 @@ class Scorer(ABC):
         computes, or more (a scorer that reads its rows after a shared pad prefix needs their width)."""
         return min(width, T)
 
-    def score(self, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching = Batching()) -> Scored:
+    def score(
+        self,
+        input_ids: np.ndarray,
+        n_pad: np.ndarray,
+        batching: Batching = Batching(),
+        continues: np.ndarray | None = None,
+    ) -> Scored:
         """(B, T) left-padded ids -> Scored, values in the input order; pads 0. The rows are batched
         by `plan_batches` (sorted by real length; a token budget when `batching.batch_tokens` is set),
-        each batch cut to its widest real row where the model allows it (`cut_padding`)."""
+        each batch cut to its widest real row where the model allows it (`cut_padding`).
+        `continues` (bool per row: the row goes on with the document of the row before it) is for a
+        scorer that `reads_documents`; a scorer of rows on their own ignores it."""
         return score_rows(self, input_ids, n_pad, batching)
 
     def __getstate__(self):

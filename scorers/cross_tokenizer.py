@@ -10,6 +10,12 @@ is covered; the alignment error goes into the shard manifest.
 Packed rows hold several documents joined by a special token (the data's EOS). Each document is
 scored as its own text, from the model's start token, never glued to its neighbour; the separator
 itself carries no text: its value is 0 and it is excluded from weighting (weight 0, see `excluded`).
+
+A document split over rows (`overflow: split`, or a packed document across windows) is scored as one
+text: the score stage hands the rows of a document together and says which rows continue the one
+before (`continues`, from the data's `row_in_doc`), so each row keeps its left context and no
+character is cut at a row edge. Where a character is cut anyway (the end of a truncated document, a
+segment that begins mid-document), the data tokens holding part of it are excluded too.
 """
 
 from __future__ import annotations
@@ -19,8 +25,14 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from entroweight.schemas.weighted import real_mask
-from entroweight.transforms.align import AGGREGATES, AlignStats, encode_exact_batch, regroup, utf8_runs
+from entroweight.transforms.align import (
+    AGGREGATES,
+    AlignStats,
+    encode_exact_batch,
+    partly_covered,
+    regroup,
+    utf8_runs,
+)
 
 from . import hf
 from .base import Batching, HFModelOptions, Scored, Scorer, ScorerError, plan_batches
@@ -32,6 +44,7 @@ from .packing import pack_rows
 class CrossTokenizerScorer(Scorer):
     name = "cross_tokenizer"
     needs_data_tokenizer = True
+    reads_documents = True  # a split document's rows are scored as one text (its left context kept)
 
     class Options(HFModelOptions):
         model: str = Field(hf.LLAMA_32_1B, description="HF causal LM: hub id, directory or .gguf file.")
@@ -101,51 +114,73 @@ class CrossTokenizerScorer(Scorer):
     def metadata(self) -> dict[str, Any]:
         return {**super().metadata(), **self.source.metadata()}
 
-    def excluded(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
-        """Separators (special tokens: no bytes, no text) on real positions: weight 0, value 0."""
-        sep = self._data_tok.token_nbytes[np.asarray(input_ids)] == 0
-        return sep & real_mask(n_pad, sep.shape[1])
-
-    def score(self, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching = Batching()) -> Scored:
+    def score(
+        self,
+        input_ids: np.ndarray,
+        n_pad: np.ndarray,
+        batching: Batching = Batching(),
+        continues: np.ndarray | None = None,
+    ) -> Scored:
         """The rows' text re-tokenized for the model, in windows of model tokens batched over all the
-        rows given (sorted by length, `batching`'s budget), the losses regrouped onto data tokens."""
+        rows given (sorted by length, `batching`'s budget), the losses regrouped onto data tokens.
+
+        A row that `continues` the row before it (the same document, split over rows) is joined to it:
+        the document is scored as one text, so no row loses its left context and no character is cut
+        at a row edge. A data token with a byte no model token covers (part of a character cut where
+        the given rows begin or end: a truncated document, a segment that starts mid-document) is
+        excluded, as separators are: value 0, weight 0."""
         input_ids, n_pad = np.asarray(input_ids), np.asarray(n_pad)
         B, T = input_ids.shape
         out = np.zeros((B, T), dtype=np.float32)
-        data_nbytes, runs = [], []  # runs: (row, byte offset, text)
+        excluded = np.zeros((B, T), dtype=bool)
         nb = self._data_tok.token_nbytes
-        for r in range(B):
-            real = input_ids[r, n_pad[r] :]
-            data_nbytes.append(nb[real].astype(np.int64))
+        joined = np.zeros(B, dtype=bool) if continues is None else np.asarray(continues, dtype=bool).copy()
+        joined[:1] = False
+        chains = np.split(np.arange(B), np.flatnonzero(~joined)[1:])  # rows scored as one text
+        chain_nbytes, chain_runs, texts = [], [], []  # runs: (byte offset, text) per chain
+        for rows in chains:
+            real = np.concatenate([input_ids[r, n_pad[r] :] for r in rows]) if len(rows) else np.zeros(0, int)
+            nbytes = nb[real].astype(np.int64)
+            chain_nbytes.append(nbytes)
+            ends, runs = np.cumsum(nbytes), []
             # each document of a packed row is its own text: split at the separators (no bytes)
-            ends = np.cumsum(data_nbytes[-1])
-            cuts = np.flatnonzero(data_nbytes[-1] == 0)
+            cuts = np.flatnonzero(nbytes == 0)
             for a, b in zip(np.r_[0, cuts + 1], np.r_[cuts, len(real)], strict=True):
                 if b <= a:
                     continue
                 base = int(ends[a - 1]) if a else 0
                 raw = self._data_tok.decode_bytes(real[a:b].tolist())
-                runs += [(r, base + s, raw[s:e].decode("utf-8")) for s, e in utf8_runs(raw)]
-        encoded = encode_exact_batch(self._model_tok, [t for _, _, t in runs])
-        losses, computed, real = self._model_losses([ids for ids, _ in encoded], batching)
+                runs += [(base + s, raw[s:e].decode("utf-8")) for s, e in utf8_runs(raw)]
+            chain_runs.append(runs)
+            texts += [t for _, t in runs]
+        encoded = encode_exact_batch(self._model_tok, texts)
+        model_losses, computed, real_positions = self._model_losses([ids for ids, _ in encoded], batching)
+        encoded, losses = iter(encoded), iter(model_losses)
         stats = AlignStats()
-        per_row: list[list] = [[] for _ in range(B)]
-        for (r, offset, _), (_, nbytes), loss in zip(runs, encoded, losses, strict=True):
-            per_row[r].append((offset, nbytes, loss))
-        for r in range(B):
-            starts, ends, vals = [], [], []
-            for offset, nbytes, loss in per_row[r]:
-                e = np.cumsum(nbytes) + offset
-                starts.append(e - nbytes)
+        for rows, nbytes, runs in zip(chains, chain_nbytes, chain_runs, strict=True):
+            starts, ends, vals, covered = [], [], [], []
+            for offset, text in runs:
+                _, model_nbytes = next(encoded)
+                e = np.cumsum(model_nbytes) + offset
+                starts.append(e - model_nbytes)
                 ends.append(e)
-                vals.append(loss)
+                vals.append(next(losses))
+                covered.append((offset, offset + len(text.encode("utf-8"))))
             cat = (lambda xs: np.concatenate(xs)) if vals else (lambda xs: np.zeros(0, dtype=np.int64))
-            values, row_stats = regroup(data_nbytes[r], cat(starts), cat(ends), cat(vals), self.aggregate)
-            stats.add(row_stats)
-            out[r, n_pad[r] :] = values
+            values, chain_stats = regroup(nbytes, cat(starts), cat(ends), cat(vals), self.aggregate)
+            stats.add(chain_stats)
+            # separators (no bytes, no text), and tokens holding part of a character cut at an edge
+            skip = (nbytes == 0) | partly_covered(nbytes, covered)
+            values[skip] = 0.0
+            at = 0
+            for r in rows:
+                n = T - int(n_pad[r])
+                out[r, n_pad[r] :] = values[at : at + n]
+                excluded[r, n_pad[r] :] = skip[at : at + n]
+                at += n
             if batching.on_rows is not None:
-                batching.on_rows(1)
-        return Scored(out, self.excluded(input_ids, n_pad), computed, real, {"alignment": stats})
+                batching.on_rows(len(rows))
+        return Scored(out, excluded, computed, real_positions, {"alignment": stats})
 
     def windows(self, m: int) -> list[tuple[int, int, int]]:
         """(context start, first scored, end) model-token ranges; the first window starts with the

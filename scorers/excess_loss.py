@@ -135,7 +135,13 @@ class ExcessLossScorer(Scorer):
         self.model.setup(data_tokenizer)
         self.reference.setup(data_tokenizer)
 
-    def score(self, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching = Batching()) -> Scored:
+    def score(
+        self,
+        input_ids: np.ndarray,
+        n_pad: np.ndarray,
+        batching: Batching = Batching(),
+        continues: np.ndarray | None = None,
+    ) -> Scored:
         # each side buckets and pads its own way (HF: cut to the batch; ours: full rows); progress
         # is counted once, on the reference's side
         quiet = Batching(batching.batch_size, batching.batch_tokens)

@@ -69,9 +69,13 @@ class OcclusionScorer(CheckpointScorer):
     def config(self) -> dict[str, Any]:
         return {**super().config(), "metric": self.metric, "baseline": self.baseline}
 
+    @classmethod
+    def unit_of(cls, options: dict[str, Any]) -> str | None:
+        return UNITS.get(options.get("metric", "l1"))
+
     @property
     def unit(self) -> str:
-        return UNITS[self.metric]
+        return self.unit_of({"metric": self.metric})
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
         ids, added = self.to_model_width(input_ids, n_pad)

@@ -64,17 +64,15 @@ def scored_whole(tmp_path_factory, tokenizer_dir, tiny_llama):  # noqa: F811
     return score(tokens, tiny_llama, tmp_path_factory.mktemp("scored_whole"))
 
 
-@pytest.fixture(scope="module")
-def scored_split(tmp_path_factory, scored):
-    """The split-overflow layout: a document continues over consecutive rows with its doc_id."""
-    out = tmp_path_factory.mktemp("scored_split")
+def _edited(scored, out, ids_of, row_in_doc_of):
     shutil.copytree(scored, out, dirs_exist_ok=True)
     f = out / DataDir(out).parts[0].name
     t = pq.read_table(f)
-    ids = t.column("doc_id").to_pylist()
-    ids[1] = ids[2] = ids[0]  # rows 0-2: one document
-    ids[5] = ids[4]
+    ids, row_in_doc = t.column("doc_id").to_pylist(), t.column("row_in_doc").to_pylist()
+    ids_of(ids)
+    row_in_doc_of(row_in_doc)
     t = t.set_column(t.schema.get_field_index("doc_id"), "doc_id", pa.array(ids, pa.string()))
+    t = t.set_column(t.schema.get_field_index("row_in_doc"), "row_in_doc", pa.array(row_in_doc, pa.int32()))
     pq.write_table(t, f)  # the schema (and its entroweight metadata) is kept
     # the manifest records the new bytes, so the shard stays a committed part (schemas/datadir.py)
     m = out / ".part-00000.manifest.json"
@@ -84,16 +82,42 @@ def scored_split(tmp_path_factory, scored):
     return out
 
 
+@pytest.fixture(scope="module")
+def scored_split(tmp_path_factory, scored):
+    """The split-overflow layout: a document continues over consecutive rows (row_in_doc 1, 2, ...)."""
+
+    def ids_of(ids):
+        ids[1] = ids[2] = ids[0]  # rows 0-2: one document
+        ids[5] = ids[4]
+
+    def row_in_doc_of(r):
+        r[1], r[2], r[5] = 1, 2, 1
+
+    return _edited(scored, tmp_path_factory.mktemp("scored_split"), ids_of, row_in_doc_of)
+
+
+@pytest.fixture(scope="module")
+def scored_dup(tmp_path_factory, scored):
+    """Two documents with one id (kept by default): rows 0 and 1 share an id, each starts a document."""
+
+    def ids_of(ids):
+        ids[1] = ids[0]
+
+    return _edited(scored, tmp_path_factory.mktemp("scored_dup"), ids_of, lambda r: None)
+
+
 def expected(scored_dir, scale=1.0):
-    """(doc_id, real ids, real weights) per row, and the documents (consecutive rows of one doc_id)."""
-    rows = []
+    """(doc_id, real ids, real weights) per row, and the documents (a row_in_doc 0 row and the rows
+    continuing it)."""
+    rows, starts = [], []
     for f in sorted(scored_dir.glob("part-*.parquet")):
         for r in pq.read_table(f).to_pylist():
             k = r["n_pad"]
             rows.append((r["doc_id"], np.array(r["input_ids"][k:]), np.array(r["weight"][k:]) * scale))
+            starts.append(r["row_in_doc"] == 0)
     docs = []
-    for doc_id, ids, w in rows:
-        if docs and docs[-1][0] == doc_id:
+    for (doc_id, ids, w), start in zip(rows, starts, strict=True):
+        if docs and not start:
             docs[-1] = (doc_id, np.r_[docs[-1][1], ids], np.r_[docs[-1][2], w])
         else:
             docs.append((doc_id, ids, w))
@@ -113,14 +137,16 @@ def megatron_docs(out):
     return IndexedDataset(str(out / "text_document")), IndexedDataset(str(out / "text_document_weight"))
 
 
-@pytest.mark.parametrize("layout", ["row", "split"])
-def test_megatron_reader_doc_by_doc(scored, scored_split, tmp_path, layout):
-    src = scored if layout == "row" else scored_split
+@pytest.mark.parametrize("layout", ["row", "split", "duplicate_ids"])
+def test_megatron_reader_doc_by_doc(scored, scored_split, scored_dup, tmp_path, layout):
+    src = {"row": scored, "split": scored_split, "duplicate_ids": scored_dup}[layout]
     res = export(src, tmp_path / "m", "megatron")
     assert res.exit_code == 0, res.output
     tokens, weights = megatron_docs(tmp_path / "m")
     rows, docs = expected(src)
-    assert len(tokens) == len(weights) == len(docs) and (layout == "row" or len(docs) < len(rows))
+    assert len(tokens) == len(weights) == len(docs) and (layout != "split" or len(docs) < len(rows))
+    # two documents that share an id stay two documents (the old exporter glued them into one)
+    assert layout != "duplicate_ids" or len(docs) == len(rows)
     assert tokens.index.dtype == np.uint16 and weights.index.dtype == np.float32
     for i, (_, ids, w) in enumerate(docs):
         assert np.array_equal(tokens[i], ids)
@@ -221,18 +247,26 @@ def test_document_bounds_edge_cases():
     from entroweight.pipelines.export_data import Rows, document_bounds
 
     empty = Rows(
-        "part-00000", np.array([], dtype=object), np.zeros(1, np.int64), np.zeros(0), np.zeros(0), None
+        "part-00000",
+        np.array([], dtype=object),
+        np.zeros(0, np.int32),
+        np.zeros(1, np.int64),
+        np.zeros(0),
+        np.zeros(0),
+        None,
     )
     assert document_bounds(empty, None).tolist() == [0]  # no phantom document
     rows = Rows(
         "p",
-        np.array(["a", "a", "b", "a"], dtype=object),
-        np.array([0, 3, 5, 6, 9]),
+        np.array(["a", "a", "a", "b", "a"], dtype=object),
+        np.array([0, 1, 0, 0, 0]),  # row_in_doc: rows 0-1 one document; rows 2 and 4 others named "a"
+        np.array([0, 3, 5, 6, 8, 9]),
         np.zeros(9),
         np.zeros(9),
         None,
     )
-    assert document_bounds(rows, None).tolist() == [0, 5, 6, 9]  # a's rows 0-1 join; a later "a" is another
+    # the rows are grouped by row_in_doc, never by equal ids: three documents named "a"
+    assert document_bounds(rows, None).tolist() == [0, 5, 6, 8, 9]
 
 
 # -- LitData

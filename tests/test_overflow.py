@@ -69,6 +69,7 @@ def test_split_keeps_every_byte_and_reassembles_each_document(split_dir, c4_docs
     by_text = {}
     for parts in pieces.values():
         assert all(p["n_pad"] == 0 for p in parts[:-1])
+        assert [p["row_in_doc"] for p in parts] == list(range(len(parts)))  # each row's place in its document
         assert all(i == tok.pad_id for i in parts[-1]["input_ids"][: parts[-1]["n_pad"]])
         ids = [i for p in parts for i in p["input_ids"][p["n_pad"] :]]
         data = tok.decode_bytes(ids)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -89,3 +90,38 @@ def test_the_workflow_field_is_named(other_unit):
     """The runner's `quantiles_from:` goes through the same function, naming its field."""
     with pytest.raises(ValueError, match=f"quantiles_from .* unit '{OTHER}', but .* 'nats'"):
         reference_quantiles(other_unit, "nats", "quantiles_from")
+
+
+def test_a_workflow_of_mixed_units_is_refused_by_its_dry_run(tmp_path):
+    """`quantiles_from:` a step of another unit is refused at validation, so `--dry-run` of a fresh
+    workflow (no step has run, no values to read a unit from) exits 2 naming the key and both units,
+    before anything is written: the units come from the steps' scorers (workflows/quantiles.py)."""
+    import yaml
+
+    from entroweight.workflows.spec import SpecError, parse_workflow
+
+    wf = yaml.safe_load((Path(__file__).parent / "data" / "workflow-tiny.yaml").read_text())
+    wf["run_dir"] = str(tmp_path / "run")
+    wf["scores"].append(
+        {
+            "name": "by_occlusion_scale",
+            "scorer": "causal_loss",
+            "checkpoint_from": "causal",
+            "options": {"dtype": "fp32"},
+            "weighting": {"method": "quantile", "quantiles_from": "occlusion"},
+        }
+    )
+    f = tmp_path / "wf.yaml"
+    f.write_text(yaml.safe_dump(wf))
+    r = CliRunner().invoke(main, ["run", str(f), "--dry-run"])
+    assert r.exit_code == 2, r.output
+    assert (
+        "scores[2].weighting.quantiles_from" in r.output
+        and "'l1_minmax'" in r.output
+        and "'nats'" in r.output
+    )
+    assert "Traceback" not in r.output and not (tmp_path / "run").exists()
+    with pytest.raises(SpecError, match="quantiles_from"):
+        parse_workflow(wf)
+    wf["scores"][2]["weighting"]["quantiles_from"] = "causal_loss"  # nats for nats: taken
+    parse_workflow(wf)

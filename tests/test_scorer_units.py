@@ -149,13 +149,14 @@ def test_packed_documents_are_scored_apart_and_the_separator_excluded(tokenizer_
     n_pad = np.array([2, T - len(b)])
     s = make_scorer("cross_tokenizer", model=str(smollm2_gguf()), aggregate="sum", dtype="fp32")
     s.setup(tok)
-    v = s.score(ids, n_pad).values
+    scored = s.score(ids, n_pad)
+    v = scored.values
     sep = 2 + len(a)
     # the second document reads exactly what it reads alone: the start token, not "mat.<eos>"
     np.testing.assert_allclose(v[0, sep + 1 :], v[1, -len(b) :], rtol=1e-4, atol=1e-4)
     assert v[0, sep + 1] > 0.5  # the first token is predicted from the start token only
     assert v[0, sep] == 0.0
-    excluded = s.excluded(ids, n_pad)
+    excluded = scored.excluded
     assert excluded[0].tolist() == [i == sep for i in range(T)] and not excluded[1].any()
     w = weigh(v, n_pad, WeighConfig(), exclude=excluded)
     assert w[0, sep] == 0.0  # the separator weighs 0 (it weighed 1.000: the row's minimum entropy)

@@ -250,6 +250,40 @@ def test_packing_fills_windows_with_eos_between_documents(tmp_path, tokenizer_di
     assert sum(table["n_bytes"].to_pylist()) == sum(len(r["text"].encode()) for r in rows)
 
 
+def packed_row_in_doc(lengths: list[int], n: int, n_windows: int) -> list[int]:
+    """For each window, how many windows before it hold part of its first document (from the stream)."""
+    starts = np.r_[0, np.cumsum(lengths)[:-1]]
+    out = []
+    for w in range(n_windows):
+        first_doc = int(np.searchsorted(starts, w * n, side="right")) - 1
+        out.append(w - int(starts[first_doc]) // n)
+    return out
+
+
+@pytest.mark.parametrize("per_call", [1, 3, 30])
+def test_row_in_doc_records_each_rows_place_in_its_document(tokenizer_dir, c4_path, per_call):
+    """Split rows count 0, 1, 2... within their document; a packed window counts the windows before it
+    holding part of its first document, across the builder's calls (documents pending between them).
+    Two documents with one id stay two: the count restarts at 0."""
+    from entroweight.transforms.tokenize import SequenceBuilder
+
+    tok = load_tokenizer(tokenizer_dir)
+    texts = [r["text"] for r in c4_rows(c4_path, 30)]
+    docs = pa.record_batch({"id": ["same"] * len(texts), "text": texts})  # every id the same
+    lengths = [len(tok.tokenizer.encode(t, add_special_tokens=False).ids) + 1 for t in texts]
+    for pack in (False, True):
+        b = SequenceBuilder(tok, 48, pack, "part-00000")
+        batches = [x for i in range(0, len(texts), per_call) for x in b.add(docs.slice(i, per_call))]
+        t = pa.Table.from_batches([*batches, *b.finish()])
+        row_in_doc = t.column("row_in_doc").to_pylist()
+        if pack:
+            assert row_in_doc == packed_row_in_doc(lengths, 48, t.num_rows)
+        else:
+            pieces = [max(1, -(-(n - 1) // 48)) for n in lengths]
+            assert row_in_doc == [i for k in pieces for i in range(k)]
+        assert 0 < row_in_doc.count(0) and max(row_in_doc) > 0
+
+
 def test_rejects_are_written_with_reasons_and_accounted(tmp_path, tokenizer_dir):
     lines = [
         json.dumps({"text": "good one"}),

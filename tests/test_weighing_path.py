@@ -343,3 +343,33 @@ def test_a_row_sample_scores_each_shards_first_rows_and_verifies(layouts, models
     assert (part.manifest.rows_in, part.manifest.inputs[0].stop) == (5, 5)
     with pytest.raises(StageError, match="at least 1"):
         ScoreStage(data, "causal_loss", options, rows=0)
+
+
+def test_min_mean_weight_tells_documents_apart_by_row_in_doc_not_by_id():
+    """Two documents with one id (kept by default) are judged apart; a document split over rows, and
+    over two batches fed one after the other, is judged whole."""
+    import pyarrow as pa
+
+    from entroweight.schemas.weighted import lists
+
+    def batch(ids, row_in_doc, w):
+        w = np.asarray(w, np.float16)
+        return pa.record_batch(
+            {
+                "doc_id": ids,
+                "row_in_doc": pa.array(row_in_doc, pa.int32()),
+                "n_pad": pa.array([0] * len(ids), pa.int32()),
+                "excluded": pa.array([[] for _ in ids], pa.list_(pa.int32())),
+                "weight": lists(w, pa.float16()),
+            }
+        )
+
+    step = MinMeanWeight(0.5)
+    # "a" low, "a" again (another document) high, "b" over three rows (mean 0.6) across the two batches
+    kept1, rej1 = step.feed(batch(["a", "a", "b"], [0, 0, 0], [[0.1, 0.1], [0.9, 0.9], [0.2, 0.2]]), "src")
+    kept2, rej2 = step.feed(batch(["b", "b", "c"], [1, 2, 0], [[0.8, 0.8], [0.8, 0.8], [0.1, 0.1]]), "src")
+    kept3, rej3 = step.finish("src")
+    kept = pa.concat_tables([kept1, kept2, kept3])
+    assert kept.column("doc_id").to_pylist() == ["a", "b", "b", "b"]
+    assert kept.column("row_in_doc").to_pylist() == [0, 0, 1, 2]
+    assert [r["id"] for r in rej1 + rej2 + rej3] == ["a", "c"]

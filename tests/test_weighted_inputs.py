@@ -53,8 +53,12 @@ def tokens(tmp_path_factory, c4_path, tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def scored(tmp_path_factory, tokens, tokenizer_dir):
-    model = tiny_llama_dir(tmp_path_factory.mktemp("tiny"), tokenizer_dir / "tokenizer.json")
+def model(tmp_path_factory, tokenizer_dir):
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny"), tokenizer_dir / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory, tokens, model):
     out = tmp_path_factory.mktemp("scored")
     opts = {"model": str(model), "dtype": "fp32", "batch_size": 8}
     run_stage(ScoreStage(str(tokens), "causal_loss", opts), out, progress=False)
@@ -75,6 +79,27 @@ def cli(*args):
 
 def rows_of(location) -> int:
     return sum(p.manifest.rows_out for p in DataDir(location).parts)
+
+
+# -- score reads weighted data as the tokens it holds
+
+
+def test_scoring_weighted_data_is_scoring_its_tokens(tokens, weighed, model, tmp_path):
+    """`score W` (W the output of weigh, uint8 weights, the previous scorer's metadata) writes the same
+    shard bytes as scoring the tokens W came from: its values, weights and metadata are left behind."""
+    from entroweight.schemas import read_file_metadata
+
+    args = ["--scorer", "causal_loss", "--model", model, "--dtype", "fp32", "--weighting", "raw"]
+    assert cli("score", tokens, *args, "--out", tmp_path / "a")[0] == 0
+    code, output = cli("score", weighed, *args, "--out", tmp_path / "b")
+    assert code == 0, output
+    a, b = DataDir(tmp_path / "a").parts, DataDir(tmp_path / "b").parts
+    assert [p.name for p in a] == [p.name for p in b] and len(a) == 3
+    for pa_, pb in zip(a, b, strict=True):
+        assert pa_.manifest.output_sha256 == pb.manifest.output_sha256  # the same bytes
+    meta = read_file_metadata(b[0].location)
+    assert "scored_config_hash" not in meta and meta["weighting"]["method"] == "raw"
+    assert meta["stage"] == "score" and meta == read_file_metadata(a[0].location)
 
 
 # -- weigh output is weighted data, for every reader

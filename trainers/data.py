@@ -16,7 +16,6 @@ then reads one block and drops its first rows.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from entroweight import storage
-from entroweight.schemas import METADATA_KEY
+from entroweight.schemas.compat import Incompatible, check_compatible, check_part_config, facts
 from entroweight.schemas.datadir import DataDirError, Part, data_files
 from entroweight.schemas.weighted import WEIGHT, matrix, real_mask, weight_dtype, weights_matrix
 
@@ -126,8 +125,15 @@ def inspect_data(
                 )
                 raise DataError(f"{f} has no {col!r} column, which the loss needs; {hint}")
         common = names if common is None else common & names
-        raw = (footer.metadata or {}).get(METADATA_KEY)
-        metas.append(json.loads(raw) if raw else {})
+        metas.append(facts(schema))
+    # the inputs read together (a directory each: its first file speaks for it) must go together
+    firsts: dict[str, dict] = {}
+    for f, m in zip(files, metas, strict=True):
+        firsts.setdefault(str(f).rsplit("/", 1)[0], m)
+    try:
+        check_compatible(list(firsts.items()), what="the training data's ")
+    except Incompatible as e:
+        raise DataError(str(e)) from None
     shas = {m.get("tokenizer_sha256") for m in metas}
     if len(shas) > 1:
         raise DataError(
@@ -178,6 +184,11 @@ def value_problems(
             try:
                 pf = pq.ParquetFile(pa.BufferReader(parts[f].read()))
             except DataDirError as e:  # a listed problem, not a raise: under DDP every rank raises together
+                found.append((f, str(e)))
+                continue
+            try:  # one configuration per directory: the shard's own against its manifest's
+                check_part_config(parts[f], pf.schema_arrow)
+            except Incompatible as e:
                 found.append((f, str(e)))
                 continue
         else:

@@ -19,6 +19,7 @@ from scipy.stats import rankdata  # 1-based average ranks (ties share their mean
 
 from entroweight import storage
 from entroweight.schemas import read_file_metadata
+from entroweight.schemas.compat import TOGETHER, Incompatible, check_compatible
 from entroweight.schemas.datadir import DataDirError, data_files
 from entroweight.schemas.weighted import EXCLUDED, WEIGHT, excluded_mask, matrix, weights_matrix
 
@@ -103,12 +104,11 @@ def compare_dirs(dir_a: str | Path, dir_b: str | Path, column: str = "entropy") 
         raise AgreementError(f"column must be one of {', '.join(COLUMNS)}, not {column!r}")
     meta_a, a = _read(dir_a, column)
     meta_b, b = _read(dir_b, column)
-    ta, tb = meta_a.get("tokenizer_sha256"), meta_b.get("tokenizer_sha256")
-    if ta != tb:
-        raise AgreementError(
-            f"{dir_a} and {dir_b} were tokenized with different tokenizers ({str(ta)[:12]}… vs "
-            f"{str(tb)[:12]}…): score the same tokenized directory with both scorers"
-        )
+    try:  # the same tokens: tokenizer, vocabulary, n_ctx, layout (the values' units may differ)
+        fields = {k: v for k, v in TOGETHER.items() if k not in ("unit", "weight_dtype")}
+        check_compatible([(str(dir_a), meta_a), (str(dir_b), meta_b)], fields)
+    except Incompatible as e:
+        raise AgreementError(f"{e.fact}: score the same tokenized directory with both scorers") from None
     common = sorted(set(a) & set(b))
     if not common:
         raise AgreementError(

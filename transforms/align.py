@@ -85,6 +85,20 @@ def utf8_runs(data: bytes) -> list[tuple[int, int]]:
     return runs
 
 
+def partly_covered(data_nbytes: np.ndarray, covered: list[tuple[int, int]]) -> np.ndarray:
+    """Data tokens (bool per token) holding a byte outside every `covered` (start, end) byte span: a
+    token holding part of a character cut at a row edge, which no model token can score."""
+    data_nbytes = np.asarray(data_nbytes, dtype=np.int64)
+    n_bytes = int(data_nbytes.sum())
+    depth = np.zeros(n_bytes + 1, dtype=np.int64)
+    for a, b in covered:
+        depth[a] += 1
+        depth[b] -= 1
+    cum = np.concatenate([[0], np.cumsum(np.cumsum(depth)[:n_bytes] > 0)])
+    d_start, d_end = spans(data_nbytes)
+    return (cum[d_end] - cum[d_start]) < data_nbytes
+
+
 def encode_exact(tok: LoadedTokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
     """Model ids of `text` and each token's byte count; their bytes concatenate to the UTF-8 text."""
     return encode_exact_batch(tok, [text])[0]

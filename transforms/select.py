@@ -4,9 +4,10 @@ A step sees the weighted batches of a shard in order and returns the rows it kee
 per document it drops. The stages that write weighted shards (score, weigh) run a list of them after
 the one weighing path, so a new step is a class here and a flag: no stage changes.
 
-Rows of one document are consecutive rows with the same `doc_id` (the tokenizer writes a split
-document's rows one after another); a document that continues past a batch is held back until its
-last row arrives.
+A document starts at a row whose `row_in_doc` is 0 and goes on over the rows after it (the tokenizer
+writes a split document's rows one after another and counts them), never recognised by equal ids:
+two documents may share an id. A document that continues past a batch is held back until its last
+row arrives.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from entroweight.schemas.arrow import ROW_IN_DOC, document_starts
 from entroweight.schemas.weighted import EXCLUDED, excluded_mask, weighable, weights_matrix
 
 
@@ -81,16 +83,13 @@ class MinMeanWeight(DocumentStep):
 
     def _select(self, table: pa.Table, source: str, final: bool) -> tuple[pa.Table, list[dict]]:
         n = table.num_rows
-        doc_ids = np.asarray(table.column("doc_id").to_pylist(), dtype=object)
-        starts = np.flatnonzero(np.r_[True, doc_ids[1:] != doc_ids[:-1]]) if n else np.zeros(0, int)
+        starts = document_starts(table.column(ROW_IN_DOC).to_numpy()) if n else np.zeros(0, int)
+        if n and (not len(starts) or starts[0] != 0):
+            raise StepError(f"{source}: its rows begin inside a document (row_in_doc of the first row > 0)")
         if not final and len(starts):  # the last document may go on in the next batch
             cut = int(starts[-1])
-            self._held, table, doc_ids, starts = (
-                table.slice(cut),
-                table.slice(0, cut),
-                doc_ids[:cut],
-                starts[:-1],
-            )
+            self._held, table, starts = table.slice(cut), table.slice(0, cut), starts[:-1]
+        doc_ids = table.column("doc_id").to_pylist()
         if table.num_rows == 0:
             return table, []
         weights = weights_matrix(table.column("weight"))
@@ -116,7 +115,6 @@ class MinMeanWeight(DocumentStep):
         return table.filter(pa.array(np.repeat(keep_doc, rows))), rejects
 
 
-def document_count(doc_ids: list | np.ndarray) -> int:
-    """Documents among rows in shard order: runs of consecutive equal ids."""
-    ids = np.asarray(doc_ids, dtype=object)
-    return int(len(ids) and 1 + np.count_nonzero(ids[1:] != ids[:-1]))
+def document_count(row_in_doc) -> int:
+    """Documents starting among these rows (their `row_in_doc` is 0)."""
+    return len(document_starts(row_in_doc))

@@ -2,7 +2,8 @@
 
 A document longer than n_ctx tokens (one document per row) either continues in the next rows
 (`overflow="split"`, the default: every piece but the last is full, the last is left-padded, all
-keep the document's id, so no text is lost), or keeps its first n_ctx tokens (`"truncate"`, the
+keep the document's id and count their place in it, `row_in_doc`, so no text is lost and a reader
+finds the document's rows without comparing ids), or keeps its first n_ctx tokens (`"truncate"`, the
 write-up's layout; what it drops is counted: `n_truncated`, `bytes_dropped`)."""
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class SequenceBuilder:
         max_token_len = int(tok.token_nbytes.max()) if tok.vocab_size else 1
         self.char_budget = 2 * n_ctx * max(max_token_len, 1) + 64
         self._stream: list[np.ndarray] = []  # packing: pending token runs
-        self._stream_docs: list[tuple[str, int]] = []  # (doc id, tokens of it still pending)
+        # packing: (doc id, tokens of it still pending, windows already emitted holding part of it)
+        self._stream_docs: list[tuple[str, int, int]] = []
 
     def encode(self, docs: pa.RecordBatch) -> list[list[int]]:
         """Token ids of each document (no state touched: may run in another thread than `add`)."""
@@ -102,7 +104,7 @@ class SequenceBuilder:
             if k:
                 matrix[row, n - k :] = seq[:k]
             n_pad[row] = n - k
-        return self._batch(matrix, n_pad, doc_ids)
+        return self._batch(matrix, n_pad, doc_ids, np.zeros(len(ids), np.int32))
 
     def _split(self, doc_ids: list[str], ids: list[list[int]]) -> pa.RecordBatch:
         """Each document over ceil(len / n_ctx) rows: full rows, then the rest left-padded."""
@@ -120,7 +122,9 @@ class SequenceBuilder:
                 matrix[row, n - rest :] = seq[full * n :]
                 n_pad[row] = n - rest
                 row += 1
-        return self._batch(matrix, n_pad, [d for d, k in zip(doc_ids, pieces, strict=True) for _ in range(k)])
+        row_in_doc = np.concatenate([np.arange(k, dtype=np.int32) for k in pieces]) if pieces else []
+        rows_doc = [d for d, k in zip(doc_ids, pieces, strict=True) for _ in range(k)]
+        return self._batch(matrix, n_pad, rows_doc, np.asarray(row_in_doc, np.int32))
 
     # -- packed windows
     def _pack(self, doc_ids: list[str], ids: list[list[int]]) -> Iterator[pa.RecordBatch]:
@@ -131,7 +135,7 @@ class SequenceBuilder:
         # one array per batch, not per document: a numpy call per document costs more than the copy
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.np_dtype, count=sum(lengths))
         self._stream.append(flat)
-        self._stream_docs.extend(zip(doc_ids, lengths, strict=True))
+        self._stream_docs.extend((d, n, 0) for d, n in zip(doc_ids, lengths, strict=True))
         yield from self._emit_windows(final=False)
 
     def _emit_windows(self, final: bool) -> Iterator[pa.RecordBatch]:
@@ -150,20 +154,26 @@ class SequenceBuilder:
             n_pad[-1] = n - len(rest)
         # which documents each window holds
         window_docs: list[list[str]] = [[] for _ in range(n_windows)]
+        # of each window's first document: how many windows before this one hold part of it
+        row_in_doc = np.zeros(n_windows, dtype=np.int32)
         pos, pending = 0, []
-        for doc_id, length in self._stream_docs:
+        for doc_id, length, before in self._stream_docs:
             first, last = pos // n, (pos + length - 1) // n
             for w in range(first, min(last, n_windows - 1) + 1):
+                if not window_docs[w]:
+                    row_in_doc[w] = before + w - first
                 window_docs[w].append(doc_id)
             if last >= n_windows:  # (the rest of) the document waits for the next window
-                pending.append((doc_id, min(length, pos + length - n_windows * n)))
+                pending.append(
+                    (doc_id, min(length, pos + length - n_windows * n), before + max(0, n_windows - first))
+                )
             pos += length
         consumed = n_windows * n
         self._stream = [stream[consumed:]] if len(stream) > consumed else []
         self._stream_docs = pending
-        yield self._batch(matrix, n_pad, [d[0] for d in window_docs], window_docs)
+        yield self._batch(matrix, n_pad, [d[0] for d in window_docs], row_in_doc, window_docs)
 
-    def _batch(self, matrix, n_pad, doc_ids, window_docs=None) -> pa.RecordBatch:
+    def _batch(self, matrix, n_pad, doc_ids, row_in_doc, window_docs=None) -> pa.RecordBatch:
         n_bytes = self.tok.token_nbytes[matrix].sum(axis=1, dtype=np.int64)
         seq_ids = [f"{self.shard}:{self.n_seq + i}" for i in range(len(doc_ids))]
         self.n_seq += len(doc_ids)
@@ -172,6 +182,7 @@ class SequenceBuilder:
         arrays = [
             pa.array(seq_ids, pa.string()),
             pa.array(doc_ids, pa.string()),
+            pa.array(row_in_doc, pa.int32()),
             lists(matrix, self.ids_type),
             pa.array(n_pad, pa.int32()),
             pa.array(n_bytes, pa.int64()),

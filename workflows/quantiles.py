@@ -24,25 +24,41 @@ def scorer_unit(scorer: str, options: dict) -> str | None:
     from entroweight.scorers.registry import get_scorer_class
 
     try:
-        cls = get_scorer_class(scorer)
-        unit = cls.__dict__.get("unit", getattr(cls, "unit", None))
-        if isinstance(unit, str):
-            return unit
-        return cls(**options).unit  # a property of its options: constructing loads nothing
+        return get_scorer_class(scorer).unit_of(options)  # from the options: nothing is loaded
     except Exception:  # an unknown scorer or bad options: refused elsewhere, with their own message
         return None
 
 
-def reference_quantiles(location, unit: str | None, field: str = "--quantiles-from") -> tuple[float, ...]:
-    """The quantiles of `location`'s values, refused (ValueError naming `field` and both units) when
-    they are in another unit than the values they will weigh (`unit`)."""
-    from entroweight.transforms.weigh import entropy_quantiles
-
-    theirs = values_unit(location)
+def check_units(theirs: str | None, unit: str | None, field: str, location) -> None:
+    """The one unit check: quantiles of values in `theirs` may weigh values in `unit`; refused
+    (ValueError naming `field`, `location` and both units) when both are known and differ."""
     if unit and theirs and theirs != unit:
         raise ValueError(
             f"{field} {location} holds values in unit {theirs!r}, but the values to weigh are in "
             f"{unit!r}: its quantiles would put every weight at 0 or 1; take the quantiles of a run "
             f"scored in {unit!r}"
         )
+
+
+def reference_quantiles(location, unit: str | None, field: str = "--quantiles-from") -> tuple[float, ...]:
+    """The quantiles of `location`'s values, refused (`check_units`) when they are in another unit
+    than the values they will weigh (`unit`)."""
+    from entroweight.transforms.weigh import entropy_quantiles
+
+    check_units(values_unit(location), unit, field, location)
     return entropy_quantiles(location)
+
+
+def step_unit(scores: list, name: str) -> str | None:
+    """The unit of the values a workflow's score step `name` writes, from the spec alone (its scorer
+    and options, or the step whose values it weighs anew): what validation and `--dry-run` compare
+    before any step has run; None when it cannot be told."""
+    steps = {s.name: s for s in scores}
+    seen: set[str] = set()
+    while name in steps and name not in seen:
+        seen.add(name)
+        s = steps[name]
+        if s.values_from is None:
+            return scorer_unit(s.scorer, dict(s.options)) if s.scorer else None
+        name = s.values_from
+    return None

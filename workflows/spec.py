@@ -386,6 +386,13 @@ class Workflow(_Strict):
             q = s.weighting.quantiles_from
             if q is not None and q not in {x.name for x in self.scores[:i]}:
                 raise _At(f"scores[{i}].weighting.quantiles_from", f"{q!r} is not an earlier score step")
+            if q is not None:  # the same unit check as the run's (and the CLI's), from the spec alone
+                from .quantiles import check_units, step_unit
+
+                try:
+                    check_units(step_unit(self.scores, q), step_unit(self.scores, s.name), "step", q)
+                except ValueError as e:
+                    raise _At(f"scores[{i}].weighting.quantiles_from", str(e)) from None
             v = s.values_from
             if (v is None) == (s.scorer is None):
                 raise _At(f"scores[{i}]", "give either scorer (score the tokens) or values_from (weigh anew)")
