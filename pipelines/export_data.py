@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from entroweight import __version__, storage
-from entroweight.schemas import ROW_IN_DOC, document_starts, read_file_metadata
+from entroweight.schemas import ROW_IN_DOC, document_starts
 from entroweight.schemas.datadir import DataDir, DataDirError, Part
 from entroweight.schemas.exports import EXPORT_RECORD, MEGATRON_PREFIX, megatron_weight_prefix
 from entroweight.schemas.weighted import WEIGHT, describe_encoding, matrix, real_mask, row_lengths
@@ -101,7 +101,7 @@ def open_scored(src: str | Path) -> Source:
         d.require_documents().require_one_config()  # documents by `row_in_doc`; one configuration
     except DataDirError as e:
         raise ExportError(str(e)) from None
-    meta = read_file_metadata(d.files[0])
+    meta = d.metadata
     return Source(d.root, d.parts, meta, d.weight_dtype)
 
 

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from entroweight import __version__, storage
-from entroweight.schemas import ROW_IN_DOC, FileMetadata, ShardManifest, document_starts, read_file_metadata
+from entroweight.schemas import ROW_IN_DOC, FileMetadata, ShardManifest, document_starts
 from entroweight.schemas.arrow import WEIGHTED_COLUMNS
 from entroweight.schemas.datadir import DataDir, DataDirError
 from entroweight.schemas.manifest import ShardInput
@@ -145,7 +145,7 @@ class ScoreStage(Stage):
 
     @cached_property
     def input_meta(self) -> dict[str, Any]:
-        return read_file_metadata(self.data.files[0])
+        return self.data.metadata
 
     @cached_property
     def scorer(self) -> Scorer:

@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from entroweight import __version__, storage
-from entroweight.schemas import ShardManifest, read_file_metadata
+from entroweight.schemas import ShardManifest
 from entroweight.schemas.datadir import DataDir, DataDirError
 from entroweight.schemas.manifest import ShardInput
 from entroweight.schemas.weighted import ENTROPY, EXCLUDED, excluded_mask, matrix
@@ -76,11 +76,11 @@ class WeighStage(Stage):
 
     @cached_property
     def other_meta(self) -> dict[str, Any]:
-        return read_file_metadata(self.other.files[0])
+        return self.other.metadata
 
     @cached_property
     def input_meta(self) -> dict[str, Any]:
-        return read_file_metadata(self.data.files[0])
+        return self.data.metadata
 
     def _prepare(self) -> None:
         for f, schema in zip(self.data.files, self.data.part_schemas, strict=True):
@@ -96,8 +96,8 @@ class WeighStage(Stage):
 
     def _check_other(self) -> None:
         """The second directory of a combination: stored values of the same tokens, in the same unit."""
-        for f in self.other.files:
-            _check_values_stored(f)
+        for f, schema in zip(self.other.files, self.other.part_schemas, strict=True):
+            _check_values_stored(f, schema)
         a, b = self.input_meta, self.other_meta
         for key in ("tokenizer_sha256", "n_ctx", "packed"):
             if a.get(key) != b.get(key):

@@ -112,6 +112,10 @@ def with_file_metadata(schema: pa.Schema, metadata: dict) -> pa.Schema:
 def read_file_metadata(path) -> dict:
     """The `entroweight` metadata of a parquet file (local or a URL), or {} when it has none."""
     with storage.open_input(path) as f:
-        kv = pq.read_schema(f).metadata or {}
-    raw = kv.get(METADATA_KEY)
+        return schema_metadata(pq.read_schema(f))
+
+
+def schema_metadata(schema: pa.Schema | None) -> dict:
+    """The `entroweight` metadata an Arrow schema carries, or {} when it has none."""
+    raw = ((schema.metadata or {}) if schema is not None else {}).get(METADATA_KEY)
     return json.loads(raw) if raw else {}

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from entroweight import storage
 
-from .arrow import DocumentRowsMissing, require_row_in_doc
+from .arrow import DocumentRowsMissing, require_row_in_doc, schema_metadata
 from .compat import Incompatible, check_part_config
 from .manifest import (
     REJECTS_DIR,
@@ -197,7 +197,12 @@ class DataDir:
             with storage.open_input(location) as f:
                 return pq.read_schema(f)
 
-        return [read(p.location) for p in self.parts]
+        return [self.schema, *(read(p.location) for p in self.parts[1:])] if self.parts else []
+
+    @cached_property
+    def metadata(self) -> dict:
+        """The `entroweight` metadata of its first part ({} when it holds none): no read beyond `schema`."""
+        return schema_metadata(self.schema)
 
     def require_one_config(self) -> DataDir:
         """This directory, refused (DataDirError) when a part's own metadata records another

@@ -97,6 +97,7 @@ class ExcessLossScorer(Scorer):
             window = {k: v for k, v in (("context", context), ("stride", stride)) if v is not None}
             self.reference = CrossTokenizerScorer(model=str(reference), aggregate="sum", **kw, **window)
             self.needs_data_tokenizer = True  # the reference reads the data's text
+            self.reads_documents = True  # ... a split document as one text, as cross_tokenizer alone does
             return
         if context is not None or stride is not None:
             raise ScorerError("--context / --stride are options of the cross-tokenizer reference only")
@@ -147,7 +148,7 @@ class ExcessLossScorer(Scorer):
         quiet = Batching(batching.batch_size, batching.batch_tokens)
         self.model.pack = self.reference.pack = self.pack  # both sides laid out as asked
         model = self.model.score(input_ids, n_pad, quiet)
-        reference = self.reference.score(input_ids, n_pad, batching)
+        reference = self.reference.score(input_ids, n_pad, batching, continues=continues)
         values = model.values - reference.values
         if reference.excluded is not None:
             values[reference.excluded] = 0.0

@@ -152,4 +152,9 @@ def occlusion_values(
             cos = ab / (aa.clamp_min(1e-30) * bb.clamp_min(1e-30)).sqrt()
             vals = (1.0 - cos).clamp(0.0, 2.0)
     out[:, T - W + 1 :] = vals.reshape(B, W - 1).cpu().numpy()
+    if base is not None:
+        # A row whose embedding is the baseline's tells the decoder nothing: its value is 0 by
+        # definition. The two decoders' paths differ (the baseline reads its pads from a prefix), and
+        # per-row min-max would blow their last-bit differences up to [0, 1].
+        out[(e == base).all(dim=-1).cpu().numpy()] = 0.0
     return out

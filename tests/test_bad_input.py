@@ -382,7 +382,8 @@ def test_weighted_data_of_another_tokenizer_fed_to_the_trainer(weighted, tmp_pat
     src = jsonl(tmp_path / "in.jsonl", [{"text": GOOD}] * 3)
     run_stage(TokenizeStage([str(src)], str(other), n_ctx=N_CTX), tmp_path / "other_tokens", progress=False)
     res = cli("train", weighted[0], tmp_path / "other_tokens", "--out", tmp_path / "ckpt2", "--steps", 1)
-    assert res.exit_code == 2 and "different tokenizers" in res.output
+    assert res.exit_code == 2 and "tokenizer (sha256) differs" in res.output  # the field, both values
+    assert "other_tokens" in res.output and "wtokens" in res.output
 
 
 def test_workflow_yaml_with_unknown_keys(tmp_path):

@@ -172,14 +172,15 @@ class Counting:
 
 def test_the_check_costs_no_second_read(scored, tmp_path, monkeypatch):
     """Each shard is read once, whole, by the export and by the trainer's up-front pass alike. Besides,
-    the export peeks twice at its first part's footer for the metadata and the weights' type
-    (pyarrow reads a file's last 64 KiB for it: these test shards whole), as it did before."""
+    before writing anything the export reads each part's footer once (its configuration, checked
+    against its manifest: `DataDir.require_one_config`; the first part's also gives the metadata and
+    the weights' type), and reads no footer twice (pyarrow reads a file's last 64 KiB for it: these
+    test shards whole)."""
     sizes = {f.name: f.stat().st_size for f in sorted(scored.glob("part-*.parquet"))}
+    assert len(sizes) > 1
     counting = Counting(monkeypatch)
     export_data(scored, tmp_path / "export", "hf")
-    first, *others = sizes
-    assert counting.read[first] == sizes[first] + 2 * min(sizes[first], 1 << 16)
-    assert {n: counting.read[n] for n in others} == {n: sizes[n] for n in others}
+    assert counting.read == {n: size + min(size, 1 << 16) for n, size in sizes.items()}
     info = inspect_data(scored, ("weight",))
     counting.read.clear()
     problems, positive = value_problems(info.files, ["weight", "entropy"], info.parts)

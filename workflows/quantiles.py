@@ -49,16 +49,22 @@ def reference_quantiles(location, unit: str | None, field: str = "--quantiles-fr
     return entropy_quantiles(location)
 
 
-def step_unit(scores: list, name: str) -> str | None:
+def step_unit(scores: list, name: str, _seen: frozenset = frozenset()) -> str | None:
     """The unit of the values a workflow's score step `name` writes, from the spec alone (its scorer
-    and options, or the step whose values it weighs anew): what validation and `--dry-run` compare
-    before any step has run; None when it cannot be told."""
-    steps = {s.name: s for s in scores}
-    seen: set[str] = set()
-    while name in steps and name not in seen:
-        seen.add(name)
-        s = steps[name]
-        if s.values_from is None:
-            return scorer_unit(s.scorer, dict(s.options)) if s.scorer else None
-        name = s.values_from
-    return None
+    and options, the step whose values it weighs anew, or the two it combines): what validation and
+    `--dry-run` compare before any step has run; None when it cannot be told."""
+    from entroweight.transforms.derive import DeriveError, derived_unit
+
+    step = next((s for s in scores if s.name == name), None)
+    if step is None or name in _seen:
+        return None
+    sources = step.sources()
+    if not sources:
+        return scorer_unit(step.scorer, dict(step.options)) if step.scorer else None
+    units = [step_unit(scores, src, _seen | {name}) for src in sources]
+    if len(units) == 1:
+        return units[0]
+    try:  # the unit the run records for a derived step (refusals of the pair are made elsewhere)
+        return derived_unit(step.op, *units)
+    except DeriveError:
+        return None
