@@ -26,9 +26,12 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
-from typing import IO, Union
+from typing import IO, TYPE_CHECKING, Union
 
 from filelock import FileLock, Timeout
+
+if TYPE_CHECKING:
+    import pyarrow
 
 try:  # a UPath for URLs; local paths never need it
     from upath import UPath
@@ -169,9 +172,15 @@ def output_owner(directory) -> str | None:
         except (ValueError, KeyError, TypeError):
             raise OutputRefused(
                 f"{url(path(directory))}/{mark} is not a stage record (not JSON naming its stage): "
-                "remove it, or pass --overwrite to replace the directory whole"
+                "write elsewhere, or pass --overwrite to replace the directory whole"
             ) from None
+    if any(n == ".shards.json" or n.startswith(("part-", ".part-")) for n in names):
+        return UNKNOWN_STAGE  # a stage's shards whose record is gone: whose they are is unknown
     return None
+
+
+#: The owner of a directory holding a stage's shards but no stage record (`.stage.json` removed).
+UNKNOWN_STAGE = "a stage whose .stage.json is gone"
 
 
 def check_output(
@@ -212,8 +221,9 @@ def check_output(
         return None
     if overwrite:
         return owner
+    whose = owner if owner == UNKNOWN_STAGE else f"`{owner}`"
     raise OutputRefused(
-        f"{flag} {out} holds the output of `{owner}`, not of `{command}`; write elsewhere, or pass "
+        f"{flag} {out} holds the output of {whose}, not of `{command}`; write elsewhere, or pass "
         "--overwrite to replace it whole"
     )
 
@@ -266,28 +276,35 @@ def sha256(p: AnyPath, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def read_hashed(p: AnyPath, size: int | None = None, chunk: int = 1 << 22) -> tuple[memoryview, str]:
+def read_hashed(p: AnyPath, size: int | None = None, chunk: int = 1 << 22) -> tuple[pyarrow.Buffer, str]:
     """(the file's bytes, their sha256), in one read: each chunk is hashed as it arrives, into one
     buffer (`size` when known, else the file's), which pyarrow then parses (`pa.BufferReader`), so a
     reader that checks a shard against its manifest never reads the file twice. The one hashing
     reader: `DataDir`'s parts (schemas/datadir.py `Part.read`) and through them every reader of a
-    stage's output use it."""
+    stage's output use it.
+
+    The buffer is Arrow's own, not a Python object's: Arrow's threads may drop the last reference to
+    it while the interpreter exits, and releasing a Python buffer there needs the GIL, which a thread
+    can no longer take then (the process aborts: "terminate called without an active exception")."""
+    import pyarrow as pa
+
     h = hashlib.sha256()
     with open_input(p) as f:
         if size is None:
             size = os.fstat(f.fileno()).st_size if is_local(p) else int(f.size)
-        buf = bytearray(size + 1)  # one spare byte: a file grown since it was listed shows itself
-        view, n = memoryview(buf), 0
-        while n < len(buf):
-            got = f.readinto(view[n : n + chunk])
-            if not got:
-                break
-            h.update(view[n : n + got])
-            n += got
+        buf = pa.allocate_buffer(size + 1)  # one spare byte: a file grown since it was listed shows itself
+        n = 0
+        with memoryview(buf).cast("B") as view:
+            while n < len(view):
+                got = f.readinto(view[n : n + chunk])
+                if not got:
+                    break
+                h.update(view[n : n + got])
+                n += got
         for block in iter(lambda: f.read(chunk), b""):  # longer still: hashed, not kept
             h.update(block)
             n += len(block)
-    return view[: min(n, size)], h.hexdigest()
+    return buf.slice(0, min(n, size)), h.hexdigest()
 
 
 def listing(directory: AnyPath) -> dict[str, int]:

@@ -47,7 +47,7 @@ from entroweight.transforms.tokenizer import (
 from entroweight.transforms.weigh import WeighConfig
 
 from .stage import ShardTask, Stage, StageError
-from .weighted import WeightedShardWriter, check_steps, part_inputs, weighing_metadata
+from .weighted import WeightedShardWriter, check_steps, part_inputs, read_input, weighing_metadata
 
 # positions (rows × n_ctx) scored together: the rows of a segment are sorted by length into batches
 # (fuller batches the more rows there are), and two segments are in memory at a time
@@ -254,7 +254,7 @@ class ScoreStage(Stage):
 
     def process(self, task: ShardTask) -> ShardManifest:
         (inp,) = task.inputs
-        source = open_parquet(inp.uri)
+        source = read_input(inp)
         rows = source.metadata.num_rows
         # rows as they are scored, not only when the shard ends (mininterval 0: a batch takes seconds)
         bar = tqdm(

@@ -18,6 +18,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from entroweight import __version__, storage
@@ -31,7 +32,14 @@ from entroweight.transforms.tokenizer import TokenizerError, carry_tokenizer, da
 from entroweight.transforms.weigh import WeighConfig
 
 from .stage import ShardTask, Stage, StageError
-from .weighted import WEIGHING_KEYS, WeightedShardWriter, check_steps, part_inputs, weighing_metadata
+from .weighted import (
+    WEIGHING_KEYS,
+    WeightedShardWriter,
+    check_steps,
+    part_inputs,
+    read_input,
+    weighing_metadata,
+)
 
 READ_ROWS = 4096  # rows read, weighed and written at a time
 
@@ -174,13 +182,13 @@ class WeighStage(Stage):
 
     def process(self, task: ShardTask) -> ShardManifest:
         (inp,) = task.inputs
-        source = pq.ParquetFile(storage.open_input(inp.uri))
+        source = read_input(inp)
         batches = source.iter_batches(batch_size=READ_ROWS)
         others = None
         if self.other is not None:  # the same part of the other directory, read alongside
             name = inp.uri.rsplit("/", 1)[-1]
             part = next(p for p in self.other.parts if p.name == name)
-            others = pq.ParquetFile(storage.open_input(part.location)).iter_batches(batch_size=READ_ROWS)
+            others = pq.ParquetFile(pa.BufferReader(part.read())).iter_batches(batch_size=READ_ROWS)
         first = 0
         with WeightedShardWriter(
             self, task, self.file_metadata(), self.weighting, self.with_entropy, self.steps

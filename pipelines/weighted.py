@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from entroweight import __version__, storage
 from entroweight.schemas import REJECT_SCHEMA, ShardManifest
 from entroweight.schemas.arrow import ROW_IN_DOC, weighted_sequence_schema, with_file_metadata
-from entroweight.schemas.datadir import DataDir
+from entroweight.schemas.datadir import DataDir, read_checked
 from entroweight.schemas.manifest import REJECTS_DIR, ShardInput
 from entroweight.schemas.weighted import real_mask
 from entroweight.transforms.select import DocumentStep, StepError, document_count
@@ -47,11 +48,24 @@ def parquet_options(weight_dtype: str, with_entropy: bool) -> dict:
 
 def part_inputs(data: DataDir, fmt: str) -> list[ShardInput]:
     """One shard per committed part of `data`, keyed by its size and sha256 (from its manifest): a
-    changed part recomputes."""
+    changed part recomputes, and the worker reads it checked against that sha256 (`read_input`)."""
     return [
-        ShardInput(uri=p.location, fmt=fmt, size=p.size, mtime_ns=storage.stat(p.location)[1])
+        ShardInput(
+            uri=p.location,
+            fmt=fmt,
+            size=p.size,
+            mtime_ns=storage.stat(p.location)[1],
+            sha256=p.manifest.output_sha256,
+        )
         for p in data.parts
     ]
+
+
+def read_input(inp: ShardInput) -> pq.ParquetFile:
+    """The input shard of a task, read once, whole, and refused (ShardMismatch) unless its bytes are
+    those its manifest recorded when it was planned. Its compressed bytes are held in memory (a
+    fraction of what the stage decodes from them); its rows are still decoded batch by batch."""
+    return pq.ParquetFile(pa.BufferReader(read_checked(inp.uri, inp.size, inp.sha256)))
 
 
 def check_steps(steps: list[DocumentStep], meta: dict[str, Any]) -> None:

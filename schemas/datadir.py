@@ -54,19 +54,25 @@ class Part:
     size: int
     manifest: ShardManifest
 
-    def read(self) -> memoryview:
-        """The shard's bytes, checked against its manifest's sha256 as they stream (one read:
-        `storage.read_hashed`); parse them with `pyarrow.BufferReader`. Raises ShardMismatch naming
-        the shard and what to do."""
-        data, sha = storage.read_hashed(self.location, self.size)
-        if self.manifest.output_sha256 and sha != self.manifest.output_sha256:
-            directory = self.location.rsplit("/", 1)[0]
-            raise ShardMismatch(
-                f"{self.location}: its bytes differ from its manifest (sha256 {sha[:12]}…, recorded "
-                f"{self.manifest.output_sha256[:12]}…): the shard is corrupt or was changed; run "
-                f"`entroweight verify {directory}`, then rerun the command that wrote it with --overwrite"
-            )
-        return data
+    def read(self) -> pa.Buffer:
+        """The shard's bytes, checked against its manifest's sha256 as they stream: `read_checked`."""
+        return read_checked(self.location, self.size, self.manifest.output_sha256)
+
+
+def read_checked(location: str, size: int | None, sha256: str | None) -> pa.Buffer:
+    """A committed shard's bytes, checked against the sha256 its manifest records as they stream (one
+    read: `storage.read_hashed`); parse them with `pyarrow.BufferReader`. What every reader of a
+    stage's output reads a shard with (`Part.read`; a stage's worker from its `ShardInput`). Raises
+    ShardMismatch naming the shard and what to do."""
+    data, sha = storage.read_hashed(location, size)
+    if sha256 and sha != sha256:
+        directory = location.rsplit("/", 1)[0]
+        raise ShardMismatch(
+            f"{location}: its bytes differ from its manifest (sha256 {sha[:12]}…, recorded "
+            f"{sha256[:12]}…): the shard is corrupt or was changed; run "
+            f"`entroweight verify {directory}`, then rerun the command that wrote it with --overwrite"
+        )
+    return data
 
 
 class DataDir:
@@ -228,17 +234,40 @@ class DataDir:
         return [p.location for p in self.parts]
 
     @cached_property
+    def registry(self) -> dict[str, str]:
+        """What the stage planned (`.shards.json`): each input's key (`uri[start:stop]`) -> its shard."""
+        if SHARDS_FILE not in self.names:
+            return {}
+        return json.loads((self.root / SHARDS_FILE).read_bytes())
+
+    @cached_property
     def planned(self) -> list[str]:
         """Every shard the stage planned (`.shards.json`), done or not."""
-        if SHARDS_FILE not in self.names:
-            return []
-        return sorted(set(json.loads((self.root / SHARDS_FILE).read_bytes()).values()))
+        return sorted(set(self.registry.values()))
 
     @property
     def missing(self) -> list[str]:
-        """Planned shards with no committed part (a run that has not finished, or a deleted part)."""
-        done = {p.manifest.shard for p in self.parts}
-        return [s for s in self.planned if s not in done]
+        """Planned inputs whose rows are not all in committed parts, by their shard: a shard not done
+        (a run that has not finished, a deleted part), or a file read as a stream of shards whose
+        committed shards stop short of its end (a run killed mid-file; its later shards are registered
+        only when the run ends). An input counts as done when committed parts' manifests cover its
+        row range from its start to its stop, contiguously."""
+        covered: dict[str, dict[int, int | None]] = {}  # uri -> start -> stop, of committed parts
+        for p in self.parts:
+            for i in p.manifest.inputs:
+                covered.setdefault(i.uri, {})[i.start] = i.stop
+        missing = []
+        for key, shard in self.registry.items():
+            uri, rows = key.rsplit("[", 1)
+            start, stop = rows.rstrip("]").split(":")
+            end = int(stop) if stop else None
+            ranges, pos, seen = covered.get(uri, {}), int(start), set()
+            while pos in ranges and ranges[pos] != end and ranges[pos] is not None and pos not in seen:
+                seen.add(pos)
+                pos = ranges[pos]
+            if ranges.get(pos, -1) != end:  # a stream stopped short: named by where it stops
+                missing.append(shard if pos == int(start) else f"{shard}… (its rows from {pos} on)")
+        return sorted(set(missing))
 
     def rejects_location(self, name: str) -> str:
         return storage.url(self.root / REJECTS_DIR / name)

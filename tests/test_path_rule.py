@@ -141,6 +141,9 @@ def test_no_command_writes_where_it_reads(tmp_path, command, name, relation):
 MARKS = [(mark, owner) for mark, owner in storage.OUTPUT_MARKS if owner is not None] + [
     (".stage.json", "tokenize"),
     (".stage.json", None),  # not JSON
+    # a stage's shards whose record was removed (a refusal's advice must not lead to mixing into them)
+    (".part-00000.manifest.json", storage.UNKNOWN_STAGE),
+    ("part-00000.parquet", storage.UNKNOWN_STAGE),
 ]
 
 
@@ -150,7 +153,8 @@ def _owner_cases():
             continue
         for mark, owner in MARKS:
             if owner != command:
-                yield pytest.param(command, mark, owner, id=f"{command}-over-{owner or 'non-json'}")
+                who = "shards-without-record" if owner == storage.UNKNOWN_STAGE else owner or "non-json"
+                yield pytest.param(command, mark, owner, id=f"{command}-over-{who}-{mark}")
 
 
 @pytest.mark.parametrize(("command", "mark", "owner"), list(_owner_cases()))
@@ -161,7 +165,10 @@ def test_another_commands_output_is_refused(tmp_path, command, mark, owner):
     body = json.dumps({"stage": owner}) if mark == ".stage.json" and owner else "{}"
     (out / mark).write_text(body if owner else "not json {")
     line = refused(tmp_path, _argv(command, str(out), inputs))
-    if owner:
+    if owner == storage.UNKNOWN_STAGE:
+        assert f"--out {out} holds the output of {owner}, not of `{command}`" in line, line
+        assert "--overwrite" in line
+    elif owner:
         assert f"--out {out} holds the output of `{owner}`, not of `{command}`" in line, line
         assert "--overwrite" in line
     else:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -123,6 +126,57 @@ def test_train_refuses_a_shard_that_differs_from_its_manifest(flipped, tmp_path)
     assert r.exit_code == 2, r.output
     assert "part-00000-00001.parquet" in r.output and "differ from its manifest" in r.output
     assert not out.exists()
+
+
+def test_train_refusing_a_shard_exits_2_as_a_process(flipped, tmp_path):
+    """The same refusal as a real process, which must exit 2, not abort at exit ("terminate called
+    without an active exception", 134): Arrow threads dropping the last reference to a shard's bytes
+    while the interpreter exits. The bytes are Arrow's own buffer (storage.read_hashed)."""
+    out = tmp_path / "ck"
+    args = ["train", flipped, "--loss", "weighted_ce", "--model-config", tiny_yaml(tmp_path), "--out", out,
+            "--steps", "2", "--batch-size", "4", "--device", "cpu"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the abort needs threads
+    res = subprocess.run(
+        [sys.executable, "-m", "entroweight.workflows.cli", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "differ from its manifest" in res.stderr and "terminate called" not in res.stderr
+    assert not out.exists()
+
+
+# The stages that read another stage's output (score reads tokens, weighted data too; weigh reads
+# weighted data): each worker reads its input shard checked against its manifest's sha256, as it reads.
+READING_STAGES = {
+    "weigh": lambda src, out, model: ["weigh", src, "--out", out],
+    "score": lambda src, out, model: ["score", src, "--scorer", "causal_loss", "--model", model,
+                                      "--dtype", "fp32", "--out", out],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", READING_STAGES)
+def test_stages_refuse_an_input_shard_that_differs_from_its_manifest(flipped, tiny_llama, tmp_path, stage):
+    out = tmp_path / "out"
+    r = cli(*READING_STAGES[stage](flipped, out, tiny_llama))
+    assert r.exit_code == 1, r.output  # that shard fails, by name; the others are written
+    assert "part-00000-00001.parquet" in r.output and "differ from its manifest" in r.output
+    assert "Traceback" not in r.output
+    assert not (out / "part-00000-00001.parquet").exists()
+    assert cli("verify", out).exit_code == 1  # a hole that verify names, not a silent loss
+
+
+def test_compare_refuses_a_shard_that_differs_from_its_manifest_or_a_hole(flipped, scored, tmp_path):
+    """compare reads whole directories like every other reader: complete, each shard checked."""
+    r = cli("compare", flipped, scored)
+    assert r.exit_code == 2 and "differ from its manifest" in r.output, r.output
+    holed = tmp_path / "holed"
+    shutil.copytree(scored, holed)
+    next(holed.glob(".part-*1.manifest.json")).unlink()  # a shard not committed
+    r = cli("compare", holed, scored)
+    assert r.exit_code == 2 and "incomplete" in r.output, r.output
+    assert cli("compare", scored, scored).exit_code == 0
 
 
 def test_an_intact_dataset_passes(scored, tmp_path):

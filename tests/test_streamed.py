@@ -178,6 +178,7 @@ def test_a_kill_mid_file_resumes_after_the_last_committed_shard(tmp_path, corpus
     assert 3 <= len(committed) < 20, "the kill should land mid-file"
     mtimes = {m.output: (out / m.output).stat().st_mtime_ns for m in committed}
     assert verify_dir(out), "a killed run is a hole verify names"
+    _readers_refuse_the_hole(out, tmp_path)
 
     summary = run_stage(
         TokenizeStage([str(corpus)], str(tokenizer_dir), n_ctx=64, shard_docs=20), out, progress=False
@@ -222,3 +223,28 @@ def test_a_failing_file_keeps_its_committed_shards_and_names_the_hole(tmp_path, 
     (problem,) = verify_dir(tmp_path / "out")
     assert f"part-00000-{len(committed):05d}" in problem and "no manifest" in problem
     assert manifest_name(f"part-00000-{len(committed):05d}") not in storage.listing(tmp_path / "out")
+
+
+def _readers_refuse_the_hole(out, tmp_path):
+    """A file killed mid-stream is registered under its first shard only (the later ones are
+    registered when the run ends): every reader still sees that the committed shards stop short of
+    the file's end, and refuses the directory as incomplete, rather than read part of it as the whole."""
+    from click.testing import CliRunner
+    from test_trainer_fixtures import TINY
+
+    from entroweight.schemas.datadir import DataDir, DataDirError
+    from entroweight.workflows.cli import main
+
+    d = DataDir(out)
+    assert d.missing and "rows from" in d.missing[0]
+    with pytest.raises(DataDirError, match="incomplete"):
+        d.require()
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text("".join(f"{k}: {v}\n" for k, v in TINY.items()))
+    ckpt = tmp_path / "ckpt"
+    r = CliRunner().invoke(
+        main, ["train", str(out), "--model-config", str(cfg), "--steps", "1", "--out", str(ckpt)]
+    )
+    assert r.exit_code == 2 and "incomplete" in r.output and not ckpt.exists(), r.output
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert "missing_shards" in r.output, r.output

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from scipy.stats import rankdata  # 1-based average ranks (ties share their mean), float64
 
@@ -46,27 +47,34 @@ class AgreementError(ValueError):
 def _read(dir_: str | Path, column: str) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """{seq_id: (real token ids, their `column` values)} of a weighted directory (score or weigh
     output, local or a URL) or one of its files; positions the scorer excluded get NaN (left out of the comparison)."""
-    try:
-        _, files = data_files(
-            dir_, "weighted", complete=False, hint="score it first (`entroweight score`), then compare"
-        )
+    try:  # a directory: complete, of one configuration, each shard checked against its manifest
+        d, files = data_files(dir_, "weighted", hint="score it first (`entroweight score`), then compare")
+        if not d.is_file:
+            d.require_one_config()
     except DataDirError as e:
         raise AgreementError(str(e)) from None
+    parts = {} if d.is_file else {p.location: p for p in d.parts}
     meta = read_file_metadata(files[0])
     rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for f in files:
-        with storage.open_input(f) as fh:
-            names = pq.read_schema(fh).names
-        if not {"seq_id", "input_ids", "n_pad"} <= set(names):
-            raise AgreementError(f"{f} is not entroweight data (no seq_id, input_ids, n_pad columns)")
-        if column not in names:
-            hint = (
-                " (it was scored with --drop-entropy; compare --column weight)" if column == "entropy" else ""
-            )
-            raise AgreementError(f"{f} has no `{column}` column{hint}")
-        cols = ["seq_id", "input_ids", "n_pad", column] + ([EXCLUDED] if EXCLUDED in names else [])
-        with storage.open_input(f) as fh:
-            t = pq.read_table(fh, columns=cols)
+        try:
+            source = pa.BufferReader(parts[f].read()) if f in parts else storage.open_input(f)
+        except DataDirError as e:
+            raise AgreementError(str(e)) from None
+        with source as fh:
+            pf = pq.ParquetFile(fh)
+            names = pf.schema_arrow.names
+            if not {"seq_id", "input_ids", "n_pad"} <= set(names):
+                raise AgreementError(f"{f} is not entroweight data (no seq_id, input_ids, n_pad columns)")
+            if column not in names:
+                hint = (
+                    " (it was scored with --drop-entropy; compare --column weight)"
+                    if column == "entropy"
+                    else ""
+                )
+                raise AgreementError(f"{f} has no `{column}` column{hint}")
+            cols = ["seq_id", "input_ids", "n_pad", column] + ([EXCLUDED] if EXCLUDED in names else [])
+            t = pf.read(columns=cols)
         ids = matrix(t.column("input_ids"))
         width = ids.shape[1] if ids.ndim == 2 else 0
         col = t.column(column)
