@@ -297,6 +297,15 @@ class DataDir:
             )
         if not self.parts:
             raise DataDirError(f"{self.location} holds no committed shard (its run has not finished){hint}")
+        foreign = [m for m in self.manifests if m.config_hash != self.record.config_hash]
+        if complete and foreign:  # a shard of another run, copied in with its manifest
+            m = foreign[0]
+            raise DataDirError(
+                f"{self.location}: one directory, two configurations: {m.shard}'s manifest records config "
+                f"{m.config_hash[:12]}…, the directory's {STAGE_FILE} {self.record.config_hash[:12]}…; "
+                "move that shard elsewhere, or rerun the command that wrote the directory with --overwrite "
+                "(which drops it)"
+            )
         if complete and self.missing:
             shown = ", ".join(self.missing[:5]) + (" ..." if len(self.missing) > 5 else "")
             raise DataDirError(

@@ -179,6 +179,26 @@ def test_compare_refuses_a_shard_that_differs_from_its_manifest_or_a_hole(flippe
     assert cli("compare", scored, scored).exit_code == 0
 
 
+def test_a_shard_of_another_run_copied_in_with_its_manifest_is_named(scored, tmp_path):
+    """Readers name the two configurations (not "incomplete ... rerun"), and the advice keeps the
+    other run's shard: move it, or --overwrite (which drops it), never a bare delete."""
+    other = tmp_path / "other"
+    assert cli("weigh", scored, "--weighting", "raw", "--out", other).exit_code == 0
+    mixed = tmp_path / "mixed"
+    shutil.copytree(scored, mixed)
+    for f in [*other.glob("part-*1.parquet"), *other.glob(".part-*1.manifest.json")]:
+        shutil.copy(f, mixed / f.name)
+    for args in (
+        ["export-data", mixed, "--format", "hf", "--out", tmp_path / "x"],
+        ["compare", mixed, scored],
+    ):
+        r = cli(*args)
+        assert r.exit_code == 2 and "two configurations" in r.output and "move that shard" in r.output, (
+            r.output
+        )
+    assert not (tmp_path / "x").exists()
+
+
 def test_an_intact_dataset_passes(scored, tmp_path):
     r = cli("export-data", scored, "--format", "hf", "--out", tmp_path / "export")
     assert r.exit_code == 0, r.output
