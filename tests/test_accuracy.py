@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import sys
 from pathlib import Path
 
@@ -336,11 +335,15 @@ def test_workflow_refuses_accuracy_it_cannot_run(tmp_path):
         parse_workflow({**spec, "accuracy": {"prefix_tokens": 60, "continuation_tokens": 8}})
     with pytest.raises(SpecError, match="tasks repeat"):
         parse_workflow({**spec, "accuracy": {"tasks": [OFFLINE_TASK, OFFLINE_TASK]}})
+    with pytest.raises(SpecError, match="holdout.docs is 3"):  # no distractors for 4 choices
+        parse_workflow({**spec, "holdout": {"docs": 3}})
     wf = tmp_path / "wf.yaml"
     wf.write_text(yaml.safe_dump({**spec, "accuracy": {"tasks": ["hellaswag", "no_such_task"]}}))
     r = _cli("run", wf, "--dry-run")
     assert r.exit_code == 2 and "lm-eval knows no task no_such_task" in r.output, r.output
-    shutil.rmtree(tmp_path / "run", ignore_errors=True)
+    r = _cli("run", wf)  # before any step writes, not when the accuracy step is reached
+    assert r.exit_code == 2 and "lm-eval knows no task no_such_task" in r.output, r.output
+    assert not (tmp_path / "run").exists()
 
 
 def test_without_lm_eval_the_command_names_the_extra(tiny_ckpt, tmp_path, monkeypatch):

@@ -360,6 +360,7 @@ def _with(good: dict, **changes) -> dict:
     return bad
 
 
+OTHER = {"name": "other", "scorer": "causal_loss", "checkpoint_from": "other", "options": {"dtype": "fp32"}}
 LARGE_MEAN = {
     "name": "large",
     "scorer": "cross_tokenizer",
@@ -399,6 +400,21 @@ LARGE_MEAN = {
         ({"scores@3": {"values_from": ["other", "other"], "op": "difference"}}, "scores[3].values_from"),
         ({"scores@3": {"values_from": "other", "limit_rows": 5}}, "limit_shards/limit_rows"),
         ({"scores@4": {"weighting": {"shuffle": -1}}}, "scores[4].weighting.shuffle"),
+        ({"scores@4": {"weighting": {"shuffle": False}}}, "not true/false"),  # would be seed 0: shuffled
+        # what the run refused only after scoring, now refused from the spec: two units ...
+        ({"scores@4": {"values_from": ["excess", "causal_loss"], "op": "difference"}}, "means nothing"),
+        (  # ... two samples of rows ...
+            {"scores@2": {**OTHER, "limit_rows": 5}},
+            "hold different rows",
+        ),
+        (  # ... and a `mean` mapping reached through a re-weighing step
+            {
+                "scores@2": LARGE_MEAN,
+                "scores@3": {"values_from": "large"},
+                "scores@4": {"values_from": ["causal_loss", "excess"], "op": "difference"},
+            },
+            "aggregate: sum",
+        ),
         (
             {
                 "scores@2": LARGE_MEAN,
@@ -465,3 +481,19 @@ def test_shipped_experiment_workflows_parse(name):
     assert wf.holdout is not None and wf.eval_texts() == ["main", "heldout"]
     assert len(wf.train.seeds) == {"default.yaml": 2, "experiment.yaml": 6}.get(name, 5)
     assert wf.primary_run() == "weighted-occlusion"
+
+
+def test_the_report_follows_the_workflow_and_shows_pairs_without_a_writeup_row(run, tmp_path):
+    """A change that no step sees (report settings, the seeds or runs it lists) still rewrites the
+    report, and an agreement pair with no write-up row renders (it crashed the report step)."""
+    wf = yaml.safe_load((run["dir"].parent / "wf.yaml").read_text())
+    wf["report"] = {"samples": 2}
+    p = write_yaml(run["dir"].parent / "wf.yaml", wf)
+    code, out = run_cli("run", p)
+    assert code == 0 and "report report: ran" in out, out
+    code, out = run_cli("run", p)
+    assert code == 0 and "report report: up to date" in out, out
+    wf["agreement"] = {"pairs": [{"y": "other", "x": "causal_loss"}]}
+    code, out = run_cli("run", write_yaml(p, wf))
+    assert code == 0 and "report report: ran" in out, out
+    assert "Traceback" not in out

@@ -72,6 +72,14 @@ class WeighOptions(BaseModel):
         "row's seq_id (same weights, no information about which token is which).",
     )
 
+    @field_validator("shuffle", mode="before")
+    @classmethod
+    def _seed(cls, v):
+        # YAML's `shuffle: false` would otherwise be seed 0, which shuffles
+        if isinstance(v, bool):
+            raise ValueError("is a seed (an integer >= 0), not true/false; leave it out not to shuffle")
+        return v
+
     @field_validator("keep")
     @classmethod
     def _keep(cls, v, info: ValidationInfo):

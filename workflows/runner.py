@@ -46,6 +46,7 @@ from .steps import (
     TrainStep,
     UnigramStep,
     WorkflowError,
+    check_accuracy,
     data_fingerprint,
 )
 
@@ -104,6 +105,8 @@ class Runner:
     # -- the whole run
     def run(self) -> list[Step]:
         root = self.wf.root
+        if self.wf.train is not None and self.wf.accuracy is not None:
+            check_accuracy(self.wf.accuracy)  # before any step writes (its step would, after hours)
         if self.dry_run:
             self.echo(f"plan for {root} (dry run: nothing is written)")
             self._all_steps()

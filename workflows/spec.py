@@ -413,8 +413,9 @@ class Workflow(_Strict):
             if s.op is not None and len(s.sources()) != 2:
                 raise _At(f"scores[{i}].op", "combines two score steps: give values_from: [A, B]")
             if s.op is not None:
+                self._combinable(i, s)
                 for src in s.sources():
-                    if _aggregate(next(x for x in self.scores if x.name == src)) == "mean":
+                    if _aggregate(_scored(self.scores, src)) == "mean":
                         raise _At(
                             f"scores[{i}].values_from",
                             f"{src!r} maps its model's losses with aggregate: mean (each small token gets "
@@ -468,6 +469,12 @@ class Workflow(_Strict):
                     "accuracy.tasks",
                     f"{OFFLINE_TASK} is built from the held-out documents: add a holdout section",
                 )
+            if self.holdout.docs < a.choices:
+                raise _At(
+                    "accuracy.choices",
+                    f"each item's {a.choices} choices come from {a.choices} different held-out documents, "
+                    f"but holdout.docs is {self.holdout.docs}",
+                )
             width = a.prefix_tokens + a.continuation_tokens
             if width > self.tokenize.n_ctx:
                 raise _At(
@@ -475,6 +482,26 @@ class Workflow(_Strict):
                     f"prefix_tokens + continuation_tokens = {width} exceed tokenize.n_ctx "
                     f"{self.tokenize.n_ctx}, the context the models are trained on",
                 )
+
+    def _combinable(self, i: int, s: ScoreSpec) -> None:
+        """What the run refuses of `op` over two steps, refused from the spec (so `--dry-run` does):
+        values of two units, or of two different samples of rows."""
+        from entroweight.transforms.derive import DeriveError, derived_unit
+
+        from .quantiles import step_unit
+
+        a, b = s.sources()
+        try:
+            derived_unit(s.op, step_unit(self.scores, a), step_unit(self.scores, b))
+        except DeriveError as e:
+            raise _At(f"scores[{i}].values_from", str(e)) from None
+        rows = {src: (x.limit_shards, x.limit_rows) for src in (a, b) for x in [_scored(self.scores, src)]}
+        if rows[a] != rows[b]:
+            raise _At(
+                f"scores[{i}].values_from",
+                f"{a!r} and {b!r} hold different rows (limit_shards, limit_rows: {rows[a]} vs {rows[b]}): "
+                f"the {s.op} needs the values of the same tokens",
+            )
 
     def _resolve_primary(self) -> None:
         """report.primary given: a run compared with the reference, or refused. Left out: PRIMARY where
@@ -593,6 +620,17 @@ class Workflow(_Strict):
     def primary_run(self) -> str | None:
         """The run whose comparison with the reference is primary (ReportSpec.primary); None: none."""
         return self.report.primary if self.report is not None else None
+
+
+def _scored(scores: list[ScoreSpec], name: str) -> ScoreSpec:
+    """The step that scored the values step `name` holds: itself, or the step its `values_from` chain
+    of re-weighings starts at (a combination is its own)."""
+    steps = {x.name: x for x in scores}
+    step, seen = steps[name], set()
+    while isinstance(step.values_from, str) and step.values_from in steps and step.name not in seen:
+        seen.add(step.name)
+        step = steps[step.values_from]
+    return step
 
 
 def _aggregate(step: ScoreSpec) -> str | None:

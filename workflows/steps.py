@@ -414,11 +414,24 @@ class AgreementStep(Step):
 
 
 class ReportStep(Step):
-    """The HTML report; rewritten whenever any step ran."""
+    """The HTML report; rewritten whenever any step ran, or the workflow changed in a way no step
+    sees (the seeds or runs it lists, its primary comparison): its key is the whole workflow's."""
+
+    @property
+    def marker(self) -> Path:
+        return self.out.with_name(f".{self.out.name}.json")
+
+    def key(self) -> str:
+        return _key(self.wf.model_dump(mode="json"))
 
     def done(self):
         ran = any(s.status in ("ran", "would run") for s in self.run_ctx.steps)
-        fresh = self.out.exists() and not ran and (self.wf.root / RUN_FILE).exists()
+        fresh = (
+            self.out.exists()
+            and not ran
+            and (self.wf.root / RUN_FILE).exists()
+            and _recorded_key(self.marker) == self.key()
+        )
         return str(self.out) if fresh else None
 
     def plan(self):
@@ -429,7 +442,29 @@ class ReportStep(Step):
         write_report(
             self.wf.root, self.out, samples=self.wf.report.samples, max_tokens=self.wf.report.max_tokens
         )
+        write_json_atomic({"key": self.key()}, self.marker)
         return "ran", str(self.out)
+
+
+def check_accuracy(spec) -> None:
+    """What every accuracy step would refuse, refused before a workflow writes anything (the runner
+    calls it first; lm-eval's task index is read once per process): lm-eval not installed, a task
+    name it does not know."""
+    import importlib.util
+
+    from entroweight.trainers.accuracy import OFFLINE_TASK, AccuracyError, unknown_tasks
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise WorkflowError("accuracy needs lm-eval: pip install 'entroweight[eval]' (make installs it)")
+    if any(t != OFFLINE_TASK for t in spec.tasks):  # indexing lm-eval's tasks takes seconds
+        try:
+            unknown = unknown_tasks(spec.tasks)
+        except AccuracyError as e:
+            raise WorkflowError(f"accuracy.tasks: {e}") from None
+        if unknown:
+            raise WorkflowError(
+                f"accuracy.tasks: lm-eval knows no task {', '.join(unknown)} (`lm_eval ls tasks`)"
+            )
 
 
 class AccuracyItemsStep(Step):
@@ -451,21 +486,7 @@ class AccuracyItemsStep(Step):
         return OFFLINE_TASK in self.spec.tasks
 
     def prepare(self):
-        import importlib.util
-
-        from entroweight.trainers.accuracy import OFFLINE_TASK, AccuracyError, unknown_tasks
-
-        if importlib.util.find_spec("lm_eval") is None:
-            raise WorkflowError("accuracy needs lm-eval: pip install 'entroweight[eval]' (make installs it)")
-        if any(t != OFFLINE_TASK for t in self.spec.tasks):  # indexing lm-eval's tasks takes seconds
-            try:
-                unknown = unknown_tasks(self.spec.tasks)
-            except AccuracyError as e:
-                raise WorkflowError(f"accuracy.tasks: {e}") from None
-            if unknown:
-                raise WorkflowError(
-                    f"accuracy.tasks: lm-eval knows no task {', '.join(unknown)} (`lm_eval ls tasks`)"
-                )
+        check_accuracy(self.spec)
 
     def items_file(self) -> Path | None:
         return self.out / self.ITEMS if self.offline else None
