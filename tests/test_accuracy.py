@@ -203,6 +203,8 @@ def test_evaluate_command_writes_results(tiny_ckpt, c4_path, tmp_path):
     out = tmp_path / "out"
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in list(corpus_texts([str(c4_path)]))[-12:]))
+    with docs.open("a") as f:
+        f.write('{"text": "a line cut short')  # a truncated file's last line: said, not dropped silently
     r = _cli(
         "evaluate",
         tiny_ckpt,
@@ -223,6 +225,7 @@ def test_evaluate_command_writes_results(tiny_ckpt, c4_path, tmp_path):
     res = json.loads((out / "accuracy.json").read_text())
     assert res["tasks"][OFFLINE_TASK]["n"] == 6 and len((out / "items.jsonl").read_text().splitlines()) == 6
     assert f"{OFFLINE_TASK}: acc " in r.output and "chance 0.2500" in r.output
+    assert "1 document(s) rejected (1 invalid_json); 12 read" in r.output
 
 
 @pytest.mark.parametrize(
@@ -312,6 +315,12 @@ def test_workflow_accuracy_steps_run_and_are_cached(tmp_path):
     r = _cli("run", wf)  # nothing new: both cached
     assert "accuracy heldout-items: up to date - 12 items" in r.output
     assert "accuracy reference/seed-0: up to date" in r.output and ": ran" not in r.output
+    items = run / "accuracy" / ".items" / "items.jsonl"
+    good = items.read_bytes()
+    items.write_bytes(good + b'{"prefix": "x", "choices": [\n')  # changed by hand or a bad disk: rebuilt
+    r = _cli("run", wf, "--dry-run")
+    assert "accuracy heldout-items: would run" in r.output, r.output
+    items.write_bytes(good)
     spec = _spec(tmp_path)
     spec["accuracy"]["items"] = 10  # other items: the items and the evaluation are redone, training is not
     wf.write_text(yaml.safe_dump(spec))

@@ -426,6 +426,10 @@ LARGE_MEAN = {
             {"train@runs": {"name": "c", "data": "shuffled", "loss": "weighted_ce", "role": "ablation"}},
             "role",
         ),
+        (  # the shuffled control permutes weights, not the entropy a `rescaled` loss reads
+            {"train@runs": {"name": "c", "data": "shuffled", "loss": "rescaled"}},
+            "not shuffled",
+        ),
     ],
 )
 def test_agreement_and_derived_values_refusals(tmp_path, tokenizer_dir, change, message):

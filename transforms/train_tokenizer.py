@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Iterable, Iterator
 from importlib.resources import files
@@ -19,11 +20,17 @@ SPECIALS = [PAD, BOS, EOS]
 DEFAULT_BASE = Path(files(__package__) / "data" / "llama3")
 
 
-def corpus_texts(sources: list[str], max_docs: int | None = None, text_column: str = "text") -> Iterator[str]:
-    """Texts of the valid documents of the sources, in a fixed order (rejects are skipped).
+def corpus_texts(
+    sources: list[str],
+    max_docs: int | None = None,
+    text_column: str = "text",
+    rejected: collections.Counter | None = None,
+) -> Iterator[str]:
+    """Texts of the valid documents of the sources, in a fixed order; the rejected ones are skipped,
+    and counted by reason in `rejected` when given (for the caller to say so).
     Raises SourceError at the first read when no document can be read: a tokenizer trained on
     nothing would still save (its 256 bytes and specials) and exit 0."""
-    texts = _texts(sources, max_docs, text_column)
+    texts = _texts(sources, max_docs, text_column, rejected)
     first = next(texts, None)
     if first is None:
         raise SourceError(
@@ -33,15 +40,18 @@ def corpus_texts(sources: list[str], max_docs: int | None = None, text_column: s
     return itertools.chain([first], texts)
 
 
-def _texts(sources: list[str], max_docs: int | None, text_column: str) -> Iterator[str]:
+def _texts(sources: list[str], max_docs: int | None, text_column: str, rejected) -> Iterator[str]:
     n = 0
     for shard in plan_inputs(sources):
-        for batch in DocumentReader(shard, text_column):
+        reader = DocumentReader(shard, text_column)
+        for batch in reader:
             for text in batch.column("text").to_pylist():
                 yield text
                 n += 1
                 if max_docs and n >= max_docs:
                     return
+        if rejected is not None:
+            rejected.update(r["reason"] for r in reader.rejects)
 
 
 def train_bpe(

@@ -5,6 +5,7 @@ Exit codes: see cli_common.py.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import json
 import sys
@@ -68,13 +69,15 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
     from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_tokenizer
 
     check_output(out, [("the source", s) for s in sources] + [("--base", base)], "train-tokenizer")
+    rejected: collections.Counter = collections.Counter()
     try:
-        texts = corpus_texts(list(sources), max_docs, text_column)
+        texts = corpus_texts(list(sources), max_docs, text_column, rejected)
         tok = train_tokenizer(texts, vocab_size, algorithm, base, progress=sys.stderr.isatty())
     except (SourceError, ValueError) as e:
         _fail(str(e))
     path, sha = save_tokenizer(tok, out)
-    click.echo(f"wrote {path} ({tok.get_vocab_size()} tokens, sha256 {sha})")
+    skipped = f"; {sum(rejected.values())} document(s) rejected ({dict(rejected)})" if rejected else ""
+    click.echo(f"wrote {path} ({tok.get_vocab_size()} tokens, sha256 {sha}){skipped}")
 
 
 @main.command(cls=GeneratedOptions, generated=[engine_options])

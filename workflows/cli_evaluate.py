@@ -9,6 +9,7 @@ scratch (`.lm-eval/`: the task YAML, HF datasets' cache).
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 from pathlib import Path
@@ -133,7 +134,14 @@ def _items(ckpt_dir, documents, config, **kw) -> list[dict]:
     from entroweight.transforms.train_tokenizer import corpus_texts
 
     tok: Tokenizer = checkpoint_tokenizer(ckpt_dir, None, config.get("tokenizer_sha256"))
-    texts = list(corpus_texts(list(documents), None, kw["text_column"]))
+    rejected: collections.Counter = collections.Counter()
+    texts = list(corpus_texts(list(documents), None, kw["text_column"], rejected))
+    if rejected:  # said, not dropped silently: a truncated file's broken last line, say
+        shown = ", ".join(f"{n} {reason}" for reason, n in sorted(rejected.items()))
+        click.echo(
+            f"--documents: {sum(rejected.values())} document(s) rejected ({shown}); {len(texts)} read",
+            err=True,
+        )
     n_ctx = int(config["model"]["n_ctx"])  # what export_hf writes as max_position_embeddings
     return build_items(
         texts,

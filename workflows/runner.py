@@ -68,7 +68,8 @@ def code_version() -> str:
     try:
         out = subprocess.run(
             ["git", "-C", str(repo), "describe", "--always", "--dirty", "--tags"],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # outside a checkout git says "fatal: not a git repository"
             text=True,
             timeout=5,
         )

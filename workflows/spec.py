@@ -445,6 +445,17 @@ class Workflow(_Strict):
                         f"train.runs[{i}].loss",
                         f"{r.loss} needs weights (the {column} column): data must be a score step",
                     )
+                step = next((x for x in self.scores if x.name == r.data), None)
+                if (
+                    step is not None
+                    and step.weighting.shuffle is not None
+                    and "entropy" in LOSSES[r.loss].columns
+                ):
+                    raise _At(
+                        f"train.runs[{i}].loss",
+                        f"{r.data!r} shuffles the weights only; {r.loss} reads the entropy column, which is "
+                        "not shuffled: the control would train on the real values",
+                    )
             names = [r.name for r in self.train.runs]
             if self.train.reference is not None and self.train.reference not in names:
                 raise _At("train.reference", f"{self.train.reference!r} is not a run ({', '.join(names)})")

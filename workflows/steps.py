@@ -506,9 +506,11 @@ class AccuracyItemsStep(Step):
     def done(self):
         if not self.offline:
             return "no offline task"
-        f = self.out / self.ITEMS
-        if f.is_file() and _recorded_key(self.out / STEP_FILE) == self.key():
-            return f"{json.loads((self.out / STEP_FILE).read_text())['items']} items"
+        f, marker = self.out / self.ITEMS, self.out / STEP_FILE
+        if f.is_file() and _recorded_key(marker) == self.key():
+            made = json.loads(marker.read_text())
+            if made.get("sha256") == sha256_file(f):  # a file changed since (by hand, a bad disk): rebuilt
+                return f"{made['items']} items"
         return None
 
     def plan(self):
@@ -544,7 +546,13 @@ class AccuracyItemsStep(Step):
         (self.out / STEP_FILE).unlink(missing_ok=True)
         write_items(items, self.out / self.ITEMS)
         docs = len({it["doc"] for it in items})
-        write_json_atomic({"key": self.key(), "items": len(items), "documents": docs}, self.out / STEP_FILE)
+        made = {
+            "key": self.key(),
+            "items": len(items),
+            "documents": docs,
+            "sha256": sha256_file(self.out / self.ITEMS),
+        }
+        write_json_atomic(made, self.out / STEP_FILE)
         return "ran", f"{len(items)} items from {docs} of {len(held)} held-out documents"
 
 
