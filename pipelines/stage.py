@@ -270,12 +270,15 @@ def plan_run(
     if orphans and not overwrite:  # a source renamed, moved or deleted: its documents would stay
         raise StageError(_orphans_message(out, orphans))
     remove_stale_tmp(out)
-    write_json_atomic(json.loads(record.model_dump_json()), stage_file)
+    written = json.loads(record.model_dump_json())
+    if STAGE_FILE not in names or json.loads(stage_file.read_bytes()) != written:  # a rerun touches nothing
+        write_json_atomic(written, stage_file)
 
     # Shard numbers are fixed when an input is first planned (.shards.json), so a crash, a rerun
     # or a new input file never renumbers what exists.
     registry_file = out / SHARDS_FILE
     registry: dict[str, str] = json.loads(registry_file.read_bytes()) if SHARDS_FILE in names else {}
+    planned = dict(registry) if SHARDS_FILE in names else None
     todo, done, stale, remove = _sort_shards(
         stage, inputs, registry, manifests, names, record.config_hash, out
     )
@@ -283,7 +286,8 @@ def plan_run(
         remove += [m.shard for m in orphans]
         gone = {m.shard for m in orphans}
         registry = {k: v for k, v in registry.items() if v not in gone}
-    write_json_atomic(registry, registry_file)
+    if registry != planned:
+        write_json_atomic(registry, registry_file)
     # output of a shard killed after its parquet but before its manifest: redo it from scratch
     for task in todo:
         if manifest_name(task.shard) in names:
