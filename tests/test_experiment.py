@@ -468,6 +468,17 @@ def test_shipped_experiment_workflows_parse(name):
     wf = parse_workflow(yaml.safe_load((ROOT / "workflows" / name).read_text()))
     runs = {r.name: r for r in wf.train.runs}
     assert runs["reference"].loss == "ce"
+    if name == "default.yaml":  # make run: the experiment's data, models and scores, a subset of its runs
+        full = parse_workflow(yaml.safe_load((ROOT / "workflows" / "experiment.yaml").read_text()))
+        assert {r.name: r for r in full.train.runs if r.name in runs} == runs
+        assert wf.train.model_dump(exclude={"runs", "seeds"}) == full.train.model_dump(
+            exclude={"runs", "seeds"}
+        )
+        assert [m.model_dump() for m in wf.models] == [m.model_dump() for m in full.models]
+        assert {"reference", "weighted-occlusion", "shuffled-occlusion", "weighted-large"} <= set(runs)
+        assert len(wf.train.seeds) == 2 and wf.primary_run() == "weighted-occlusion"
+        assert [p.writeup for p in wf.agreement.pairs] == list(WRITEUP)
+        return
     assert (runs["rho1-topk"].loss, runs["rho1-topk"].normalize) == ("weighted_ce", "weight")
     excess = next(s for s in wf.scores if s.name == "excess")
     if excess.scorer is not None:
