@@ -234,6 +234,7 @@ def test_evaluate_command_writes_results(tiny_ckpt, c4_path, tmp_path):
         (["--tasks", "no_such_task"], "unknown --tasks no_such_task"),
         ([], "pass --documents"),
         (["--tasks", ""], "names no task"),
+        (["--tasks", "hellaswag,hellaswag"], "names hellaswag more than once"),
     ],
 )
 def test_evaluate_command_refusals(tiny_ckpt, tmp_path, args, says):

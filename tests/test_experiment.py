@@ -385,6 +385,14 @@ LARGE_MEAN = {
             "agreement.pairs[0].writeup",
         ),
         ({"agreement": {"pairs": []}}, "agreement.pairs"),
+        (
+            {
+                "agreement": {
+                    "pairs": [{"y": "other", "x": "causal_loss"}, {"y": "other", "x": "causal_loss"}]
+                }
+            },
+            "other vs causal_loss is given more than once",
+        ),
         ({"agreement": {"pairs": [{"y": "other", "x": "causal_loss"}], "out": "../a.json"}}, "agreement.out"),
         (
             {"scores@3": {"values_from": ["causal_loss", "nope"], "op": "difference"}},

@@ -74,6 +74,9 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         _fail("--tasks names no task")
+    repeated = sorted({t for t in names if names.count(t) > 1})
+    if repeated:  # as the workflow's accuracy.tasks: a task given twice is a typo, not two evaluations
+        _fail(f"--tasks names {', '.join(repeated)} more than once")
     if OFFLINE_TASK in names and not documents:
         _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
     try:

@@ -251,6 +251,15 @@ class AgreementSpec(_Strict):
 
     _out = field_validator("out")(_inside)
 
+    @field_validator("pairs")
+    @classmethod
+    def _once(cls, v):
+        seen = [(p.y, p.x) for p in v]
+        repeated = sorted({f"{y} vs {x}" for y, x in seen if seen.count((y, x)) > 1})
+        if repeated:
+            raise ValueError(f"the pair {', '.join(repeated)} is given more than once")
+        return v
+
 
 class ExperimentRun(LossSettings):
     """One run of the experiment: its data and its loss (trainers/config.py's LossSettings)."""
