@@ -48,6 +48,13 @@ def refusal_lines(
     return lines
 
 
+def repeated(values) -> list:
+    """The values given more than once (sorted): a list that names a thing twice is refused, whichever
+    front end it came through (a workflow's `accuracy.tasks` and agreement pairs, `evaluate --tasks`)."""
+    values = list(values)
+    return sorted({v for v in values if values.count(v) > 1})
+
+
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -125,6 +125,8 @@ OUTPUT_MARKS = (
     ("model.safetensors", "export-hf"),
     ("accuracy.json", "evaluate"),
 )
+#: The owner of a directory holding a stage's shards but no stage record (`.stage.json` removed).
+UNKNOWN_STAGE = "a stage whose .stage.json is gone"
 
 
 class OutputRefused(ValueError):
@@ -177,10 +179,6 @@ def output_owner(directory) -> str | None:
     if any(n == ".shards.json" or n.startswith(("part-", ".part-")) for n in names):
         return UNKNOWN_STAGE  # a stage's shards whose record is gone: whose they are is unknown
     return None
-
-
-#: The owner of a directory holding a stage's shards but no stage record (`.stage.json` removed).
-UNKNOWN_STAGE = "a stage whose .stage.json is gone"
 
 
 def check_output(

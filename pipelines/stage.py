@@ -374,7 +374,7 @@ class _Streamed:
         self.bases: dict[str, str] = {}  # uri -> part-NNNNN
         self.keys: dict[str, list[str]] = {}  # part-NNNNN -> its registry keys
         for key, shard in registry.items():
-            self.bases[key.rsplit("[", 1)[0]] = _base(shard)
+            self.bases[ShardInput.parse_key(key)[0]] = _base(shard)
             self.keys.setdefault(_base(shard), []).append(key)
         self.manifests: dict[str, list[ShardManifest]] = {}
         for m in manifests.values():

@@ -26,6 +26,7 @@ from .manifest import (
     REJECTS_DIR,
     SHARDS_FILE,
     STAGE_FILE,
+    ShardInput,
     ShardManifest,
     StageRecord,
     is_manifest,
@@ -258,15 +259,13 @@ class DataDir:
                 covered.setdefault(i.uri, {})[i.start] = i.stop
         missing = []
         for key, shard in self.registry.items():
-            uri, rows = key.rsplit("[", 1)
-            start, stop = rows.rstrip("]").split(":")
-            end = int(stop) if stop else None
-            ranges, pos, seen = covered.get(uri, {}), int(start), set()
+            uri, start, end = ShardInput.parse_key(key)
+            ranges, pos, seen = covered.get(uri, {}), start, set()
             while pos in ranges and ranges[pos] != end and ranges[pos] is not None and pos not in seen:
                 seen.add(pos)
                 pos = ranges[pos]
             if ranges.get(pos, -1) != end:  # a stream stopped short: named by where it stops
-                missing.append(shard if pos == int(start) else f"{shard}… (its rows from {pos} on)")
+                missing.append(shard if pos == start else f"{shard}… (its rows from {pos} on)")
         return sorted(set(missing))
 
     def rejects_location(self, name: str) -> str:

@@ -58,6 +58,13 @@ class ShardInput(BaseModel):
     def key(self) -> str:
         return f"{self.uri}[{self.start}:{'' if self.stop is None else self.stop}]"
 
+    @staticmethod
+    def parse_key(key: str) -> tuple[str, int, int | None]:
+        """(uri, start, stop) of a `key` (`.shards.json` records inputs by it)."""
+        uri, rows = key.rsplit("[", 1)
+        start, stop = rows.rstrip("]").split(":")
+        return uri, int(start), int(stop) if stop else None
+
 
 class ShardManifest(BaseModel):
     """Written last, beside `part-NNNNN.parquet`: the shard is done iff this matches the config."""

@@ -54,7 +54,7 @@ def _read(dir_: str | Path, column: str) -> tuple[dict, dict[str, tuple[np.ndarr
     except DataDirError as e:
         raise AgreementError(str(e)) from None
     parts = {} if d.is_file else {p.location: p for p in d.parts}
-    meta = read_file_metadata(files[0])
+    meta = read_file_metadata(files[0]) if d.is_file else d.metadata
     rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for f in files:
         try:

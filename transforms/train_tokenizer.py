@@ -40,6 +40,12 @@ def corpus_texts(
     return itertools.chain([first], texts)
 
 
+def rejects_said(rejected: collections.Counter) -> str:
+    """`corpus_texts`' rejects as a caller says them: "3 document(s) rejected (1 empty, 2 invalid_json)"."""
+    shown = ", ".join(f"{n} {reason}" for reason, n in sorted(rejected.items()))
+    return f"{sum(rejected.values())} document(s) rejected ({shown})"
+
+
 def _texts(sources: list[str], max_docs: int | None, text_column: str, rejected) -> Iterator[str]:
     n = 0
     for shard in plan_inputs(sources):

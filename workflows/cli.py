@@ -66,7 +66,12 @@ def main():
 def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_column, out):
     """Train a tokenizer of VOCAB_SIZE tokens (pad/bos/eos reserved) on SOURCES: BPE or LZ78."""
     from entroweight.transforms.sources import SourceError
-    from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_tokenizer
+    from entroweight.transforms.train_tokenizer import (
+        corpus_texts,
+        rejects_said,
+        save_tokenizer,
+        train_tokenizer,
+    )
 
     check_output(out, [("the source", s) for s in sources] + [("--base", base)], "train-tokenizer")
     rejected: collections.Counter = collections.Counter()
@@ -76,7 +81,7 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
     except (SourceError, ValueError) as e:
         _fail(str(e))
     path, sha = save_tokenizer(tok, out)
-    skipped = f"; {sum(rejected.values())} document(s) rejected ({dict(rejected)})" if rejected else ""
+    skipped = f"; {rejects_said(rejected)}" if rejected else ""
     click.echo(f"wrote {path} ({tok.get_vocab_size()} tokens, sha256 {sha}){skipped}")
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import click
 
+from entroweight.options import repeated
+
 from .cli_common import Location, _fail, check_output
 
 RESULTS = "accuracy.json"  # marks DIR as this command's output (entroweight.storage.OUTPUT_MARKS)
@@ -74,9 +76,9 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         _fail("--tasks names no task")
-    repeated = sorted({t for t in names if names.count(t) > 1})
-    if repeated:  # as the workflow's accuracy.tasks: a task given twice is a typo, not two evaluations
-        _fail(f"--tasks names {', '.join(repeated)} more than once")
+    twice = repeated(names)
+    if twice:  # as the workflow's accuracy.tasks: a task given twice is a typo, not two evaluations
+        _fail(f"--tasks names {', '.join(twice)} more than once")
     if OFFLINE_TASK in names and not documents:
         _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
     try:
@@ -134,15 +136,14 @@ def _items(ckpt_dir, documents, config, **kw) -> list[dict]:
 
     from entroweight.trainers.bpb import checkpoint_tokenizer
     from entroweight.transforms.choice_items import build_items
-    from entroweight.transforms.train_tokenizer import corpus_texts
+    from entroweight.transforms.train_tokenizer import corpus_texts, rejects_said
 
     tok: Tokenizer = checkpoint_tokenizer(ckpt_dir, None, config.get("tokenizer_sha256"))
     rejected: collections.Counter = collections.Counter()
     texts = list(corpus_texts(list(documents), None, kw["text_column"], rejected))
     if rejected:  # said, not dropped silently: a truncated file's broken last line, say
-        shown = ", ".join(f"{n} {reason}" for reason, n in sorted(rejected.items()))
         click.echo(
-            f"--documents: {sum(rejected.values())} document(s) rejected ({shown}); {len(texts)} read",
+            f"--documents: {rejects_said(rejected)}; {len(texts)} read",
             err=True,
         )
     n_ctx = int(config["model"]["n_ctx"])  # what export_hf writes as max_position_embeddings

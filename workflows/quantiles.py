@@ -55,16 +55,15 @@ def step_unit(scores: list, name: str, _seen: frozenset = frozenset()) -> str | 
     `--dry-run` compare before any step has run; None when it cannot be told."""
     from entroweight.transforms.derive import DeriveError, derived_unit
 
-    step = next((s for s in scores if s.name == name), None)
-    if step is None or name in _seen:
+    from .spec import scored_step
+
+    step = scored_step(scores, name)
+    if step is None or step.name in _seen:
         return None
-    sources = step.sources()
-    if not sources:
-        return scorer_unit(step.scorer, dict(step.options)) if step.scorer else None
-    units = [step_unit(scores, src, _seen | {name}) for src in sources]
-    if len(units) == 1:
-        return units[0]
+    if step.scorer:
+        return scorer_unit(step.scorer, dict(step.options))
+    units = [step_unit(scores, src, _seen | {step.name}) for src in step.sources()]
     try:  # the unit the run records for a derived step (refusals of the pair are made elsewhere)
-        return derived_unit(step.op, *units)
+        return derived_unit(step.op, *units) if len(units) == 2 else None
     except DeriveError:
         return None

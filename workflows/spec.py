@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from entroweight.options import refusal_lines
+from entroweight.options import refusal_lines, repeated
 from entroweight.trainers import config as trainer_config
 from entroweight.trainers.accuracy import OFFLINE_TASK
 from entroweight.trainers.config import LossName, LossSettings
@@ -254,10 +254,9 @@ class AgreementSpec(_Strict):
     @field_validator("pairs")
     @classmethod
     def _once(cls, v):
-        seen = [(p.y, p.x) for p in v]
-        repeated = sorted({f"{y} vs {x}" for y, x in seen if seen.count((y, x)) > 1})
-        if repeated:
-            raise ValueError(f"the pair {', '.join(repeated)} is given more than once")
+        twice = repeated(f"{p.y} vs {p.x}" for p in v)
+        if twice:
+            raise ValueError(f"the pair {', '.join(twice)} is given more than once")
         return v
 
 
@@ -333,7 +332,7 @@ class AccuracySpec(_Strict):
     @field_validator("tasks")
     @classmethod
     def _tasks(cls, v):
-        if len(set(v)) != len(v):
+        if repeated(v):
             raise ValueError("tasks repeat")
         return v
 
@@ -424,7 +423,7 @@ class Workflow(_Strict):
             if s.op is not None:
                 self._combinable(i, s)
                 for src in s.sources():
-                    if _aggregate(_scored(self.scores, src)) == "mean":
+                    if _aggregate(scored_step(self.scores, src)) == "mean":
                         raise _At(
                             f"scores[{i}].values_from",
                             f"{src!r} maps its model's losses with aggregate: mean (each small token gets "
@@ -515,7 +514,8 @@ class Workflow(_Strict):
             derived_unit(s.op, step_unit(self.scores, a), step_unit(self.scores, b))
         except DeriveError as e:
             raise _At(f"scores[{i}].values_from", str(e)) from None
-        rows = {src: (x.limit_shards, x.limit_rows) for src in (a, b) for x in [_scored(self.scores, src)]}
+        scored = {src: scored_step(self.scores, src) for src in (a, b)}  # both earlier steps: validated
+        rows = {src: (x.limit_shards, x.limit_rows) for src, x in scored.items()}
         if rows[a] != rows[b]:
             raise _At(
                 f"scores[{i}].values_from",
@@ -642,14 +642,14 @@ class Workflow(_Strict):
         return self.report.primary if self.report is not None else None
 
 
-def _scored(scores: list[ScoreSpec], name: str) -> ScoreSpec:
-    """The step that scored the values step `name` holds: itself, or the step its `values_from` chain
-    of re-weighings starts at (a combination is its own)."""
+def scored_step(scores: list[ScoreSpec], name: str) -> ScoreSpec | None:
+    """The step that made the values step `name` holds: itself, or the step its `values_from` chain
+    of re-weighings starts at (a combination of two is its own); None for a name that is no step."""
     steps = {x.name: x for x in scores}
-    step, seen = steps[name], set()
-    while isinstance(step.values_from, str) and step.values_from in steps and step.name not in seen:
+    step, seen = steps.get(name), set()
+    while step is not None and isinstance(step.values_from, str) and step.name not in seen:
         seen.add(step.name)
-        step = steps[step.values_from]
+        step = steps.get(step.values_from)
     return step
 
 

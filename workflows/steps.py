@@ -448,8 +448,8 @@ class ReportStep(Step):
 
 def check_accuracy(spec) -> None:
     """What every accuracy step would refuse, refused before a workflow writes anything (the runner
-    calls it first; lm-eval's task index is read once per process): lm-eval not installed, a task
-    name it does not know."""
+    calls it first, dry run or not; lm-eval's task index is read once per process): lm-eval not
+    installed, a task name it does not know."""
     import importlib.util
 
     from entroweight.trainers.accuracy import OFFLINE_TASK, AccuracyError, unknown_tasks
@@ -470,8 +470,8 @@ def check_accuracy(spec) -> None:
 class AccuracyItemsStep(Step):
     """The offline task's items (transforms/choice_items.py) from the held-out documents, built once
     per workflow and kept as `items.jsonl`; up to date when its key (the held-out split, the tokenizer's
-    sha256 and the item settings) is this run's. It also refuses what every accuracy step would: lm-eval
-    not installed, a task name lm-eval does not know."""
+    sha256 and the item settings) is this run's and the file is the one it wrote. What every accuracy
+    step would refuse (lm-eval missing, an unknown task) the runner refuses first: `check_accuracy`."""
 
     ITEMS = "items.jsonl"
 
@@ -484,9 +484,6 @@ class AccuracyItemsStep(Step):
         from entroweight.trainers.accuracy import OFFLINE_TASK
 
         return OFFLINE_TASK in self.spec.tasks
-
-    def prepare(self):
-        check_accuracy(self.spec)
 
     def items_file(self) -> Path | None:
         return self.out / self.ITEMS if self.offline else None
