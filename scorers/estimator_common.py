@@ -217,7 +217,9 @@ def window_loss_sums(
 ) -> np.ndarray:
     """Σ per-token CE (nats) over the last `n_targets[i]` tokens of window i, each predicted by the
     position before it under the window's full forward. (N,) float64. Identical windows run once, in
-    sub-batches of at most `batch_tokens` positions (and a few chunks of fp32 logits). With `memo`
+    sub-batches of at most `batch_tokens` positions; the vocabulary-wide logits are formed from the
+    hidden states in chunks (`chunked_ce`), so a sub-batch is as wide as the budget allows, not as a
+    few chunks of logits allow (on an accelerator 8 windows a forward left it launch-bound). With `memo`
     and a model that reads a pad prefix (llama, mixer: not an estimator, whose pads depend on the
     window's embedding), a window's leading `pad_id` columns are read from a prefix computed once, and
     each sub-batch computes the columns of its widest window's other tokens (and the pad before them)."""
@@ -237,11 +239,15 @@ def window_loss_sums(
         inverse = np.argsort(by_width)[inverse]
     need = np.zeros(N, dtype=np.int64)  # targets any request reads from each unique window
     np.maximum.at(need, inverse, n_targets)
+    split = hasattr(model, "forward_hidden") or hasattr(model, "decoder")  # hidden states, then the head
     per_logits = max(1, LOGIT_BYTES // (4 * model_vocab(model)))
+    # positions per sub-batch: the budget (without one, as many as one chunk of logits has rows);
+    # a model whose logits come whole is held to the logits' bytes too
+    tokens = batch_tokens or per_logits if split else min(per_logits, batch_tokens or per_logits)
     bounds, s = [0], 0
-    while s < N:  # sub-batches: rows × width within the budget and the logits' bytes
+    while s < N:
         w = int(widths[s])
-        s += max(1, min(per_logits, batch_tokens or per_logits * w) // w)
+        s += max(1, tokens // w)
         bounds.append(min(s, N))
     order = np.argsort(inverse, kind="stable")  # requests grouped by the sub-batch of their window
     first = np.searchsorted(inverse[order], bounds)
@@ -251,14 +257,16 @@ def window_loss_sums(
         for c, (s, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
             w = int(widths[s])
             x = x_all[s:end, W - w :]
-            if prefixed and w < W:
-                layout = after_prefix(pad_prefix(model, pad_id, memo), W - w, w, device)
-                logits = model.head(model.forward_hidden(model.embed(x), layout=layout))[:, :-1]
-            else:
-                logits = model(x)[:, :-1]
+            layout = (
+                after_prefix(pad_prefix(model, pad_id, memo), W - w, w, device)
+                if prefixed and w < W
+                else None
+            )
+            h, head = _hidden(model, x, layout)
             col = torch.arange(1, w, device=device)[None, :]
             pred = col >= (w - need_t[s:end])[:, None]  # target column p + 1 is read
-            per_col = chunked_ce(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).view(len(x), -1)
+            h = h[:, :-1]
+            per_col = chunked_ce(h.reshape(-1, h.shape[-1]), x[:, 1:].reshape(-1), head).view(len(x), -1)
             # ce[u, p]: CE of column p + 1 where it is read (`where`, not boolean indexing: no host
             # sync in the loop); an extra zero column, so that "the last 0 targets" sum to 0
             ce = torch.zeros(len(x), w, dtype=torch.float64, device=device)
@@ -271,6 +279,18 @@ def window_loss_sums(
     sums = np.zeros(len(wins))
     sums[np.concatenate(reqs)] = torch.cat(found).cpu().numpy()  # the batch's one host sync
     return sums
+
+
+def _hidden(model: nn.Module, x: torch.Tensor, layout) -> tuple[torch.Tensor, nn.Module | None]:
+    """(states, head) of the windows `x`: a llama's or mixer's final hidden states (read after the
+    shared prefix of `layout`) and its output head; an estimator's decoder states (each window with
+    its own embedding) and the decoder's head; any other model's logits and no head."""
+    if hasattr(model, "forward_hidden"):
+        return model.forward_hidden(model.embed(x), layout=layout), model.lm_head
+    if hasattr(model, "decoder"):
+        with hidden_outputs(model) as head:
+            return model(x), head
+    return model(x), None
 
 
 def window_differences(
