@@ -158,7 +158,7 @@ class OurCheckpoint(ModelSource):
         B, T = ids.shape
         rows = [ids[r, n_pad[r] :] for r in range(B)]
         lengths = [len(r) for r in rows]
-        packed = pack_rows(rows, max(max(lengths, default=1), 1))
+        packed = pack_rows(rows, T)  # as wide as the batch's columns (the planner's sequence width)
         x = to_device(packed.ids, device)
         h = model.forward_hidden(model.embed(x), layout=packed.layout(device))
         ce = next_token_ce(h, x, to_device(packed.segments, device), model.lm_head)
@@ -288,7 +288,7 @@ class HFModel(ModelSource):
         start = [] if self.start is None else [self.start]
         rows = [np.concatenate([start, ids[r, n_pad[r] :]]).astype(np.int64) for r in range(B)]
         lengths = [len(r) for r in rows]
-        packed = pack_rows(rows, max(max(lengths), 1))
+        packed = pack_rows(rows, T + len(start))  # the planner's sequence width, and the start token
         values = hf_packed_losses(model, packed, device, dtype).cpu().numpy()  # one host copy
         out = np.zeros((B, T), dtype=np.float32)
         for r, v in enumerate(packed.rows(values, lengths)):

@@ -1,7 +1,9 @@
 """Laying rows out for a forward without computing pads (the attention is models/packing.py's).
 
-- `pack_rows`: several rows in one sequence of `width` slots (first-fit decreasing), positions restarting
-  per row: for models whose positions restart at each row's first token (HF, our `mask_pads` llama).
+- `pack_rows`: several rows in one sequence of `width` slots, positions restarting per row: for
+  models whose positions restart at each row's first token (HF, our `mask_pads` llama). Rows are
+  grouped by `base.pack_groups`, as the planner (`base.plan_batches`) grouped them, so a batch
+  computes the slots its budget counted.
 - `Memo` and `shared_pad`: for models that attend to their left padding (the write-up's), the
   states of a run of pads, computed once per pad id and read by every row.
 
@@ -18,6 +20,7 @@ import torch
 
 from entroweight.models.packing import Layout, block_causal, flex_available, flex_block_causal
 
+from .base import pack_groups
 from .forward import to_device
 
 
@@ -44,20 +47,16 @@ class Packed:
 
 
 def pack_rows(rows: list[np.ndarray], width: int) -> Packed:
-    """`rows` (1-D id arrays, none wider than `width`) into as few sequences of `width` slots as
-    first-fit decreasing finds. Fill slots hold id 0 and positions counting from 0 (a segment of
-    their own: an HF model that infers segments from `position_ids` sees them as one)."""
-    order = sorted(range(len(rows)), key=lambda r: -len(rows[r]))
-    used: list[int] = []
+    """`rows` (1-D id arrays, none wider than `width`) into sequences of `width` slots, grouped by
+    `pack_groups`. Fill slots hold id 0 and positions counting from 0 (a segment of their own: an HF
+    model that infers segments from `position_ids` sees them as one)."""
     starts: list[tuple[int, int]] = [(0, 0)] * len(rows)
-    for r in order:
-        m = len(rows[r])
-        n = next((i for i, u in enumerate(used) if u + m <= width), None)
-        if n is None:
-            n = len(used)
-            used.append(0)
-        starts[r] = (n, used[n])
-        used[n] += m
+    used: list[int] = []
+    for n, group in enumerate(pack_groups([len(r) for r in rows], width)):
+        used.append(0)
+        for r in group:
+            starts[r] = (n, used[n])
+            used[n] += len(rows[r])
     N = max(len(used), 1)
     ids = np.zeros((N, width), dtype=np.int64)
     positions = np.tile(np.arange(width, dtype=np.int64), (N, 1))
