@@ -124,6 +124,16 @@ class Scored:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Later:
+    """What `score_batch` may return when its values are still being computed on a device: `finish()`
+    waits for them and returns what `score_batch` would have (an array or a Scored). `score_rows` queues
+    the next batch before it calls `finish()` on this one, so a device never waits on the host's
+    placing of values, nor the host on the device's last kernel before it starts the next batch."""
+
+    finish: Callable[[], Any]
+
+
 class Scorer(ABC):
     """Subclass, set `name`, declare `Options`, implement `config`, `setup` and `score_batch` (or
     override `score`). The constructor receives the validated options as keywords and does no I/O
@@ -232,7 +242,8 @@ def score_rows(
     scorer: Scorer, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching, score_batch=None
 ) -> Scored:
     """`scorer.score_batch` (or `score_batch`) over length-sorted batches of the rows (gathered on a
-    background thread while the model runs the previous batch); values put back in row order, pads 0."""
+    background thread while the model runs the previous batch; a batch that returns `Later` is placed
+    after the next one is queued); values put back in row order, pads 0."""
     score_batch = score_batch or scorer.score_batch
     input_ids, n_pad = np.asarray(input_ids), np.asarray(n_pad)
     B, T = input_ids.shape
@@ -249,8 +260,11 @@ def score_rows(
             yield idx, width, cut, np.ascontiguousarray(input_ids[idx, T - cut :]), n_pad[idx] - (T - cut)
 
     computed = 0
-    for idx, width, cut, ids, pads in prefetch(batches()):
-        values = score_batch(ids, pads)
+
+    def place(idx, width, cut, values) -> None:
+        nonlocal computed
+        if isinstance(values, Later):
+            values = values.finish()
         if isinstance(values, Scored):  # a batch that says what it computed (packed rows)
             computed += values.computed
             values = values.values
@@ -259,6 +273,15 @@ def score_rows(
         out[idx, T - cut :] = values
         if batching.on_rows is not None:
             batching.on_rows(len(idx))
+
+    pending = None  # the batch before: placed once this one is queued (see `Later`)
+    for idx, width, cut, ids, pads in prefetch(batches()):
+        values = score_batch(ids, pads)
+        if pending is not None:
+            place(*pending)
+        pending = (idx, width, cut, values)
+    if pending is not None:
+        place(*pending)
     out[np.arange(T)[None, :] < n_pad[:, None]] = 0.0
     return Scored(out, None, computed, int(lengths.sum()))
 

@@ -21,7 +21,7 @@ from entroweight.models.packing import after_prefix
 from entroweight.transforms.tokenizer import load_tokenizer
 
 from . import hf
-from .base import HFModelOptions, Scored, Scorer, ScorerError, fill_first_token
+from .base import HFModelOptions, Later, Scored, Scorer, ScorerError, fill_first_token
 from .estimator_common import (
     check_tokenizer,
     checkpoint_config,
@@ -30,6 +30,7 @@ from .estimator_common import (
     load_model,
 )
 from .forward import (
+    HostCopy,
     autocast,
     check_dtype,
     chunked_ce,
@@ -76,8 +77,9 @@ class ModelSource(ABC):
 
     @abstractmethod
     def token_losses(self, model, ids: np.ndarray, n_pad: np.ndarray, device: str, dtype: str, pack: bool):
-        """(B, T) left-padded ids -> ((B, T) CE of each token, pads 0; the positions the forwards
-        computed). `pack`: lay the rows out without computing pads where the model allows
+        """(B, T) left-padded ids -> (a HostCopy of what the forwards give, a function of its arrays to
+        the (B, T) CE of each token with pads 0, the positions the forwards computed). Nothing here
+        waits for the device. `pack`: lay the rows out without computing pads where the model allows
         (scorers/packing.py)."""
 
     def packs_rows(self, model) -> bool:
@@ -138,8 +140,9 @@ class OurCheckpoint(ModelSource):
                 x = to_device(np.ascontiguousarray(ids[:, T - W :]), device)
                 h = model.forward_hidden(model.embed(x), layout=layout)
                 out[:, T - W :] = self._window_ce(model, h, x, to_device(T - n_pad, device))
-                return out, B * W
-            return self._rows(model, to_device(ids, device), to_device(T - n_pad, device)), B * T
+                return HostCopy(out), _first, B * W
+            out = self._rows(model, to_device(ids, device), to_device(T - n_pad, device))
+            return HostCopy(out), _first, B * T
 
     def packs_rows(self, model) -> bool:
         return self.mask_pads
@@ -163,19 +166,22 @@ class OurCheckpoint(ModelSource):
         h = model.forward_hidden(model.embed(x), layout=packed.layout(device))
         ce = next_token_ce(h, x, to_device(packed.segments, device), model.lm_head)
         padded = np.flatnonzero((n_pad > 0) & (n_pad < T))
+        ce_first = torch.zeros(0, device=ce.device)
         if len(padded):  # one forward of each row's last pad alone, at position 0
             pads = to_device(ids[padded, n_pad[padded] - 1][:, None], device)
             firsts = to_device(ids[padded, n_pad[padded]], device)
             h1 = model.forward_hidden(model.embed(pads))[:, 0]
             ce_first = chunked_ce(h1, firsts, model.lm_head)
-        # one host copy, then the rows placed on the host side (no per-row device indexing)
-        values = ce.cpu().numpy()
-        full = np.zeros((B, T), dtype=np.float32)
-        for r, v in enumerate(packed.rows(values, lengths)):
-            full[r, n_pad[r] :] = v
-        if len(padded):
-            full[padded, n_pad[padded]] = ce_first.cpu().numpy()
-        return torch.from_numpy(full), packed.ids.size + len(padded)
+
+        def place(arrays):  # the rows placed on the host side (no per-row device indexing)
+            values, first = arrays
+            full = np.zeros((B, T), dtype=np.float32)
+            for r, v in enumerate(packed.rows(values, lengths)):
+                full[r, n_pad[r] :] = v
+            full[padded, n_pad[padded]] = first
+            return full
+
+        return HostCopy(ce, ce_first), place, packed.ids.size + len(padded)
 
     def _rows(self, model, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One row per batch row, padding included (the reference): full logits, sub-batched so that
@@ -283,17 +289,20 @@ class HFModel(ModelSource):
         if not (pack and hf.packs(model)):
             t = to_device(ids, device)
             x, mask = with_start_token(t, to_device(T - n_pad, device), self.start)
-            return hf_token_losses(model, x, mask, dtype)[:, x.shape[1] - T :], x.numel()
+            return HostCopy(hf_token_losses(model, x, mask, dtype)[:, x.shape[1] - T :]), _first, x.numel()
         # each row from its start token, several rows per sequence (positions restart per row)
         start = [] if self.start is None else [self.start]
         rows = [np.concatenate([start, ids[r, n_pad[r] :]]).astype(np.int64) for r in range(B)]
         lengths = [len(r) for r in rows]
         packed = pack_rows(rows, T + len(start))  # the planner's sequence width, and the start token
-        values = hf_packed_losses(model, packed, device, dtype).cpu().numpy()  # one host copy
-        out = np.zeros((B, T), dtype=np.float32)
-        for r, v in enumerate(packed.rows(values, lengths)):
-            out[r, n_pad[r] :] = v[len(start) :]
-        return torch.from_numpy(out), packed.ids.size
+
+        def place(arrays):
+            out = np.zeros((B, T), dtype=np.float32)
+            for r, v in enumerate(packed.rows(arrays[0], lengths)):
+                out[r, n_pad[r] :] = v[len(start) :]
+            return out
+
+        return HostCopy(hf_packed_losses(model, packed, device, dtype)), place, packed.ids.size
 
     def packs_rows(self, model) -> bool:
         return hf.packs(model)
@@ -383,12 +392,21 @@ class CausalLossScorer(Scorer):
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> Scored:
         ids = input_ids.astype(np.int64)
-        losses, computed = self.source.token_losses(
+        copy, to_values, computed = self.source.token_losses(
             self._model, ids, n_pad, self.device, self.dtype, self.pack
         )
-        values = losses.cpu().numpy()
-        fill_first_token(values, n_pad, self.source.has_context(n_pad))
-        return Scored(values, computed=computed)
+
+        def finish() -> Scored:  # after the next batch is queued (base.Later)
+            values = to_values(copy.arrays())
+            fill_first_token(values, n_pad, self.source.has_context(n_pad))
+            return Scored(values, computed=computed)
+
+        return Later(finish)
+
+
+def _first(arrays: list[np.ndarray]) -> np.ndarray:
+    """The values of a source that computed them as one (B, T) tensor."""
+    return arrays[0]
 
 
 def same_vocabulary(a, b) -> bool:

@@ -20,6 +20,7 @@ segment that begins mid-document), the data tokens holding part of it are exclud
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -37,7 +38,7 @@ from entroweight.transforms.align import (
 from . import hf
 from .base import Batching, HFModelOptions, Scored, Scorer, ScorerError, plan_batches
 from .causal_loss import HFModel
-from .forward import check_dtype, hf_packed_losses, hf_token_losses, resolve_dtype, to_device
+from .forward import HostCopy, check_dtype, hf_packed_losses, hf_token_losses, resolve_dtype, to_device
 from .packing import pack_rows
 
 
@@ -215,6 +216,13 @@ class CrossTokenizerScorer(Scorer):
         batch_size = batching.batch_size or self.batch_size
         packed = self.pack and hf.packs(self._model)  # several windows per sequence (block-diagonal)
         plan = plan_batches(lengths, lambda n: n, batch_size, batching.batch_tokens, packed)
+
+        def place(idx, copy: HostCopy, rows_of) -> None:
+            for row, j in zip(rows_of(copy.arrays()[0]), idx, strict=True):
+                t, c, a, e, _ = jobs[j]
+                losses[t][a:e] = row[len(row) - (e - a) :]
+
+        pending = None  # the batch before, placed once this one is queued (as base.score_rows does)
         for idx, width in plan:
             seqs = []
             for j in idx:
@@ -222,8 +230,9 @@ class CrossTokenizerScorer(Scorer):
                 seqs.append(np.concatenate([[self._start], texts_ids[t][c:e]]) if w else texts_ids[t][c:e])
             if packed:
                 p = pack_rows(seqs, width)
-                values = hf_packed_losses(self._model, p, self.device, self.dtype).cpu().numpy()
-                rows, computed = p.rows(values, [len(q) for q in seqs]), computed + p.ids.size
+                copy = HostCopy(hf_packed_losses(self._model, p, self.device, self.dtype))
+                rows_of = partial(p.rows, lengths=[len(q) for q in seqs])
+                computed += p.ids.size
             else:  # one window per batch row, left-padded to the batch's longest
                 x = np.zeros((len(idx), width), dtype=np.int64)
                 mask = np.zeros((len(idx), width), dtype=np.int64)
@@ -231,9 +240,11 @@ class CrossTokenizerScorer(Scorer):
                     x[row, width - len(seq) :] = seq
                     mask[row, width - len(seq) :] = 1
                 x_t, mask_t = to_device(x, self.device), to_device(mask, self.device)
-                values = hf_token_losses(self._model, x_t, mask_t, self.dtype).cpu().numpy()  # one sync
-                rows, computed = list(values), computed + x.size
-            for row, j in zip(rows, idx, strict=True):
-                t, c, a, e, _ = jobs[j]
-                losses[t][a:e] = row[len(row) - (e - a) :]
+                copy, rows_of = HostCopy(hf_token_losses(self._model, x_t, mask_t, self.dtype)), list
+                computed += x.size
+            if pending is not None:
+                place(*pending)
+            pending = (idx, copy, rows_of)
+        if pending is not None:
+            place(*pending)
         return losses, computed, int(lengths.sum())

@@ -67,6 +67,29 @@ def to_device(array, device: str) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+class HostCopy:
+    """Device tensors on their way to the host: the copies are queued now (into pinned memory, behind
+    the kernels that make the tensors) and `arrays()` waits for those copies alone. A scorer hands one
+    back before reading it, so the next batch's forward is queued first and the device does not idle
+    while the host places this batch's values (`base.Later`). On a CPU the tensors are the arrays."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        self.event = None
+        if any(t.device.type == "cuda" for t in tensors):
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self.host, tensors, strict=True):
+                h.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = [t.cpu() for t in tensors]
+
+    def arrays(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return [h.numpy() for h in self.host]
+
+
 def to_compute_dtype(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     """Parameters in the compute dtype, so that autocast does not re-cast every weight on every forward;
     buffers (RoPE tables) stay fp32, as they are under autocast."""

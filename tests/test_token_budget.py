@@ -25,7 +25,8 @@ from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import read_file_metadata
 from entroweight.scorers import Batching, make_scorer
-from entroweight.scorers.base import plan_batches
+from entroweight.scorers.base import Later, Scored, plan_batches, score_rows
+from entroweight.scorers.forward import HostCopy
 from entroweight.scorers.packing import pack_rows
 from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.workflows.cli import main
@@ -235,6 +236,42 @@ def test_packed_plan_fills_sequences_and_the_layout_keeps_its_grouping():
         assert packed.ids.size <= 16384  # the budget, in whole sequences
         computed += packed.ids.size
     assert computed / lengths.sum() < 1.02  # (C4 rows at n_ctx 512: 1.004; sorted batches gave 1.02-1.07)
+
+
+def test_a_batch_is_placed_after_the_next_one_is_queued():
+    """`Later`: the loop queues batch k + 1 before it waits for batch k's values (a device never idles
+    between batches), and every row still gets its own values (the scorers' values are held to the
+    one-row-per-forward reference by tests/test_packing.py)."""
+    events = []
+
+    class Recording:
+        batch_size = 4
+
+        def batch_width(self, n, T):
+            return T
+
+        def batch_columns(self, width, T):
+            return T
+
+        def packs_rows(self):
+            return False
+
+        def score_batch(self, ids, pads):
+            k = len([e for e in events if e[0] == "queue"])
+            events.append(("queue", k))
+
+            def finish():
+                events.append(("finish", k))
+                return Scored(ids.astype(np.float32), computed=ids.size)
+
+            return Later(finish)
+
+    ids = np.arange(40, dtype=np.int64).reshape(10, 4) + 1
+    got = score_rows(Recording(), ids, np.zeros(10, dtype=np.int64), Batching())
+    np.testing.assert_array_equal(got.values, ids.astype(np.float32))
+    assert events == [("queue", 0), ("queue", 1), ("finish", 0), ("queue", 2), ("finish", 1), ("finish", 2)]
+    t = torch.arange(6.0).view(2, 3)
+    np.testing.assert_array_equal(HostCopy(t, t + 1).arrays()[1], (t + 1).numpy())
 
 
 def test_stage_with_a_token_budget_writes_the_per_row_values_and_the_pad_fraction(
