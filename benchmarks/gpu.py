@@ -81,7 +81,8 @@ class Size:
     data_vocab: int  # the data tokenizer of cross_tokenizer (a BPE trained on C4, as `make bench`)
     n_ctx: int  # the data width (left-padded rows)
     n_win: int  # the window scorers' model width (decomposition, two_model, grad_input)
-    budget: int  # --batch-tokens
+    budget: dict  # dtype -> --batch-tokens (fp32 runs ~15x slower: a quarter of the tokens keeps the
+    # device as busy, and its small shard makes several batches, as a real shard does, not one)
     docs: dict  # dtype -> documents of the main shard (rows: more, long documents are split)
     win_docs: dict  # dtype -> documents of the window scorers' shard
     warm_docs: int  # the warm-up shard
@@ -96,7 +97,7 @@ SIZES = {
         8000,
         512,
         64,
-        65536,
+        {"bf16": 65536, "fp32": 16384},
         {"bf16": 768, "fp32": 96},
         {"bf16": 4, "fp32": 1},
         32,
@@ -109,7 +110,7 @@ SIZES = {
         512,
         128,
         16,
-        2048,
+        {"bf16": 2048, "fp32": 2048},
         {"bf16": 6, "fp32": 6},
         {"bf16": 1, "fp32": 1},
         2,
@@ -648,7 +649,9 @@ def run_case(case: Case, dtype: str, ctx: dict) -> dict:
 
     t0 = time.perf_counter()
     scorer = make_scorer(case.scorer, **options, dtype=dtype, device=device)
-    stages = {k: ScoreStage(d, scorer, batch_tokens=size.budget) for k, d in (("warm", warm), ("main", data))}
+    stages = {
+        k: ScoreStage(d, scorer, batch_tokens=size.budget[dtype]) for k, d in (("warm", warm), ("main", data))
+    }
     # the model, once (run_stage's setup() then finds it loaded); ours built on the device directly
     with _device_ctx(device) if "checkpoint" in options else contextlib.nullcontext():
         stages["main"].setup()
@@ -691,10 +694,10 @@ def run_case(case: Case, dtype: str, ctx: dict) -> dict:
 
     def limit():
         if kind == "both":  # ours, then the HF reference
-            run_limit("llama", limit_models[:1], limit_rows[:1], size.budget, device, dtype)
-            run_limit("hf", limit_models[1:], limit_rows[1:], size.budget, device, dtype)
+            run_limit("llama", limit_models[:1], limit_rows[:1], size.budget[dtype], device, dtype)
+            run_limit("hf", limit_models[1:], limit_rows[1:], size.budget[dtype], device, dtype)
         else:
-            run_limit(limit_kind, limit_models, limit_rows, size.budget, device, dtype)
+            run_limit(limit_kind, limit_models, limit_rows, size.budget[dtype], device, dtype)
 
     # warm-up: one whole untimed pass (after one batch, a first case's limit ran at 78 % busy on the H100)
     if limit_models:

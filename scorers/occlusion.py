@@ -39,7 +39,7 @@ from pydantic import Field
 
 from .base import ScorerError, fill_first_token
 from .estimator_common import CheckpointScorer, hidden_outputs, minmax_rows
-from .forward import autocast
+from .forward import CHUNK_BYTES, autocast
 from .packing import Memo
 
 METRICS = ("l1", "cosine")
@@ -136,8 +136,10 @@ def occlusion_values(
             # the head in the compute dtype (its weights are stored in it), the norm summed in fp32
             Wt = head.weight
             diff = (h.float() - h_o.float()).reshape(-1, D).to(Wt.dtype)
-            # cache-sized chunks, and the norm without an |x| temporary: as fast as one bare head matmul
-            rows = max(1, L1_CHUNK_BYTES // (4 * Wt.shape[0]))
+            # the norm without an |x| temporary; on a CPU cache-sized chunks (as fast as one bare head
+            # matmul), on an accelerator chunked_ce's (65 rows a matmul there left the H100 launch-bound)
+            budget = L1_CHUNK_BYTES if diff.device.type == "cpu" else CHUNK_BYTES
+            rows = max(1, budget // (4 * Wt.shape[0]))
             norms = [
                 torch.linalg.vector_norm(diff[s : s + rows] @ Wt.T, ord=1, dim=-1, dtype=torch.float32)
                 for s in range(0, len(diff), rows)
