@@ -250,8 +250,14 @@ def score_rows(
     out = np.zeros((B, T), dtype=np.float32)
     lengths = T - n_pad
     batch_size = batching.batch_size or scorer.batch_size
+    packed = scorer.packs_rows()  # packed sequences are as wide as the data's rows
     plan = plan_batches(
-        lengths, lambda n: scorer.batch_width(n, T), batch_size, batching.batch_tokens, scorer.packs_rows()
+        lengths,
+        lambda n: scorer.batch_width(n, T),
+        batch_size,
+        batching.batch_tokens,
+        packed,
+        T if packed else None,
     )
 
     def batches():
@@ -306,14 +312,20 @@ def length_buckets(lengths: np.ndarray, batch_size: int) -> Iterator[np.ndarray]
 
 
 def plan_batches(
-    lengths: np.ndarray, width_of, batch_size: int, batch_tokens: int | None = None, packed: bool = False
+    lengths: np.ndarray,
+    width_of,
+    batch_size: int,
+    batch_tokens: int | None = None,
+    packed: bool = False,
+    capacity: int | None = None,
 ) -> list[tuple[np.ndarray, int]]:
     """(row indices, width) per forward: rows sorted by real length, longest first (a stable sort keeps
     ties in order), so each batch is as wide as its first row (`width_of(its length)`). With
     `batch_tokens`, a batch takes rows while rows × width stays within it (at least one row), or,
     `packed` (rows packed into sequences), the sequences of as many whole `pack_groups` as fit in it,
-    each sequence as wide as the widest row (short rows fill beside long ones: a batch of rows of
-    one length would leave the rest of every sequence empty); without, `batch_size` rows."""
+    each sequence `capacity` wide (default: the widest row's width; short rows fill beside long ones:
+    a batch of rows of one length would leave the rest of every sequence empty); without,
+    `batch_size` rows."""
     lengths = np.asarray(lengths)
     if batch_tokens is None:
         return [(idx, width_of(int(lengths[idx[0]]))) for idx in length_buckets(lengths, batch_size)]
@@ -321,7 +333,7 @@ def plan_batches(
         raise ScorerError(f"--batch-tokens must be at least 1, not {batch_tokens}")
     if packed:
         widths = np.array([width_of(int(x)) for x in lengths], dtype=np.int64)
-        width = max(int(widths.max(initial=1)), 1)
+        width = capacity or max(int(widths.max(initial=1)), 1)
         groups = pack_groups(widths, width)
         per = max(1, batch_tokens // width)
         return [

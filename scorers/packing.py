@@ -4,8 +4,9 @@
   models whose positions restart at each row's first token (HF, our `mask_pads` llama). Rows are
   grouped by `base.pack_groups`, as the planner (`base.plan_batches`) grouped them, so a batch
   computes the slots its budget counted.
-- `Memo` and `shared_pad`: for models that attend to their left padding (the write-up's), the
-  states of a run of pads, computed once per pad id and read by every row.
+- `Memo`, `pad_prefix`, `pad_hidden`, `shared_pad`, `row_pad`: for models that attend to their left
+  padding (the write-up's), the states of a run of pads, computed once per pad id and read by every
+  row (packed, or cut to the batch's widest row).
 
 Values equal those of one row per forward (tests/test_packing.py, every scorer of the registry).
 """
@@ -103,3 +104,24 @@ def pad_prefix(model, pad_id: int, memo: Memo) -> list:
         return model.prefix_of(model.embed(pads))
 
     return memo.get(("pad_prefix", id(model), pad_id), build)
+
+
+def pad_hidden(model, pad_id: int, memo: Memo) -> torch.Tensor:
+    """A causal model's final hidden states (1, n_ctx, d) over a row of `pad_id`, once: the state of a
+    row's last pad, which predicts its first real token, whatever the row."""
+
+    def build():
+        pads = torch.full((1, model.config.n_ctx), pad_id, device=model.embed_tokens.weight.device)
+        return model.forward_hidden(model.embed(pads))
+
+    return memo.get(("pad_hidden", id(model), pad_id), build)
+
+
+def row_pad(ids: np.ndarray, n_pad: np.ndarray) -> int | None:
+    """The one id that every row's left padding holds (-1 when no row has padding), or None when they
+    hold more than one (such rows are scored whole)."""
+    pads = ids[np.arange(ids.shape[1])[None, :] < np.asarray(n_pad)[:, None]]
+    if not pads.size:
+        return -1
+    pad = int(pads[0])
+    return pad if bool((pads == pad).all()) else None
