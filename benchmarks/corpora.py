@@ -32,6 +32,9 @@ N_CTX = 512
 SIZES = {False: (4, 5000), True: (2, 400)}
 PLAN_FILES = {False: (1_000, 10_000, 100_000), True: (200, 1_000)}
 S3_PLAN_FILES = {False: 10_000, True: 200}
+# S3 vs local: (files, documents per file), one shard per file: production's shards are ~20,000
+# documents, and a shard's commit (upload, manifest, registry) is a fixed cost the encoder waits on
+S3_SIZES = {False: (2, 20_000), True: (2, 400)}
 
 
 def distinct_texts(n: int, seed: int) -> list[str]:
@@ -272,10 +275,10 @@ def _s3(d: Path, tok: Path, quick: bool) -> list[dict]:
         )
     )
 
-    # tokenize on S3 vs local with shards as large as these files allow (one file each: production's
-    # are ~20,000 documents; each shard pays the same few requests whatever its size)
-    files, docs = SIZES[quick]
-    fs.put(str(d / "c4") + "/", f"{bucket}/c4/", recursive=True)
+    # tokenize on S3 vs local with production-sized shards (one file each)
+    files, docs = S3_SIZES[quick]
+    make_c4(d / "c4-s3", files, docs)
+    fs.put(str(d / "c4-s3") + "/", f"{bucket}/c4/", recursive=True)
     fs.put(str(tok / "tokenizer.json"), f"{bucket}/tok/tokenizer.json")
     shard = docs
     server = _server_process()
@@ -291,7 +294,7 @@ def _s3(d: Path, tok: Path, quick: bool) -> list[dict]:
     mb = (
         sum(
             len(json.loads(line)["text"].encode())
-            for p in sorted((d / "c4").iterdir())
+            for p in sorted((d / "c4-s3").iterdir())
             for line in gzip.open(p, "rt", encoding="utf-8")
         )
         / 1e6
@@ -300,7 +303,7 @@ def _s3(d: Path, tok: Path, quick: bool) -> list[dict]:
     alternate(
         {
             "local": lambda: times["local"].append(
-                tokenize(str(d / "c4"), str(tok), str(d / "tok-local"), shard)
+                tokenize(str(d / "c4-s3"), str(tok), str(d / "tok-local"), shard)
             ),
             "s3": on_s3,
         },
