@@ -141,7 +141,7 @@ class OurCheckpoint(ModelSource):
                 return self._packed(model, ids, n_pad, device)
             pad = row_pad(ids, n_pad) if pack and self.prefix_packs else None
             if pad is not None:
-                return self._prefix_packed(model, ids, n_pad, device, pad)
+                return self._packed(model, ids, n_pad, device, pad)
             pad = shared_pad(ids, T - W) if pack and self.prefix_rows else None
             if pad is not None:
                 layout = (
@@ -166,23 +166,40 @@ class OurCheckpoint(ModelSource):
         seg = (torch.arange(W, device=x.device)[None, :] >= (W - lengths - 1)[:, None]).long() - 1
         return next_token_ce(h, x, seg.expand(len(x), W), model.lm_head)
 
-    def _packed(self, model, ids: np.ndarray, n_pad: np.ndarray, device: str) -> torch.Tensor:
-        """A `mask_pads` model: the rows' real tokens packed (positions restart per row); the first
-        token of a row with padding is predicted by its last pad, which sees only itself."""
+    def _packed(self, model, ids: np.ndarray, n_pad: np.ndarray, device: str, pad: int | None = None):
+        """The rows' real tokens packed, several rows a sequence; no pad is computed per row.
+        A `mask_pads` model (`pad` None): positions restart per row, and a row's first token is
+        predicted by its last pad alone (at position 0, seeing itself). A model that attends to its
+        padding (`pad`: the id every row's padding holds): each row at the positions it has in its
+        row, reading its own pads' keys from the pad prefix computed once, its first token predicted
+        from the prefix's state at its last pad."""
         B, T = ids.shape
         rows = [ids[r, n_pad[r] :] for r in range(B)]
         lengths = [len(r) for r in rows]
-        packed = pack_rows(rows, T)  # as wide as the batch's columns (the planner's sequence width)
-        x = to_device(packed.ids, device)
-        h = model.forward_hidden(model.embed(x), layout=packed.layout(device))
-        ce = next_token_ce(h, x, to_device(packed.segments, device), model.lm_head)
+        packed = pack_rows(rows, T)  # as wide as the data's rows, as the planner grouped them
         padded = np.flatnonzero((n_pad > 0) & (n_pad < T))
+        seg = to_device(packed.segments, device)
+        if pad is None:
+            layout = packed.layout(device)
+
+            def last_pads():  # one forward of each row's last pad alone
+                alone = to_device(ids[padded, n_pad[padded] - 1][:, None], device)
+                return model.forward_hidden(model.embed(alone))[:, 0]
+        else:
+            seen = np.where(packed.segments >= 0, n_pad[np.maximum(packed.segments, 0)], 0)
+            P = int(n_pad.max(initial=0))
+            kv = pad_prefix(model, pad, self.prefixes) if P else None
+            positions = to_device(packed.positions + seen, device)
+            layout = packed_after_prefix(positions, seg, to_device(seen, device), kv, P)
+
+            def last_pads():  # the prefix's state at each row's last pad, shared
+                return pad_hidden(model, pad, self.prefixes)[0, to_device(n_pad[padded] - 1, device)]
+
+        x = to_device(packed.ids, device)
+        ce = next_token_ce(model.forward_hidden(model.embed(x), layout=layout), x, seg, model.lm_head)
         ce_first = torch.zeros(0, device=ce.device)
-        if len(padded):  # one forward of each row's last pad alone, at position 0
-            pads = to_device(ids[padded, n_pad[padded] - 1][:, None], device)
-            firsts = to_device(ids[padded, n_pad[padded]], device)
-            h1 = model.forward_hidden(model.embed(pads))[:, 0]
-            ce_first = chunked_ce(h1, firsts, model.lm_head)
+        if len(padded):
+            ce_first = chunked_ce(last_pads(), to_device(ids[padded, n_pad[padded]], device), model.lm_head)
 
         def place(arrays):  # the rows placed on the host side (no per-row device indexing)
             values, first = arrays
@@ -192,42 +209,7 @@ class OurCheckpoint(ModelSource):
             full[padded, n_pad[padded]] = first
             return full
 
-        return HostCopy(ce, ce_first), place, packed.ids.size + len(padded)
-
-    def _prefix_packed(self, model, ids: np.ndarray, n_pad: np.ndarray, device: str, pad: int):
-        """A model that attends to its left padding: the rows' real tokens packed (several rows a
-        sequence) at the positions they have in their rows, each reading its own pads' keys from the
-        pad prefix computed once; a row's first token is predicted from the prefix's state at its
-        last pad. No pad is computed per row."""
-        B, T = ids.shape
-        rows = [ids[r, n_pad[r] :] for r in range(B)]
-        lengths = [len(r) for r in rows]
-        packed = pack_rows(rows, T)  # as wide as the data's rows, as the planner grouped them
-        seen = np.where(packed.segments >= 0, n_pad[np.maximum(packed.segments, 0)], 0)
-        P = int(n_pad.max(initial=0))
-        kv = pad_prefix(model, pad, self.prefixes) if P else None
-        seg = to_device(packed.segments, device)
-        layout = packed_after_prefix(
-            to_device(packed.positions + seen, device), seg, to_device(seen, device), kv, P
-        )
-        x = to_device(packed.ids, device)
-        h = model.forward_hidden(model.embed(x), layout=layout)
-        ce = next_token_ce(h, x, seg, model.lm_head)
-        padded = np.flatnonzero((n_pad > 0) & (n_pad < T))
-        ce_first = torch.zeros(0, device=ce.device)
-        if len(padded):  # from the state of each row's last pad: the prefix's, shared
-            h_pad = pad_hidden(model, pad, self.prefixes)[0, to_device(n_pad[padded] - 1, device)]
-            ce_first = chunked_ce(h_pad, to_device(ids[padded, n_pad[padded]], device), model.lm_head)
-
-        def place(arrays):
-            values, first = arrays
-            full = np.zeros((B, T), dtype=np.float32)
-            for r, v in enumerate(packed.rows(values, lengths)):
-                full[r, n_pad[r] :] = v
-            full[padded, n_pad[padded]] = first
-            return full
-
-        return HostCopy(ce, ce_first), place, packed.ids.size
+        return HostCopy(ce, ce_first), place, packed.ids.size + (len(padded) if pad is None else 0)
 
     def _rows(self, model, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One row per batch row, padding included (the reference): full logits, sub-batched so that
