@@ -198,7 +198,8 @@ class Scorer(ABC):
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray | Scored:
         """(B, T) left-padded ids, left padding already cut to the batch's longest -> (B, T) float32,
-        or a Scored of them that says how many positions its forwards computed (packed rows)."""
+        or a Scored of them that says how many positions its forwards computed (packed rows), or a
+        `Later` giving either once the device has them (the next batch is queued first)."""
         raise NotImplementedError
 
     def batch_width(self, longest: int, T: int) -> int:
