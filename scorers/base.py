@@ -196,7 +196,7 @@ class Scorer(ABC):
         start token a model read."""
         return {"unit": self.unit}
 
-    def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray | Scored:
+    def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> np.ndarray | Scored | Later:
         """(B, T) left-padded ids, left padding already cut to the batch's longest -> (B, T) float32,
         or a Scored of them that says how many positions its forwards computed (packed rows), or a
         `Later` giving either once the device has them (the next batch is queued first)."""
