@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -242,9 +243,9 @@ class Scorer(ABC):
 def score_rows(
     scorer: Scorer, input_ids: np.ndarray, n_pad: np.ndarray, batching: Batching, score_batch=None
 ) -> Scored:
-    """`scorer.score_batch` (or `score_batch`) over length-sorted batches of the rows (gathered on a
-    background thread while the model runs the previous batch; a batch that returns `Later` is placed
-    after the next one is queued); values put back in row order, pads 0."""
+    """`scorer.score_batch` (or `score_batch`) over the batches `plan_batches` makes of the rows
+    (gathered on a background thread while the model runs the previous batch; a batch that returns
+    `Later` is placed after the next one is queued); values put back in row order, pads 0."""
     score_batch = score_batch or scorer.score_batch
     input_ids, n_pad = np.asarray(input_ids), np.asarray(n_pad)
     B, T = input_ids.shape
@@ -338,7 +339,7 @@ def plan_batches(
         groups = pack_groups(widths, width)
         per = max(1, batch_tokens // width)
         return [
-            (np.array(sum(groups[k : k + per], []), dtype=np.int64), width)
+            (np.fromiter(itertools.chain.from_iterable(groups[k : k + per]), dtype=np.int64), width)
             for k in range(0, len(groups), per)
         ]
     order = np.argsort(-lengths, kind="stable")
