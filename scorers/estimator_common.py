@@ -243,7 +243,7 @@ def window_loss_sums(
     per_logits = max(1, LOGIT_BYTES // (4 * model_vocab(model)))
     # positions per sub-batch: the budget (without one, as many as one chunk of logits has rows);
     # a model whose logits come whole is held to the logits' bytes too
-    tokens = batch_tokens or per_logits if split else min(per_logits, batch_tokens or per_logits)
+    tokens = (batch_tokens or per_logits) if split else min(per_logits, batch_tokens or per_logits)
     bounds, s = [0], 0
     while s < N:
         w = int(widths[s])
