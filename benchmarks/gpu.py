@@ -138,10 +138,12 @@ class Case:
     data: str  # "main" (data width, model tokenizer), "cross" (data width, 8k BPE), "win" (window width)
     limit: str  # how its packed limit is run: llama | hf | estimator | windows | windows2 | both | none
     literal: dict = field(default_factory=dict)
+    cut_rows: bool = False  # our pad-attending llama cut to each batch's widest row (a CPU's layout)
 
 
 CASES = [
     Case("causal_ours", "causal_loss, our llama (attends to pads)", "causal_loss", {"checkpoint": "ours"}, "main", "llama"),
+    Case("causal_ours_cut", "causal_loss, our llama, rows cut (not packed)", "causal_loss", {"checkpoint": "ours"}, "main", "llama", cut_rows=True),
     Case("causal_masked", "causal_loss, our llama, mask_pads", "causal_loss", {"checkpoint": "ours_masked"}, "main", "llama"),
     Case("causal_hf", "causal_loss, HF LlamaForCausalLM", "causal_loss", {"model": "hf"}, "main", "hf"),
     Case("cross_tokenizer", "cross_tokenizer, HF on 8k-BPE data", "cross_tokenizer", {"model": "hf"}, "cross", "hf_text"),
@@ -655,6 +657,8 @@ def run_case(case: Case, dtype: str, ctx: dict) -> dict:
     # the model, once (run_stage's setup() then finds it loaded); ours built on the device directly
     with _device_ctx(device) if "checkpoint" in options else contextlib.nullcontext():
         stages["main"].setup()
+    if case.cut_rows:  # the layout a CPU takes, for an A/B against the packed one on the device
+        scorer.source.prefix_packs = False
     rec["load_s"] = round(time.perf_counter() - t0, 2)
     outs = work / "out" / case.key / dtype
     shutil.rmtree(outs, ignore_errors=True)
