@@ -102,8 +102,9 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
     "--batch-tokens",
     type=click.IntRange(min=1),
     default=None,
-    help="Token budget per forward pass (rows × width, rows sorted by length over the whole shard); "
-    "instead of --batch-size. Speed and memory, not values.",
+    help="Token budget per forward pass (rows × width, rows sorted by length over the whole shard; "
+    "packed rows: whole sequences as wide as the data's rows, at least one); instead of --batch-size. "
+    "Speed and memory, not values.",
 )
 @click.option(
     "--cpus-per-worker",
