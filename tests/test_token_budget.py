@@ -157,6 +157,16 @@ def test_token_budget_equals_the_per_row_path(case, checkpoints, rows):
     assert computed >= real
 
 
+@pytest.mark.parametrize("case", ["causal_loss_hf", "causal_loss_ours", "occlusion_l1", "decomposition"])
+def test_a_budget_below_the_row_width_changes_no_value(case, checkpoints, rows):
+    """--batch-tokens under the data's width (packed rows: one sequence as wide as a row a forward;
+    cut rows: one row): speed and memory, never values."""
+    ids, n_pad = rows
+    want = make(case, checkpoints).score(ids, n_pad, Batching(batch_tokens=BUDGET)).values
+    got = make(case, checkpoints).score(ids, n_pad, Batching(batch_tokens=N_CTX // 3)).values
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def per_window_losses(scorer, texts_ids: list[np.ndarray]) -> list[np.ndarray]:
     """cross_tokenizer's per-row path: each window of model tokens alone in its forward (no padding,
     no mask), CE from the model's full logits."""
