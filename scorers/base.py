@@ -15,7 +15,7 @@ import bisect
 import copy
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -282,16 +282,26 @@ def score_rows(
         if batching.on_rows is not None:
             batching.on_rows(len(idx))
 
-    pending = None  # the batch before: placed once this one is queued (see `Later`)
-    for idx, width, cut, ids, pads in prefetch(batches()):
-        values = score_batch(ids, pads)
-        if pending is not None:
-            place(*pending)
-        pending = (idx, width, cut, values)
-    if pending is not None:
-        place(*pending)
+    queued(
+        prefetch(batches()),
+        lambda b: score_batch(b[3], b[4]),
+        lambda b, values: place(*b[:3], values),
+    )
     out[np.arange(T)[None, :] < n_pad[:, None]] = 0.0
     return Scored(out, None, computed, int(lengths.sum()))
+
+
+def queued(batches: Iterable, launch: Callable, place: Callable) -> None:
+    """`launch(batch)` for each batch, and `place(batch, launched)` for the one before it once this one
+    is launched: a device runs batch k + 1 while the host places batch k's values (see `Later`)."""
+    pending = None
+    for batch in batches:
+        launched = launch(batch)
+        if pending is not None:
+            place(*pending)
+        pending = (batch, launched)
+    if pending is not None:
+        place(*pending)
 
 
 def add_stats(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:

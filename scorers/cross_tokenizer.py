@@ -36,7 +36,7 @@ from entroweight.transforms.align import (
 )
 
 from . import hf
-from .base import Batching, HFModelOptions, Scored, Scorer, ScorerError, plan_batches
+from .base import Batching, HFModelOptions, Scored, Scorer, ScorerError, plan_batches, queued
 from .causal_loss import HFModel
 from .forward import HostCopy, check_dtype, hf_packed_losses, hf_token_losses, resolve_dtype, to_device
 from .packing import pack_rows
@@ -212,39 +212,38 @@ class CrossTokenizerScorer(Scorer):
         lengths = np.array([e - c + w for _, c, _, e, w in jobs], dtype=np.int64)
         # sorted by length, longest first, in batches of `batch_size` windows or of a token budget;
         # each batch as wide as its longest window, so the forward computes (almost) no pads
-        computed = 0
         batch_size = batching.batch_size or self.batch_size
         packed = self.pack and hf.packs(self._model)  # several windows per sequence (block-diagonal)
         plan = plan_batches(lengths, lambda n: n, batch_size, batching.batch_tokens, packed)
+        computed = 0
 
-        def place(idx, copy: HostCopy, rows_of) -> None:
-            for row, j in zip(rows_of(copy.arrays()[0]), idx, strict=True):
-                t, c, a, e, _ = jobs[j]
-                losses[t][a:e] = row[len(row) - (e - a) :]
-
-        pending = None  # the batch before, placed once this one is queued (as base.score_rows does)
-        for idx, width in plan:
+        def launch(plan_item):  # the batch's forward queued; its values come back through a HostCopy
+            nonlocal computed
+            idx, width = plan_item
             seqs = []
             for j in idx:
                 t, c, a, e, w = jobs[j]
                 seqs.append(np.concatenate([[self._start], texts_ids[t][c:e]]) if w else texts_ids[t][c:e])
             if packed:
                 p = pack_rows(seqs, width)
-                copy = HostCopy(hf_packed_losses(self._model, p, self.device, self.dtype))
-                rows_of = partial(p.rows, lengths=[len(q) for q in seqs])
                 computed += p.ids.size
-            else:  # one window per batch row, left-padded to the batch's longest
-                x = np.zeros((len(idx), width), dtype=np.int64)
-                mask = np.zeros((len(idx), width), dtype=np.int64)
-                for row, seq in enumerate(seqs):
-                    x[row, width - len(seq) :] = seq
-                    mask[row, width - len(seq) :] = 1
-                x_t, mask_t = to_device(x, self.device), to_device(mask, self.device)
-                copy, rows_of = HostCopy(hf_token_losses(self._model, x_t, mask_t, self.dtype)), list
-                computed += x.size
-            if pending is not None:
-                place(*pending)
-            pending = (idx, copy, rows_of)
-        if pending is not None:
-            place(*pending)
+                copy = HostCopy(hf_packed_losses(self._model, p, self.device, self.dtype))
+                return copy, partial(p.rows, lengths=[len(q) for q in seqs])
+            # one window per batch row, left-padded to the batch's longest
+            x = np.zeros((len(idx), width), dtype=np.int64)
+            mask = np.zeros((len(idx), width), dtype=np.int64)
+            for row, seq in enumerate(seqs):
+                x[row, width - len(seq) :] = seq
+                mask[row, width - len(seq) :] = 1
+            x_t, mask_t = to_device(x, self.device), to_device(mask, self.device)
+            computed += x.size
+            return HostCopy(hf_token_losses(self._model, x_t, mask_t, self.dtype)), list
+
+        def place(plan_item, launched) -> None:
+            copy, rows_of = launched
+            for row, j in zip(rows_of(copy.arrays()[0]), plan_item[0], strict=True):
+                t, c, a, e, _ = jobs[j]
+                losses[t][a:e] = row[len(row) - (e - a) :]
+
+        queued(plan, launch, place)
         return losses, computed, int(lengths.sum())

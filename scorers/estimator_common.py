@@ -239,7 +239,7 @@ def window_loss_sums(
         inverse = np.argsort(by_width)[inverse]
     need = np.zeros(N, dtype=np.int64)  # targets any request reads from each unique window
     np.maximum.at(need, inverse, n_targets)
-    split = hasattr(model, "forward_hidden") or hasattr(model, "decoder")  # hidden states, then the head
+    split = _has_hidden(model)  # hidden states, then the head in chunks
     per_logits = max(1, LOGIT_BYTES // (4 * model_vocab(model)))
     # positions per sub-batch: the budget (without one, as many as one chunk of logits has rows);
     # a model whose logits come whole is held to the logits' bytes too
@@ -281,16 +281,21 @@ def window_loss_sums(
     return sums
 
 
+def _has_hidden(model: nn.Module) -> bool:
+    """Whether `_hidden` gives the model's hidden states (a llama, mixer or estimator), not its logits."""
+    return hasattr(model, "forward_hidden") or hasattr(model, "decoder")
+
+
 def _hidden(model: nn.Module, x: torch.Tensor, layout) -> tuple[torch.Tensor, nn.Module | None]:
     """(states, head) of the windows `x`: a llama's or mixer's final hidden states (read after the
     shared prefix of `layout`) and its output head; an estimator's decoder states (each window with
     its own embedding) and the decoder's head; any other model's logits and no head."""
+    if not _has_hidden(model):
+        return model(x), None
     if hasattr(model, "forward_hidden"):
         return model.forward_hidden(model.embed(x), layout=layout), model.lm_head
-    if hasattr(model, "decoder"):
-        with hidden_outputs(model) as head:
-            return model(x), head
-    return model(x), None
+    with hidden_outputs(model) as head:
+        return model(x), head
 
 
 def window_differences(

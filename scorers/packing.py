@@ -98,23 +98,19 @@ def shared_pad(ids: np.ndarray, columns: int) -> int | None:
 
 def pad_prefix(model, pad_id: int, memo: Memo) -> list:
     """A causal model's prefix (`prefix_of`) over a row of `pad_id` as wide as it reads, once."""
+    return memo.get(("pad_prefix", id(model), pad_id), lambda: model.prefix_of(_pad_row(model, pad_id)))
 
-    def build():
-        pads = torch.full((1, model.config.n_ctx), pad_id, device=model.embed_tokens.weight.device)
-        return model.prefix_of(model.embed(pads))
 
-    return memo.get(("pad_prefix", id(model), pad_id), build)
+def _pad_row(model, pad_id: int) -> torch.Tensor:
+    """The embeddings (1, n_ctx, d) of a row of `pad_id`, on the model's device."""
+    pads = torch.full((1, model.config.n_ctx), pad_id, device=model.embed_tokens.weight.device)
+    return model.embed(pads)
 
 
 def pad_hidden(model, pad_id: int, memo: Memo) -> torch.Tensor:
     """A causal model's final hidden states (1, n_ctx, d) over a row of `pad_id`, once: the state of a
     row's last pad, which predicts its first real token, whatever the row."""
-
-    def build():
-        pads = torch.full((1, model.config.n_ctx), pad_id, device=model.embed_tokens.weight.device)
-        return model.forward_hidden(model.embed(pads))
-
-    return memo.get(("pad_hidden", id(model), pad_id), build)
+    return memo.get(("pad_hidden", id(model), pad_id), lambda: model.forward_hidden(_pad_row(model, pad_id)))
 
 
 def row_pad(ids: np.ndarray, n_pad: np.ndarray) -> int | None:
