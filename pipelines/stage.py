@@ -297,8 +297,12 @@ def plan_run(
         rejects = storage.listing(out / REJECTS_DIR)
         for shard in remove:
             storage.remove(manifest_path(out, shard))
+        # what a committed shard wrote is what its manifest names (score's parquet is named after
+        # its input, not its shard); a shard killed before its manifest wrote the default names
+        outputs = {m.shard: (m.output, m.rejects_file) for m in manifests}
         for shard in remove:
-            for name in (f"{shard}.parquet", f"{REJECTS_DIR}/{shard}.parquet"):
+            defaults = (f"{shard}.parquet", f"{REJECTS_DIR}/{shard}.parquet")
+            for name in {n for n in (*defaults, *outputs.get(shard, ())) if n}:
                 if name in names or name.removeprefix(f"{REJECTS_DIR}/") in rejects:
                     storage.remove(out / name)
     return RunPlan(stage=stage, out_dir=out, todo=todo, done=done, stale=stale, registry=registry)

@@ -144,3 +144,27 @@ def test_score_refuses_shards_of_a_part_its_input_no_longer_holds(tmp_path, c4_p
     assert r.exit_code == 2 and gone in r.output, r.output
     assert CliRunner().invoke(main, [*score, "--overwrite"]).exit_code == 0
     assert sum(p.manifest.docs_out for p in DataDir(scored).parts) == 4
+
+
+def test_score_overwrite_drops_the_parquet_of_a_shard_its_input_no_longer_holds(
+    tmp_path, c4_path, tokenizer_dir
+):
+    """A source split into shards (--shard-docs) loses its last documents: score --overwrite drops the
+    scored shard of the part that is gone, its parquet with its manifest (score names the file after
+    its input's part, part-NNNNN-KKKKK, not after its own shard)."""
+    from test_score_stage import tiny_llama_dir
+
+    src, tokens, scored = tmp_path / "src", tmp_path / "tokens", tmp_path / "scored"
+    write(src / "a.jsonl", docs(c4_path, 0, 6, "a"))
+    tok = ["tokenize", str(src), "--tokenizer", str(tokenizer_dir), "--n-ctx", "32", "--shard-docs", "2"]
+    assert CliRunner().invoke(main, [*tok, "--out", str(tokens)]).exit_code == 0
+    model = tiny_llama_dir(tmp_path / "m", tokenizer_dir / "tokenizer.json")
+    score = ["score", str(tokens), "--scorer", "causal_loss", "--model", str(model), "--out", str(scored)]
+    assert CliRunner().invoke(main, score).exit_code == 0
+    write(src / "a.jsonl", docs(c4_path, 0, 4, "a"))
+    assert CliRunner().invoke(main, [*tok, "--out", str(tokens), "--overwrite"]).exit_code == 0
+    assert CliRunner().invoke(main, score).exit_code == 2
+    assert CliRunner().invoke(main, [*score, "--overwrite"]).exit_code == 0
+    files = sorted(f.name for f in scored.glob("part-*.parquet"))
+    assert files == sorted(p.manifest.output for p in DataDir(scored).parts)
+    assert sum(p.manifest.docs_out for p in DataDir(scored).parts) == 4
