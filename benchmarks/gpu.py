@@ -33,7 +33,10 @@ the local engine, as `entroweight score` runs it; the model loaded and warmed on
   what the host's main thread was doing (reading/stage, batching/packing, decode-encode-align for
   cross_tokenizer, launching model kernels, waiting on a device sync, waiting on the writer) and how
   busy the writer and batch-prefetch threads were. A device busy far below 100 % with the main thread
-  outside "sync" is a host bottleneck.
+  outside "sync" is a host bottleneck. In results.json also: the seconds outside the device's span
+  (before its first kernel and after its last: a shard's fixed costs), device seconds by kernel kind
+  (gemm, attention, reduce, elementwise, copy: `KERNEL_KINDS`) and the longest kernels, for the path
+  and for its limit, so that what a path computes beyond its limit shows by kind.
 
 Writes `<out>/results.json` (machine + every record, after each one, so a run cut short keeps what it
 measured) and `<out>/results.md` (the tables).
@@ -50,6 +53,7 @@ import json
 import linecache
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -138,12 +142,10 @@ class Case:
     data: str  # "main" (data width, model tokenizer), "cross" (data width, 8k BPE), "win" (window width)
     limit: str  # how its packed limit is run: llama | hf | estimator | windows | windows2 | both | none
     literal: dict = field(default_factory=dict)
-    cut_rows: bool = False  # our pad-attending llama cut to each batch's widest row (a CPU's layout)
 
 
 CASES = [
     Case("causal_ours", "causal_loss, our llama (attends to pads)", "causal_loss", {"checkpoint": "ours"}, "main", "llama"),
-    Case("causal_ours_cut", "causal_loss, our llama, rows cut (not packed)", "causal_loss", {"checkpoint": "ours"}, "main", "llama", cut_rows=True),
     Case("causal_masked", "causal_loss, our llama, mask_pads", "causal_loss", {"checkpoint": "ours_masked"}, "main", "llama"),
     Case("causal_hf", "causal_loss, HF LlamaForCausalLM", "causal_loss", {"model": "hf"}, "main", "hf"),
     Case("cross_tokenizer", "cross_tokenizer, HF on 8k-BPE data", "cross_tokenizer", {"model": "hf"}, "cross", "hf_text"),
@@ -428,7 +430,10 @@ class DeviceBusy:
     def __init__(self, device: str):
         self.on = device.startswith("cuda")
         self.seconds: float | None = None
+        self.span: float | None = None  # first device event's start to the last one's end
         self.kernels = 0
+        self.by_kind: dict[str, float] = {}  # seconds of device time per KERNEL_KINDS kind
+        self.top: list[tuple[str, float, int]] = []  # (kernel, seconds, calls), the longest first
 
     def __enter__(self):
         if self.on:
@@ -451,6 +456,7 @@ class DeviceBusy:
         self.kernels = len(spans)
         if spans:
             spans.sort()
+            self.span = (max(e for _, e in spans) - spans[0][0]) / 1e6
             busy, (a, b) = 0.0, spans[0]
             for s, e in spans[1:]:
                 if s > b:
@@ -460,21 +466,49 @@ class DeviceBusy:
             self.seconds = (busy + (b - a)) / 1e6
 
     def _spans(self) -> list[tuple[float, float]]:
-        """(start, end) in µs of every device event."""
+        """(start, end) in µs of every device event; fills in `by_kind` and `top` on the way."""
         from torch.autograd import DeviceType
 
-        spans = [
-            (e.time_range.start, e.time_range.end)
+        events = [
+            (e.name, e.time_range.start, e.time_range.end)
             for e in self.prof.events()
             if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start
         ]
-        if spans:
-            return spans
-        out = []
-        for e in self.prof.profiler.kineto_results.events():
-            if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0:
-                out.append((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3))
-        return out
+        if not events:
+            events = [
+                (e.name(), e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3)
+                for e in self.prof.profiler.kineto_results.events()
+                if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0
+            ]
+        per_name: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+        for name, s, e in events:
+            per_name[name][0] += (e - s) / 1e6
+            per_name[name][1] += 1
+        kinds: collections.Counter = collections.Counter()
+        for name, (sec, _) in per_name.items():
+            kinds[kernel_kind(name)] += sec
+        self.by_kind = {k: round(v, 4) for k, v in kinds.most_common()}
+        self.top = [
+            (n[:120], round(v[0], 4), v[1]) for n, v in sorted(per_name.items(), key=lambda x: -x[1][0])[:12]
+        ]
+        return [(s, e) for _, s, e in events]
+
+
+# kernel kind <- the first pattern its name matches (case-insensitive), in this order
+KERNEL_KINDS = (
+    ("copy", r"memcpy|memset|copy_kernel|CatArrayBatched|index_select|gather|scatter|nonzero"),
+    ("attention", r"flash|fmha|attention|attn|flex|sdpa|_tem_fused"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm\d+_|wgmma|splitK"),
+    ("reduce", r"triton_red|triton_per|reduce|softmax|logsumexp|cross_entropy|nll|norm|argmax|cumsum|sort"),
+    ("elementwise", r"elementwise|vectorized|unrolled|triton_|fill|where|cast"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    for kind, pattern in KERNEL_KINDS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return kind
+    return "other"
 
 
 SYNC_CALLS = (".cpu(", ".item(", ".tolist(", "synchronize(", ".numpy(")
@@ -600,9 +634,35 @@ def timed(fn, device: str) -> dict:
     return {
         "seconds": seconds,
         "device_busy": None if busy.seconds is None else round(min(busy.seconds / seconds, 1.0), 3),
+        # outside the span: before the first kernel and after the last (the shard's fixed costs)
+        "outside_span_s": None if busy.span is None else round(max(seconds - busy.span, 0.0), 3),
         "device_events": busy.kernels,
+        "device_s_by_kind": busy.by_kind,
+        "top_kernels": busy.top,
         "host": host.shares(),
     }
+
+
+# host-side calls that wait for the device (or copy from pageable memory, which also waits)
+WAIT_OPS = ("Synchronize", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
+
+
+def host_waits(fn) -> list[dict]:
+    """One more untimed run of `fn` under the full profiler (CPU and CUDA, with Python stacks): the
+    host calls in WAIT_OPS, grouped by where our code made them, the longest first. Where the device
+    idles inside its span, these say which line held the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.key_averages(group_by_stack_n=12):
+        if not any(w in e.key for w in WAIT_OPS):
+            continue
+        ours = [f for f in (e.stack or []) if "entroweight" in f or "scorers" in f or "models" in f]
+        out.append({"op": e.key, "calls": e.count, "cpu_s": round(e.cpu_time_total / 1e6, 4), "at": ours[:4]})
+    return sorted(out, key=lambda r: -r["cpu_s"])[:15]
 
 
 # -- one case
@@ -657,8 +717,6 @@ def run_case(case: Case, dtype: str, ctx: dict) -> dict:
     # the model, once (run_stage's setup() then finds it loaded); ours built on the device directly
     with _device_ctx(device) if "checkpoint" in options else contextlib.nullcontext():
         stages["main"].setup()
-    if case.cut_rows:  # the layout a CPU takes, for an A/B against the packed one on the device
-        scorer.source.prefix_packs = False
     rec["load_s"] = round(time.perf_counter() - t0, 2)
     outs = work / "out" / case.key / dtype
     shutil.rmtree(outs, ignore_errors=True)
@@ -713,6 +771,8 @@ def run_case(case: Case, dtype: str, ctx: dict) -> dict:
             limit_runs.append(timed(limit, device))
     best = min(path_runs, key=lambda r: r["seconds"])
     rec["path"] = best
+    if ctx.get("trace") and device.startswith("cuda"):
+        rec["host_waits"] = host_waits(lambda: path("trace"))
     rec["tok_s"] = real / best["seconds"]
     extra = manifest_extra(outs / f"run{path_runs.index(best)}")
     rec["pad_fraction"] = extra.get("pad_fraction")
@@ -868,6 +928,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench-out" / "gpu"))
     ap.add_argument("--work", default=None, help="where data and models go (default: a temp dir, removed)")
     ap.add_argument("--rounds", type=int, default=1, help="timed runs of each path and limit (best is kept)")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="after the timed runs, one more run under the full profiler: where the host waited (CUDA)",
+    )
     ap.add_argument("--deadline", type=float, default=None, help="seconds: start no case after this")
     ap.add_argument(
         "--cache-weights-hash",
@@ -919,7 +984,7 @@ def main(argv=None) -> int:
         from entroweight.transforms.tokenizer import load_tokenizer
 
         ctx = dict(size=size, device=device, work=work, data=data, models=models, rounds=args.rounds,
-                   peaks=peaks, vocab=load_tokenizer(model_tok).vocab_size)  # fmt: skip
+                   peaks=peaks, trace=args.trace, vocab=load_tokenizer(model_tok).vocab_size)  # fmt: skip
         from entroweight.scorers.base import Scorer
 
         runs = [(dtype, layout) for dtype in args.dtypes for layout in args.layouts]
@@ -973,6 +1038,15 @@ def _print(r: dict) -> None:
         f"host {p['host']} ({r['case_s']} s)",
         flush=True,
     )
+    lim = r.get("limit") or {}
+    for tag, run in (("path", p), ("limit", lim)):
+        if run.get("device_s_by_kind"):
+            kinds = ", ".join(f"{k} {v:.2f}" for k, v in run["device_s_by_kind"].items())
+            print(
+                f"    {tag}: {run['seconds']:.2f} s, outside span {run['outside_span_s']} s; device s: {kinds}"
+            )
+    for w in r.get("host_waits", [])[:6]:
+        print(f"    host wait: {w['op']} x{w['calls']} {w['cpu_s']} s at {' < '.join(w['at'][:2])}")
 
 
 def _save(out: Path, machine: dict, records: list[dict]) -> None:

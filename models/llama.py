@@ -108,8 +108,6 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    packs_rows = True  # each slot's position is its own (Layout.positions): rows can share a sequence
-
     @dataclass
     class Config:
         vocab_size: int = 8000

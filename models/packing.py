@@ -11,9 +11,6 @@ each exact (the values equal those of one row per forward, its padding included)
   to their last S columns, which start at position `offset` for every row, and read the keys of the
   pad columns before them from a `prefix` computed once per model (`pad_prefix`): in a causal model
   the states of a run of pads depend on nothing but the pads, so they are the same in every row.
-- **packed after a prefix** (the same models, rows packed): each row's real tokens at the positions
-  they have in the row, several rows a sequence, each reading the first `seen` positions of the
-  shared prefix (its own pads) and its own segment causally (`prefix_block_causal`).
 
 Attention runs through SDPA with a boolean mask, or FlexAttention's block mask on CUDA (`BlockMask`),
 which skips the blocks a document mask leaves out; on a CPU SDPA's kernel costs the same with a mask
@@ -64,43 +61,6 @@ def flex_block_causal(segments: torch.Tensor):
 
     N, S = segments.shape
     return create_block_mask(mask_mod, N, None, S, S, device=segments.device)
-
-
-def prefix_block_causal(segments: torch.Tensor, seen: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """(N, S) segment ids and (N, S) how many shared prefix positions each slot's row reads ->
-    (N, 1, S, prefix_len + S) bool: a slot sees those prefix positions, then its own segment up to
-    itself (`block_causal`)."""
-    pre = torch.arange(prefix_len, device=segments.device)[None, None, :] < seen[:, :, None]
-    return torch.cat([pre, block_causal(segments)[:, 0]], dim=2)[:, None]
-
-
-def flex_prefix_block_causal(segments: torch.Tensor, seen: torch.Tensor, prefix_len: int):
-    """The same as `prefix_block_causal`, as a FlexAttention BlockMask (the prefix blocks beyond every
-    row's pads, and the other rows' blocks, skipped)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    N, S = segments.shape
-
-    def mask_mod(b, h, q, k):
-        own = (k - prefix_len).clamp(0, S - 1)
-        in_prefix = k < prefix_len
-        return (in_prefix & (k < seen[b, q])) | (
-            ~in_prefix & (segments[b, own] == segments[b, q]) & (own <= q)
-        )
-
-    return create_block_mask(mask_mod, N, None, S, prefix_len + S, device=segments.device)
-
-
-def packed_after_prefix(positions, segments, seen, prefix: list | None, prefix_len: int) -> Layout:
-    """Packed slots (`positions`, `segments`, `seen`: (N, S) tensors on the model's device) that read
-    the first `prefix_len` positions of `prefix` (a model's `pad_prefix`) as their rows' pads."""
-    if not prefix_len:
-        mask = flex_block_causal(segments) if flex_available(segments.device) else block_causal(segments)
-        return Layout(positions=positions, mask=mask)
-    build = flex_prefix_block_causal if flex_available(segments.device) else prefix_block_causal
-    return Layout(
-        positions=positions, mask=build(segments, seen, prefix_len), prefix=cut_prefix(prefix, prefix_len)
-    )
 
 
 def prefix_causal(width: int, offset: int, device) -> torch.Tensor | None:

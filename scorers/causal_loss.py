@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
-from entroweight.models.packing import after_prefix, flex_available, packed_after_prefix
+from entroweight.models.packing import after_prefix
 from entroweight.transforms.tokenizer import load_tokenizer
 
 from . import hf
@@ -42,7 +42,7 @@ from .forward import (
     to_device,
     with_start_token,
 )
-from .packing import Memo, pack_rows, pad_hidden, pad_prefix, row_pad, shared_pad
+from .packing import Memo, pack_rows, pad_prefix, shared_pad
 
 ONE_MODEL = "give exactly one of --model (HF id, directory or .gguf) or --checkpoint (ours)"
 
@@ -58,7 +58,6 @@ class ModelSource(ABC):
     cut_padding = True  # the model takes an attention mask: left padding may be cut
     mask_pads = False  # our checkpoint masks the left padding: one pad is kept, to predict the first token
     prefix_rows = False  # our checkpoint attends to its padding: read from a prefix computed once
-    prefix_packs = False  # ... and its rows are packed after that prefix
 
     @abstractmethod
     def config(self) -> dict[str, Any]:
@@ -120,15 +119,9 @@ class OurCheckpoint(ModelSource):
         to_compute_dtype(model, dtype)
         # our models see the left padding they were trained on, unless trained to mask it
         self.mask_pads = bool(getattr(getattr(model, "config", None), "mask_pads", False))
-        # a model that attends to its pads reads them from a prefix computed once (llama, mixer)
+        # a model that attends to its pads reads them from a prefix computed once (llama, mixer), its
+        # rows cut to the batch's widest (scorers/packing.py says why they are not packed)
         self.prefix_rows = not self.mask_pads and hasattr(model, "prefix_of")
-        # ... and, where a slot's position is its own (llama, not a mixer) and the attention skips
-        # what a row does not read (FlexAttention on CUDA), several rows a sequence. On a CPU, SDPA
-        # computes every score of (rows) × (prefix + rows) under a bool mask: 0.75 of the packed limit
-        # against 0.84 for rows cut to their batch's widest (d256×4, C4 at 512, alternated ×3)
-        self.prefix_packs = (
-            self.prefix_rows and getattr(model, "packs_rows", False) and flex_available(device)
-        )
         self.prefixes = Memo()
         self.cut_padding = self.mask_pads
         return model
@@ -139,9 +132,6 @@ class OurCheckpoint(ModelSource):
         with torch.inference_mode(), autocast(device, dtype):
             if pack and self.mask_pads:
                 return self._packed(model, ids, n_pad, device)
-            pad = row_pad(ids, n_pad) if pack and self.prefix_packs else None
-            if pad is not None:
-                return self._packed(model, ids, n_pad, device, pad)
             pad = shared_pad(ids, T - W) if pack and self.prefix_rows else None
             if pad is not None:
                 layout = (
@@ -156,7 +146,7 @@ class OurCheckpoint(ModelSource):
             return HostCopy(out), _first, B * T
 
     def packs_rows(self, model) -> bool:
-        return self.mask_pads or self.prefix_packs
+        return self.mask_pads
 
     @staticmethod
     def _window_ce(model, h: torch.Tensor, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -166,40 +156,25 @@ class OurCheckpoint(ModelSource):
         seg = (torch.arange(W, device=x.device)[None, :] >= (W - lengths - 1)[:, None]).long() - 1
         return next_token_ce(h, x, seg.expand(len(x), W), model.lm_head)
 
-    def _packed(self, model, ids: np.ndarray, n_pad: np.ndarray, device: str, pad: int | None = None):
-        """The rows' real tokens packed, several rows a sequence; no pad is computed per row.
-        A `mask_pads` model (`pad` None): positions restart per row, and a row's first token is
-        predicted by its last pad alone (at position 0, seeing itself). A model that attends to its
-        padding (`pad`: the id every row's padding holds): each row at the positions it has in its
-        row, reading its own pads' keys from the pad prefix computed once, its first token predicted
-        from the prefix's state at its last pad."""
+    def _packed(self, model, ids: np.ndarray, n_pad: np.ndarray, device: str):
+        """The rows' real tokens packed, several rows a sequence, positions restarting per row (a
+        `mask_pads` model); no pad is computed but each row's last, which predicts its first token
+        alone (at position 0, seeing itself)."""
         B, T = ids.shape
         rows = [ids[r, n_pad[r] :] for r in range(B)]
         lengths = [len(r) for r in rows]
         packed = pack_rows(rows, T)  # as wide as the data's rows, as the planner grouped them
         padded = np.flatnonzero((n_pad > 0) & (n_pad < T))
         seg = to_device(packed.segments, device)
-        if pad is None:
-            layout = packed.layout(device)
-
-            def last_pads():  # one forward of each row's last pad alone
-                alone = to_device(ids[padded, n_pad[padded] - 1][:, None], device)
-                return model.forward_hidden(model.embed(alone))[:, 0]
-        else:
-            seen = np.where(packed.segments >= 0, n_pad[np.maximum(packed.segments, 0)], 0)
-            P = int(n_pad.max(initial=0))
-            kv = pad_prefix(model, pad, self.prefixes) if P else None
-            positions = to_device(packed.positions + seen, device)
-            layout = packed_after_prefix(positions, seg, to_device(seen, device), kv, P)
-
-            def last_pads():  # the prefix's state at each row's last pad, shared
-                return pad_hidden(model, pad, self.prefixes)[0, to_device(n_pad[padded] - 1, device)]
-
         x = to_device(packed.ids, device)
-        ce = next_token_ce(model.forward_hidden(model.embed(x), layout=layout), x, seg, model.lm_head)
+        ce = next_token_ce(
+            model.forward_hidden(model.embed(x), layout=packed.layout(device)), x, seg, model.lm_head
+        )
         ce_first = torch.zeros(0, device=ce.device)
-        if len(padded):
-            ce_first = chunked_ce(last_pads(), to_device(ids[padded, n_pad[padded]], device), model.lm_head)
+        if len(padded):  # one forward of each row's last pad alone
+            alone = to_device(ids[padded, n_pad[padded] - 1][:, None], device)
+            last_pads = model.forward_hidden(model.embed(alone))[:, 0]
+            ce_first = chunked_ce(last_pads, to_device(ids[padded, n_pad[padded]], device), model.lm_head)
 
         def place(arrays):  # the rows placed on the host side (no per-row device indexing)
             values, first = arrays
@@ -209,7 +184,7 @@ class OurCheckpoint(ModelSource):
             full[padded, n_pad[padded]] = first
             return full
 
-        return HostCopy(ce, ce_first), place, packed.ids.size + (len(padded) if pad is None else 0)
+        return HostCopy(ce, ce_first), place, packed.ids.size + len(padded)
 
     def _rows(self, model, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One row per batch row, padding included (the reference): full logits, sub-batched so that
@@ -403,8 +378,6 @@ class CausalLossScorer(Scorer):
         self._model = self.source.load(self.device, self.dtype, self.options)
 
     def batch_width(self, longest: int, T: int) -> int:
-        if self.pack and self.source.prefix_packs:  # real tokens alone (the pads are the prefix's)
-            return max(longest, 1)
         if self.source.mask_pads or (self.source.prefix_rows and self.pack):
             # one pad kept: it predicts the first real token (from nothing, or from the pads before it)
             return min(longest + 1, T)

@@ -7,6 +7,7 @@ hidden states and apply the output head chunk by chunk; CE itself is always fp32
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,11 @@ import torch.nn.functional as F
 # chunk of 4096 rows (the logits are read back while still in cache)
 CHUNK_BYTES = 256 << 20
 CPU_CHUNK_BYTES = 16 << 20
+# on CUDA the CE is one compiled kernel that reads the logits in their own dtype (`token_ce`): no
+# fp32 copy exists, so a chunk holds 1 GiB of them (4k rows of bf16 at 128k). On the H100 the eager
+# CE (an fp32 copy, log_softmax, gather) over 512-row chunks was 0.4 s of device time beside a 2.15-s
+# bare forward of the same tokens (bench-gpu kernel kinds, docs/scaling.md)
+FUSED_CHUNK_BYTES = 1 << 30
 
 
 def native_bf16(device: str) -> bool:
@@ -106,24 +112,56 @@ def autocast(device: str, dtype: str):
     return contextlib.nullcontext()
 
 
+def token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(N,) fp32 CE of each row of (N, V) logits at its target: logsumexp − the target's logit, in
+    fp32 whatever the logits' dtype (what `F.cross_entropy(logits.float(), …)` gives)."""
+    x = logits.float()
+    return torch.logsumexp(x, -1) - x.gather(-1, targets[:, None])[:, 0]
+
+
+_fused_ce = None  # token_ce compiled for CUDA once per process; False where it cannot be
+
+
+def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`token_ce`: compiled on CUDA (the fp32 cast inside the reduction, one read of the logits),
+    eager elsewhere (on a CPU `F.cross_entropy`'s fused log_softmax is the faster)."""
+    global _fused_ce
+    if logits.device.type == "cuda" and _fused_ce is not False:
+        if _fused_ce is None:
+            _fused_ce = torch.compile(token_ce, dynamic=True)
+        try:
+            return _fused_ce(logits, targets)
+        except Exception as e:  # no working triton/inductor here: the eager CE, said once
+            warnings.warn(f"compiled CE unavailable ({type(e).__name__}: {e}); CE runs eagerly", stacklevel=2)
+            _fused_ce = False
+    return F.cross_entropy(logits.float(), targets, reduction="none")
+
+
+def fused_ce(device: torch.device) -> bool:
+    """Whether `_ce` on this device is the compiled one (so chunks are sized by `FUSED_CHUNK_BYTES`)."""
+    return device.type == "cuda" and _fused_ce is not False
+
+
 def chunked_ce(rows: torch.Tensor, targets: torch.Tensor, head=None, chunk_rows: int | None = None):
     """Per-row CE in fp32 nats. `rows` are logits (N, V), or hidden states (N, D) when `head` maps them
-    to logits; either way at most `chunk_rows` rows of fp32 logits exist at once."""
+    to logits; either way at most `chunk_rows` rows of logits exist at once (by default as many as
+    `CHUNK_BYTES` of fp32 logits, or `FUSED_CHUNK_BYTES` of logits in their dtype where CE is fused)."""
     n = rows.shape[0]
     out = torch.empty(n, dtype=torch.float32, device=rows.device)
     if n == 0:
         return out
     if chunk_rows is None:
         vocab = head.out_features if head is not None and hasattr(head, "out_features") else rows.shape[-1]
-        budget = CPU_CHUNK_BYTES if rows.device.type == "cpu" else CHUNK_BYTES
-        chunk_rows = max(1, budget // (4 * vocab))
+        if fused_ce(rows.device):
+            chunk_rows = max(1, FUSED_CHUNK_BYTES // (rows.element_size() * vocab))
+        else:
+            budget = CPU_CHUNK_BYTES if rows.device.type == "cpu" else CHUNK_BYTES
+            chunk_rows = max(1, budget // (4 * vocab))
     for s in range(0, n, chunk_rows):
         logits = rows[s : s + chunk_rows]
         if head is not None:
             logits = head(logits)
-        out[s : s + chunk_rows] = F.cross_entropy(
-            logits.float(), targets[s : s + chunk_rows], reduction="none"
-        )
+        out[s : s + chunk_rows] = _ce(logits, targets[s : s + chunk_rows])
     return out
 
 

@@ -4,9 +4,11 @@
   models whose positions restart at each row's first token (HF, our `mask_pads` llama). Rows are
   grouped by `base.pack_groups`, as the planner (`base.plan_batches`) grouped them, so a batch
   computes the slots its budget counted.
-- `Memo`, `pad_prefix`, `pad_hidden`, `shared_pad`, `row_pad`: for models that attend to their left
-  padding (the write-up's), the states of a run of pads, computed once per pad id and read by every
-  row (packed, or cut to the batch's widest row).
+- `Memo`, `pad_prefix`, `shared_pad`: for models that attend to their left padding (the write-up's),
+  the states of a run of pads, computed once per pad id and read by every row cut to the batch's
+  widest row. (Packing those rows after the shared prefix, each reading its own pads through a block
+  mask, was measured and removed: 0.75 against 0.84 of the packed limit on a CPU, 0.26 against 0.52
+  on an H100 in bf16; docs/scoring.md, "Packing".)
 
 Values equal those of one row per forward (tests/test_packing.py, every scorer of the registry).
 """
@@ -105,19 +107,3 @@ def _pad_row(model, pad_id: int) -> torch.Tensor:
     """The embeddings (1, n_ctx, d) of a row of `pad_id`, on the model's device."""
     pads = torch.full((1, model.config.n_ctx), pad_id, device=model.embed_tokens.weight.device)
     return model.embed(pads)
-
-
-def pad_hidden(model, pad_id: int, memo: Memo) -> torch.Tensor:
-    """A causal model's final hidden states (1, n_ctx, d) over a row of `pad_id`, once: the state of a
-    row's last pad, which predicts its first real token, whatever the row."""
-    return memo.get(("pad_hidden", id(model), pad_id), lambda: model.forward_hidden(_pad_row(model, pad_id)))
-
-
-def row_pad(ids: np.ndarray, n_pad: np.ndarray) -> int | None:
-    """The one id that every row's left padding holds (-1 when no row has padding), or None when they
-    hold more than one (such rows are scored whole)."""
-    pads = ids[np.arange(ids.shape[1])[None, :] < np.asarray(n_pad)[:, None]]
-    if not pads.size:
-        return -1
-    pad = int(pads[0])
-    return pad if bool((pads == pad).all()) else None

@@ -17,14 +17,7 @@ from entroweight.models.checkpoint import save_checkpoint
 from entroweight.models.estimator import EntropyEstimator
 from entroweight.models.llama import Llama
 from entroweight.models.mixer import MaskedMixer
-from entroweight.models.packing import (
-    Layout,
-    block_causal,
-    cut_prefix,
-    flex_block_causal,
-    flex_prefix_block_causal,
-    prefix_block_causal,
-)
+from entroweight.models.packing import Layout, block_causal, flex_block_causal
 from entroweight.scorers import Batching, make_scorer
 from entroweight.scorers.packing import pack_rows
 from entroweight.scorers.registry import BUILTIN
@@ -134,23 +127,6 @@ def test_packing_computes_no_pads_for_the_models_that_allow_it(checkpoints, rows
         assert got.computed <= most * real + len(ids), options
 
 
-def test_rows_packed_after_the_pad_prefix_give_the_per_row_values(checkpoints, rows, tokenizer_dir):
-    """The layout CUDA runs for a model that attends to its padding (FlexAttention), forced on a CPU
-    (SDPA with a bool mask): the rows' real tokens packed after the shared pad prefix give the values
-    of one padded row per forward, and compute no pad."""
-    ids, n_pad = rows
-    want = scorer("causal_loss", {"checkpoint": "llama"}, checkpoints, tokenizer_dir, False).score(
-        ids, n_pad, Batching(batch_size=1)
-    )
-    packed = scorer("causal_loss", {"checkpoint": "llama"}, checkpoints, tokenizer_dir, True)
-    assert not packed.source.prefix_packs  # a CPU: cut rows (see OurCheckpoint.load)
-    packed.source.prefix_packs = True
-    got = packed.score(ids, n_pad, Batching(batch_tokens=BUDGET))
-    np.testing.assert_allclose(got.values, want.values, rtol=1e-5, atol=1e-5)
-    real = int((ids.shape[1] - n_pad).sum())
-    assert got.computed <= 1.05 * real + ids.shape[1]  # the fill of the last sequence at most
-
-
 def test_pack_fills_each_sequence_and_keeps_rows_whole():
     rng = np.random.default_rng(0)
     rows = [rng.integers(1, 50, size=n) for n in rng.integers(0, 33, size=40)]
@@ -162,31 +138,6 @@ def test_pack_fills_each_sequence_and_keeps_rows_whole():
     assert (p.segments >= 0).sum() == sum(map(len, rows))
     # best-fit decreasing: each row over half the width alone, the rest close to full sequences
     assert len(p.ids) <= max(sum(len(r) > 16 for r in rows), -(-sum(map(len, rows)) // 32)) + 2
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")  # eager FlexAttention on a CPU (CUDA compiles it)
-def test_rows_packed_after_a_pad_prefix_equal_their_padded_rows():
-    """A model that attends to its padding: each row's real tokens packed, read at their positions in
-    the row after the first n_pad keys of the shared pad prefix, give the hidden states of the whole
-    padded row, with the CPU's bool mask and with FlexAttention's block mask (what CUDA runs)."""
-    torch.manual_seed(0)
-    T, pad = 32, 3
-    model = Llama(Llama.Config(vocab_size=64, n_ctx=T, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2))
-    n_pad = np.array([23, 15, 28, 2, 0])
-    rows = [np.random.default_rng(r).integers(4, 64, size=T - k) for r, k in enumerate(n_pad)]
-    p = pack_rows(rows, T)
-    seen = np.where(p.segments >= 0, n_pad[np.maximum(p.segments, 0)], 0)
-    seg, pos, sn = (torch.as_tensor(a) for a in (p.segments, p.positions + seen, seen))
-    P = int(n_pad.max())
-    with torch.no_grad():
-        prefix = model.prefix_of(model.embed(torch.full((1, T), pad)))
-        padded = [torch.as_tensor(np.r_[np.full(k, pad), r])[None] for k, r in zip(n_pad, rows, strict=True)]
-        want = [model.forward_hidden(model.embed(x))[0, k:] for x, k in zip(padded, n_pad, strict=True)]
-        for mask in (prefix_block_causal(seg, sn, P), flex_prefix_block_causal(seg, sn, P)):
-            layout = Layout(positions=pos, mask=mask, prefix=cut_prefix(prefix, P))
-            h = model.forward_hidden(model.embed(torch.as_tensor(p.ids)), layout=layout)
-            for r, (n, s) in enumerate(p.starts):
-                torch.testing.assert_close(h[n, s : s + len(rows[r])], want[r], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # eager FlexAttention on a CPU (CUDA compiles it)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from entroweight.scorers import ScorerError, available, make_scorer
-from entroweight.scorers.forward import chunked_ce, to_device
+from entroweight.scorers.forward import chunked_ce, to_device, token_ce
 from entroweight.transforms.tokenizer import load_tokenizer
 
 
@@ -93,6 +93,35 @@ def test_chunked_ce_equals_full_ce():
     with torch.no_grad():
         for chunk in (1, 5, 37, 100):
             torch.testing.assert_close(chunked_ce(hidden, targets, head, chunk_rows=chunk), full)
+
+
+def _logits(dtype):
+    torch.manual_seed(2)
+    x = torch.randn(41, 300) * torch.linspace(0.1, 30.0, 41)[:, None]  # flat to peaked rows
+    return x.to(dtype), torch.randint(0, 300, (41,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_ce_is_the_fp32_cross_entropy_of_the_logits(dtype):
+    """The CE CUDA compiles (`token_ce`: logsumexp − the target's logit, upcast inside the reduction)
+    is `F.cross_entropy` of the logits in fp32, whatever their dtype."""
+    x, y = _logits(dtype)
+    want = torch.nn.functional.cross_entropy(x.float(), y, reduction="none")
+    got = token_ce(x, y)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_token_ce_compiled_gives_the_eager_values():
+    """What `chunked_ce` runs on CUDA is `token_ce` through torch.compile; compiled here for the CPU
+    (inductor, the same graph), it gives the eager values, for a bf16 and an fp32 chunk of another
+    length (dynamic shapes, no recompile per chunk)."""
+    fused = torch.compile(token_ce, dynamic=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        x, y = _logits(dtype)
+        for n in (41, 17):
+            torch.testing.assert_close(fused(x[:n], y[:n]), token_ce(x[:n], y[:n]), rtol=1e-6, atol=2e-5)
 
 
 def test_to_device_on_a_cpu_is_the_array_itself_never_pinned(monkeypatch, tiny_llama, rows):
