@@ -927,7 +927,13 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", default=None, choices=[c.key for c in CASES])
     ap.add_argument("--out", default=str(REPO / "bench-out" / "gpu"))
     ap.add_argument("--work", default=None, help="where data and models go (default: a temp dir, removed)")
-    ap.add_argument("--rounds", type=int, default=1, help="timed runs of each path and limit (best is kept)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="timed runs of each path and limit, the best kept (one run carries one-off costs: a "
+        "shape compiled for the first time, the process's first pinned buffers)",
+    )
     ap.add_argument(
         "--trace",
         action="store_true",

@@ -8,8 +8,10 @@ model; occlusion; decomposition), on one shard scored by `ScoreStage` as a run d
 - ratio, in fp32 and in bf16: real tokens scored per second / the scorer's packed limit, the bare
   forwards it needs over the same real tokens packed into full rows with no padding (same dtype and
   threads): one forward of the model for causal_loss and cross_tokenizer; for occlusion its
-  encoder and its two decoders (with the row's embedding and with the baseline); for decomposition
-  its own limit, one model-width forward per real position;
+  encoder and the baseline's decoder over the real tokens packed, and the decoder with the row's
+  own embedding over the whole padded rows (that embedding enters at position 0, before the pads,
+  so each row's pads have their own states: no layout shares them), then one head over the
+  difference; for decomposition its own limit, one model-width forward per real position;
 - feed: real tokens per second of the same path with the scorer's forward replaced by a stub that
   returns zeros of the right shape (what the CPU side can feed an accelerator);
 - pad fraction: of the positions the forwards computed, the share that were not real tokens, as
@@ -45,7 +47,7 @@ N_CTX = 512
 DTYPES = ("fp32", "bf16")  # each scorer in both, against its limit in the same dtype
 LIMITS = {
     None: "one bare forward of the model",
-    "occlusion": "encoder + 2 decoders",
+    "occlusion": "encoder + baseline decoder packed, own-embedding decoder over the padded rows",
     "decomposition": "one model-width forward per position",
 }
 
@@ -216,23 +218,34 @@ def _packed_forward(
     return time.perf_counter() - start
 
 
-def _occlusion_forward(model, tokens: np.ndarray, n_ctx: int, budget: int, dtype: str = "fp32") -> float:
-    """Occlusion's packed limit: its encoder and its two decoders (the row's embedding, the baseline's)
-    over `tokens` packed into full rows, the head applied once (to their difference)."""
+def _occlusion_forward(
+    model, tokens: np.ndarray, padded: np.ndarray, n_ctx: int, budget: int, dtype: str = "fp32"
+) -> float:
+    """Occlusion's packed limit: its encoder and the baseline's decoder over `tokens` packed into full
+    rows, the decoder with each row's own embedding over the `padded` rows themselves (its pads'
+    states depend on that embedding), the head applied once (to the difference of the two)."""
     from entroweight.scorers.estimator_common import hidden_outputs
     from entroweight.scorers.forward import autocast
 
     n = max(len(tokens) // n_ctx, 1) * n_ctx
     rows = torch.as_tensor(np.resize(tokens, n).reshape(-1, n_ctx))
+    whole = torch.as_tensor(padded)
     step = max(1, budget // n_ctx)
+    scale = len(tokens) / n  # the packed part ran over `n` tokens
     start = time.perf_counter()
     with torch.inference_mode(), autocast("cpu", dtype), hidden_outputs(model) as head:
         base = model.encode(rows[:1])
         for s in range(0, len(rows), step):
             x = rows[s : s + step]
-            h = model.decode(x, model.encode(x))
-            head(model.decode(x, base.expand(len(x), -1)) - h)
-    return (time.perf_counter() - start) * len(tokens) / n
+            model.encode(x)
+            head(model.decode(x, base.expand(len(x), -1)))
+    packed_s = (time.perf_counter() - start) * scale
+    start = time.perf_counter()
+    # (hidden states, as the scorer's: the head runs once, above; which embedding enters takes the same time)
+    with torch.inference_mode(), autocast("cpu", dtype), hidden_outputs(model):
+        for s in range(0, len(whole), step):
+            model.decode(whole[s : s + step], base.expand(len(whole[s : s + step]), -1))
+    return packed_s + time.perf_counter() - start
 
 
 def _per_position_forward(model, tokens: np.ndarray, n_ctx: int, budget: int, dtype: str = "fp32") -> float:
@@ -250,9 +263,9 @@ def _per_position_forward(model, tokens: np.ndarray, n_ctx: int, budget: int, dt
     return time.perf_counter() - start
 
 
-def _limit(name: str, model, tokens: np.ndarray, width: int, hf: bool, dtype: str) -> float:
+def _limit(name: str, model, tokens: np.ndarray, width: int, hf: bool, dtype: str, padded=None) -> float:
     if name == "occlusion":
-        return _occlusion_forward(model, tokens, width, BUDGET, dtype)
+        return _occlusion_forward(model, tokens, padded, width, BUDGET, dtype)
     if name == "decomposition":
         return _per_position_forward(model, tokens, width, BUDGET, dtype)
     return _packed_forward(model, tokens, width, BUDGET, hf, dtype)
@@ -317,11 +330,11 @@ def bench_paths(quick: bool = False) -> list[dict]:
                 if name == "cross_tokenizer":  # the bare forward runs over the model's tokens of the text
                     packed = np.concatenate(seen.tokens)
                 model = stage.scorer._model
-                _limit(name, model, packed, width, is_hf, dtype)  # warm-up
+                _limit(name, model, packed, width, is_hf, dtype, ids)  # warm-up
                 t_path, t_bare = [], []
                 for _ in range(1 if quick else 2):  # alternated, so load from others falls on both
                     t_path.append(_run_shard(stage, d, tmp / "out"))
-                    t_bare.append(_limit(name, model, packed, width, is_hf, dtype))
+                    t_bare.append(_limit(name, model, packed, width, is_hf, dtype, ids))
                 pad = _pad_fraction()
                 values[dtype] = _written_values(tmp / "out")
                 note = (

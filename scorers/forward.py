@@ -126,7 +126,8 @@ def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """`token_ce`: compiled on CUDA (the fp32 cast inside the reduction, one read of the logits),
     eager elsewhere (on a CPU `F.cross_entropy`'s fused log_softmax is the faster)."""
     global _fused_ce
-    if logits.device.type == "cuda" and _fused_ce is not False:
+    # one row stays eager: dynamo specializes sizes 0 and 1, so a lone row would compile once more
+    if logits.device.type == "cuda" and _fused_ce is not False and logits.shape[0] > 1:
         if _fused_ce is None:
             _fused_ce = torch.compile(token_ce, dynamic=True)
         try:

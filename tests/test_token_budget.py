@@ -6,6 +6,7 @@ keeps its budget; the stage reports the pad fraction."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import shutil
 
@@ -25,7 +26,7 @@ from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import read_file_metadata
 from entroweight.scorers import Batching, make_scorer
-from entroweight.scorers.base import Later, Scored, plan_batches, score_rows
+from entroweight.scorers.base import BATCH_COST, Later, Scored, plan_batches, score_rows
 from entroweight.scorers.forward import HostCopy
 from entroweight.scorers.packing import pack_rows
 from entroweight.transforms.tokenizer import load_tokenizer
@@ -221,13 +222,39 @@ def test_plan_keeps_the_budget_and_covers_every_row_once():
     for idx, width in plan:
         assert width == max(int(lengths[idx].max()), 1)
         assert len(idx) * width <= 4096 or len(idx) == 1
-    # the budget is used: batches are not cut short before it is reached (except the last)
-    assert all((len(idx) + 1) * w > 4096 for idx, w in plan[:-1])
     # cut padding: the positions computed are within a few percent of the real ones
     computed = sum(len(idx) * w for idx, w in plan)
     assert computed / lengths.sum() < 1.02
     # one row longer than the budget still runs, alone
     assert [len(i) for i, _ in plan_batches(np.array([9000, 10]), lambda n: n, 16, 4096)] == [1, 1]
+
+
+def test_cut_batches_are_the_cheapest_split_of_the_sorted_rows():
+    """Of every way to cut the length-sorted rows into consecutive batches within the budget, the plan
+    is one that computes the fewest positions, each batch counted as BATCH_COST of the budget more
+    (brute force over all splits of small random shards): a batch of long rows does not take short
+    ones whose padding would cost more than a batch."""
+    rng = np.random.default_rng(3)
+    budget = 64
+    for _ in range(200):
+        n = int(rng.integers(1, 11))
+        lengths = rng.integers(0, 40, size=n)
+        plan = plan_batches(lengths, lambda x: max(x, 1), 16, budget)
+        widths = [max(int(x), 1) for x in sorted(lengths, reverse=True)]
+
+        def cost(cuts, n=n, widths=widths):  # cuts: the start of every batch after the first
+            edges = [0, *cuts, n]
+            total = 0.0
+            for a, b in zip(edges, edges[1:], strict=False):
+                if (b - a) * widths[a] > budget and b - a > 1:
+                    return np.inf
+                total += (b - a) * widths[a] + budget * BATCH_COST
+            return total
+
+        best = min(cost(c) for k in range(n) for c in itertools.combinations(range(1, n), k))
+        got = sum(len(idx) * w + budget * BATCH_COST for idx, w in plan)
+        assert got == pytest.approx(best)
+        assert sorted(np.concatenate([i for i, _ in plan]).tolist()) == list(range(n))
 
 
 def test_packed_plan_fills_sequences_and_the_layout_keeps_its_grouping():
