@@ -19,8 +19,10 @@ the local engine, as `entroweight score` runs it; the model loaded and warmed on
   forward -> weigh -> write -> manifest);
 - **limit tok/s**: the same model (loaded with the public loaders, same dtype and device) over the same
   real tokens packed into full rows of the data's width, no pads, batches of the same token budget,
-  logits formed by the head in chunks, no loss. For occlusion: encoder + two decoder passes + one head
-  over the difference (what occlusion needs); decomposition: one full window per real token (its own
+  logits formed by the head in chunks, no loss. For occlusion, what it needs: encoder, the baseline's
+  decoder and one head over the real tokens packed, and the decoder with each row's own embedding
+  over the padded rows (the embedding enters before the pads: their states are the row's own, no
+  layout shares them); decomposition: one full window per real token (its own
   limit); two_model: one long and one short window per real token; excess_loss: both models;
   cross_tokenizer: the model tokens of the text. **ratio** = real tok/s / limit tok/s;
 - **MFU** = FLOPs of that limit / seconds / peak. FLOPs per token of a llama forward over rows of W
@@ -310,8 +312,8 @@ def llama_flops(c: dict, vocab: int, width: int, head: bool = True) -> float:
     return L * per_layer + (2 * d * vocab if head else 0)
 
 
-def case_flops(case: Case, size: Size, vocab: int, real: int, model_tokens: int) -> float | None:
-    """FLOPs of the case's packed limit over the shard."""
+def case_flops(case: Case, size: Size, vocab: int, real: int, model_tokens: int, rows: int) -> float | None:
+    """FLOPs of the case's packed limit over the shard (of `rows` rows)."""
     W, w = size.n_ctx, size.n_win
     if case.limit in ("llama", "hf"):
         return real * llama_flops(size.llama, vocab, W)
@@ -319,11 +321,11 @@ def case_flops(case: Case, size: Size, vocab: int, real: int, model_tokens: int)
         return 2 * real * llama_flops(size.llama, vocab, W)
     if case.limit == "hf_text":
         return model_tokens * llama_flops(size.llama, vocab, W)
-    if case.limit == "estimator":  # encoder + two decoder passes (W + 1 positions) + one head
+    if case.limit == "estimator":  # encoder + baseline decoder (W + 1 positions) + one head, packed;
+        # the decoder with the row's own embedding over every padded row
         enc = llama_flops(size.encoder, vocab, W, head=False)
-        return real * (
-            enc + 2 * llama_flops(size.llama, vocab, W + 1, head=False) + 2 * size.llama["d_model"] * vocab
-        )
+        dec = llama_flops(size.llama, vocab, W + 1, head=False)
+        return real * (enc + dec + 2 * size.llama["d_model"] * vocab) + rows * (W + 1) * dec
     if case.limit == "windows":
         return real * w * llama_flops(size.llama, vocab, w)
     if case.limit == "windows2":
@@ -401,19 +403,24 @@ def _head(head, h: torch.Tensor) -> None:
 def run_limit(kind: str, models: list, rows: list[list[torch.Tensor]], budget: int, device: str, dtype: str):
     """The packed limit's forwards (no loss); `rows[i]` are the rows model i runs over."""
     with torch.inference_mode(), _autocast(device, dtype):
-        for model, model_rows in zip(models, rows, strict=True):
+        for i, (model, model_rows) in enumerate(zip(models, rows, strict=True)):
             for x in _batches(model_rows, budget):
                 if kind == "hf":
                     base = getattr(model, model.base_model_prefix)
                     _head(model.get_output_embeddings(), base(input_ids=x).last_hidden_state)
-                elif kind == "estimator":  # encoder, decoder with and without the embedding, one head
+                elif kind == "estimator":
+                    # the real tokens packed (i = 0): encoder, the baseline's decoder, one head; the
+                    # padded rows (i = 1): the decoder with the row's own embedding, which enters
+                    # before the pads, so every row's pads have their own states (which embedding
+                    # enters takes the same time)
                     dec = model.decoder
                     e = dec.embed(x)
-                    emb = model.up(model.encode(x))[:, None]
-                    empty = model.up(model.encode(torch.zeros_like(x[:1])))[:, None].expand_as(emb)
-                    h = dec.forward_hidden(torch.cat([emb.to(e.dtype), e], 1))[:, 1:]
-                    h_o = dec.forward_hidden(torch.cat([empty.to(e.dtype), e], 1))[:, 1:]
-                    _head(dec.lm_head, h - h_o)
+                    if i == 0:
+                        model.encode(x)
+                    empty = model.up(model.encode(torch.zeros_like(x[:1])))[:, None].expand(len(x), 1, -1)
+                    h = dec.forward_hidden(torch.cat([empty.to(e.dtype), e], 1))[:, 1:]
+                    if i == 0:
+                        _head(dec.lm_head, h)
                 else:  # our llama
                     _head(model.lm_head, model.forward_hidden(model.embed(x)))
     if device.startswith("cuda"):
@@ -739,6 +746,12 @@ def run_case(case: Case, dtype: str, ctx: dict) -> dict:
     w = size.n_win
     if kind in ("llama", "hf", "estimator", "both"):
         limit_rows = [packed_rows(packed, width, device) for _ in limit_models]
+    if kind == "estimator":  # and the padded rows, for the decoder with each row's own embedding
+        limit_models.append(limit_models[0])
+        whole = np.zeros((rows, width), dtype=np.int64)
+        for r, ids in enumerate(per_row):
+            whole[r, width - len(ids) :] = ids
+        limit_rows.append([torch.as_tensor(whole).to(device)])
     elif kind == "hf_text":
         mt = model_tokens_of(per_row, tokenizer, Path(options["model"]) / "tokenizer.json")
         model_tokens = len(mt)
@@ -751,7 +764,7 @@ def run_case(case: Case, dtype: str, ctx: dict) -> dict:
             limit_models.append(limit_models[0])
             limit_rows.append([torch.as_tensor(np.ascontiguousarray(wins[:, 1:])).to(device)])
     rec["model_tokens"] = model_tokens or None
-    flops = case_flops(case, size, ctx["vocab"], real, model_tokens)
+    flops = case_flops(case, size, ctx["vocab"], real, model_tokens, rows)
     limit_kind = "hf" if kind in ("hf", "hf_text") else ("estimator" if kind == "estimator" else "llama")
 
     def limit():
