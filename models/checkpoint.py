@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from entroweight import storage
 from entroweight.storage import sha256 as sha256_file
 
-from . import build_model
+from . import REGISTRY, build_model
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
@@ -70,12 +70,36 @@ def _umask() -> int:
 
 
 def read_checkpoint_config(ckpt_dir: str | Path) -> dict:
+    """The checkpoint's config: a JSON object naming a model `kind` of models.REGISTRY and its `model`
+    config. Anything else is refused here, once for every reader: an HF model directory also holds a
+    config.json."""
     path = storage.path(ckpt_dir) / CONFIG  # local, or a URL (s3://...)
     if not path.is_file():
         raise CheckpointError(
             f"{ckpt_dir} is not an entroweight checkpoint (no {CONFIG}); train one with `entroweight train`"
         )
-    return json.loads(path.read_bytes())
+    try:
+        config = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({e}): the checkpoint is corrupt; re-copy it"
+        ) from None
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict) or "kind" not in config:
+        hint = (
+            "it looks like a Hugging Face model, which `entroweight score --model` reads; this needs one of "
+            "ours (`entroweight train`)"
+            if isinstance(config, dict) and ("architectures" in config or "model_type" in config)
+            else "train one with `entroweight train`"
+        )
+        raise CheckpointError(
+            f"{ckpt_dir} is not an entroweight checkpoint: its {CONFIG} names no model kind and config; {hint}"
+        )
+    if config["kind"] not in REGISTRY:
+        raise CheckpointError(
+            f"{path} names model kind {config['kind']!r}, which this version does not know "
+            f"({', '.join(REGISTRY)}): a newer entroweight wrote it, or the file was edited"
+        )
+    return config
 
 
 def load_checkpoint(
