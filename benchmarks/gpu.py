@@ -667,8 +667,17 @@ def host_waits(fn) -> list[dict]:
     for e in prof.key_averages(group_by_stack_n=12):
         if not any(w in e.key for w in WAIT_OPS):
             continue
-        ours = [f for f in (e.stack or []) if "entroweight" in f or "scorers" in f or "models" in f]
-        out.append({"op": e.key, "calls": e.count, "cpu_s": round(e.cpu_time_total / 1e6, 4), "at": ours[:4]})
+        stack = list(e.stack or [])
+        ours = [f for f in stack if "entroweight" in f or "scorers" in f or "models" in f]
+        out.append(
+            {
+                "op": e.key,
+                "calls": e.count,
+                "cpu_s": round(e.cpu_time_total / 1e6, 4),
+                "at": ours[:4],
+                "stack": stack[:12],
+            }
+        )
     return sorted(out, key=lambda r: -r["cpu_s"])[:15]
 
 
