@@ -269,6 +269,10 @@ def plan_run(
     orphans = _orphans(stage, inputs, manifests, record.config_hash, names)
     if orphans and not overwrite:  # a source renamed, moved or deleted: its documents would stay
         raise StageError(_orphans_message(out, orphans))
+    recut = _recut(stage, inputs, manifests, record.config_hash, names)
+    if recut and not overwrite:  # the same rows would be in two shards
+        raise StageError(_recut_message(out, recut))
+    orphans += recut
     remove_stale_tmp(out)
     written = json.loads(record.model_dump_json())
     if STAGE_FILE not in names or json.loads(stage_file.read_bytes()) != written:  # a rerun touches nothing
@@ -320,6 +324,37 @@ def _orphans(stage: Stage, inputs, manifests, config_hash: str, names) -> list[S
         and _output_present(m, names)
         and not all(i.uri in read for i in m.inputs)
     ]
+
+
+def _recut(stage: Stage, inputs, manifests, config_hash: str, names) -> list[ShardManifest]:
+    """Committed shards of this config over a range of an input file this run does not plan (rows
+    cut at other places: `--shard-docs` changed): kept beside this run's shards, each of their rows
+    would be in the output twice. A streamed input resumes the shards it has (new ones take the new
+    size), so only the inputs planned as row ranges are compared."""
+    planned = {i.key for i in inputs}
+    read = {i.uri for i in inputs}
+    return [
+        m
+        for m in manifests
+        if m.config_hash == config_hash
+        and _output_present(m, names)
+        and len(m.inputs) == 1
+        and m.inputs[0].uri in read
+        and not stage.streams(m.inputs[0])
+        and m.inputs[0].key not in planned
+    ]
+
+
+def _recut_message(out: AnyPath, recut: list[ShardManifest]) -> str:
+    sizes = sorted({i.stop - i.start for m in recut for i in m.inputs if i.stop is not None})
+    files = list(dict.fromkeys(i.uri for m in recut for i in m.inputs))
+    shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    made = f" (they hold {', '.join(map(str, sizes))} rows each)" if sizes else ""
+    return (
+        f"{out} holds {len(recut)} shard(s) of {shown} cut at other rows than this run plans{made}: the "
+        "shard size changed since (--shard-docs). Resume with the size they were made with, write to a "
+        "new --out, or pass --overwrite to replace them with shards of this size"
+    )
 
 
 def _orphans_message(out: AnyPath, orphans: list[ShardManifest]) -> str:
@@ -610,11 +645,15 @@ class RunSummary:
     docs_out: int = 0  # documents written (a long one may fill several rows): docs_in = docs_out + rejected
     truncated: int = 0  # documents cut to n_ctx (tokenize --overflow truncate) ...
     bytes_dropped: int = 0  # ... and the bytes of text they lost
+    note: str = ""  # what the user should know of what was kept (`_kept_size_note`)
 
     def line(self) -> str:
         rej = sum(self.rejected.values())
         if self.shards_run == 0:
-            return f"{self.stage}: nothing to do, all {self.shards_done_before} shard(s) of {self.out_dir} are up to date"
+            return (
+                f"{self.stage}: nothing to do, all {self.shards_done_before} shard(s) of {self.out_dir} are up "
+                f"to date{self.note}"
+            )
         cut = (
             f"; {self.truncated} docs truncated, {self.bytes_dropped} bytes of text dropped"
             if self.truncated
@@ -623,8 +662,23 @@ class RunSummary:
         return (
             f"{self.stage}: {self.shards_run} shard(s) run, {self.shards_done_before} already done; "
             f"{self.docs_in} docs in, {self.docs_out} docs out in {self.rows_out} rows, {rej} rejected {dict(self.rejected) if rej else ''}"
-            f"{cut}; {self.n_real_tokens} tokens in {self.seconds:.1f} s -> {self.out_dir}"
+            f"{cut}; {self.n_real_tokens} tokens in {self.seconds:.1f} s -> {self.out_dir}{self.note}"
         ).replace("  ", " ")
+
+
+def _kept_size_note(plan: RunPlan) -> str:
+    """Shards of a streamed input kept from a run with another shard size: not an error (each row is
+    in one shard; new shards take this run's size), but not what the flag asked either."""
+    want = plan.stage.shard_rows
+    sizes = {
+        i.stop - i.start for m in plan.done for i in m.inputs if i.stop is not None and plan.stage.streams(i)
+    }
+    if want is None or not sizes or sizes == {want}:
+        return ""
+    return (
+        f"; kept shards of {', '.join(map(str, sorted(sizes)))} rows each from an earlier run (the shard "
+        f"size asked, {want}, applies to new shards; --overwrite re-cuts them)"
+    )
 
 
 def finish_run(plan: RunPlan, results: list[ShardResult], seconds: float) -> RunSummary:
@@ -651,4 +705,5 @@ def finish_run(plan: RunPlan, results: list[ShardResult], seconds: float) -> Run
         seconds=seconds,
         truncated=sum(m.extra.get("n_truncated", 0) for m in manifests),
         bytes_dropped=sum(m.extra.get("bytes_dropped", 0) for m in manifests),
+        note=_kept_size_note(plan),
     )

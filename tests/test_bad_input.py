@@ -400,3 +400,19 @@ def test_workflow_yaml_with_unknown_keys(tmp_path):
     assert "tokenize.shard_dox" in msg and "scorres" in msg and "unknown key" in msg
     res = cli("run", tmp_path / "wf.yaml")
     assert res.exit_code == 2 and "shard_dox" in res.output
+
+
+@pytest.mark.parametrize(
+    "command", sorted(n for n, c in main.commands.items() if any(p.name == "wait" for p in c.params))
+)
+def test_a_negative_wait_is_refused_by_every_command_that_waits(tmp_path, command):
+    """`--wait` is seconds to wait for another run's lock: a negative one is a usage error (exit 2)
+    before any output, for every command that has it."""
+    out = tmp_path / "out"
+    takes_out = any(p.name == "out" for p in main.commands[command].params)
+    res = CliRunner().invoke(
+        main, [command, "--wait", "-1", str(tmp_path / "x"), *(["--out", str(out)] if takes_out else [])]
+    )
+    assert res.exit_code == 2, res.output
+    assert "--wait" in res.output and "Traceback" not in res.output
+    assert not out.exists()

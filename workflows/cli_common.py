@@ -231,7 +231,10 @@ def stage_options(f):
         "--overwrite", is_flag=True, help="Delete shards of another config in --out instead of refusing."
     )(f)
     f = click.option(
-        "--wait", type=float, default=0, help="Seconds to wait for another run's lock on --out."
+        "--wait",
+        type=click.FloatRange(min=0),
+        default=0,
+        help="Seconds to wait for another run's lock on --out.",
     )(f)
     return f
 

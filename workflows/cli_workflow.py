@@ -25,7 +25,12 @@ from .cli_common import (
 @click.argument("workflow", type=click.Path(exists=True, dir_okay=False))
 @click.option("--dry-run", is_flag=True, help="Print which steps and shards are done and which would run.")
 @click.option("--overwrite", is_flag=True, help="Redo steps whose config changed instead of refusing.")
-@click.option("--wait", type=float, default=0, help="Seconds to wait for another run's lock on the run dir.")
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    default=0,
+    help="Seconds to wait for another run's lock on the run dir.",
+)
 def run_cmd(workflow, dry_run, overwrite, wait, **params):
     """Run WORKFLOW (a YAML file) end to end; every step skips what is already done."""
     from entroweight.pipelines import LockHeld, StageError, StageFailed
