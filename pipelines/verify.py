@@ -37,7 +37,7 @@ from entroweight.schemas import (
     weighted_sequence_schema,
 )
 from entroweight.schemas.datadir import STAGE_KINDS, DataDir
-from entroweight.schemas.manifest import is_manifest
+from entroweight.schemas.manifest import ShardInput, is_manifest
 from entroweight.schemas.tokenizer import CARRIED_TOKENIZER
 from entroweight.schemas.weighted import (
     ENTROPY,
@@ -59,6 +59,18 @@ _FREE_KEYS = {"tokenizer", "code_version"}
 # keys that name the scorer and its model: a difference means two scorers in one directory
 _SCORER_KEYS = {"scorer", "model", "model_sha256", "checkpoint", "checkpoint_sha256", "dtype", "weighting"}
 _ROWS = 1024  # rows read at a time: bounded memory on large shards
+
+
+def _unregistered_stream(registry: dict[str, str], inp: ShardInput, shard: str) -> bool:
+    """Whether `shard` is one of a streamed file's shards (part-NNNNN-KKKKK) whose file the registry
+    gives to the same part-NNNNN: a streamed run registers the shards it committed only when it
+    ends (pipelines/stage.py `_register`), so a killed one leaves them out."""
+    base = shard.rsplit("-", 1)[0]
+    if base == shard or base.count("-") != 1:
+        return False
+    return any(
+        v.startswith(base + "-") and ShardInput.parse_key(k)[0] == inp.uri for k, v in registry.items()
+    )
 
 
 def verify_dir(path: str | Path) -> list[str]:
@@ -91,6 +103,7 @@ def verify_dir(path: str | Path) -> list[str]:
             problems.append(
                 f"{shard} (input {key}) has no manifest: it failed or never ran; rerun the stage to complete it"
             )
+    unfinished: dict[str, list[ShardInput]] = {}  # a streamed file's shards committed, not registered
     for shard, m in manifests.items():
         if m.stage != record.stage or m.config_hash != record.config_hash:
             problems.append(
@@ -99,7 +112,16 @@ def verify_dir(path: str | Path) -> list[str]:
             )
         for inp in m.inputs:
             if registry is not None and registry.get(inp.key) != shard:
-                problems.append(f"{shard}: its input {inp.key} is not registered to it in {SHARDS_FILE}")
+                if _unregistered_stream(registry, inp, shard):
+                    unfinished.setdefault(inp.uri, []).append(inp)
+                else:
+                    problems.append(f"{shard}: its input {inp.key} is not registered to it in {SHARDS_FILE}")
+    for uri, inps in unfinished.items():  # one line per file, not one per shard
+        problems.append(
+            f"{uri}: {len(inps)} shard(s) of its rows {min(i.start for i in inps)}-"
+            f"{max(i.stop or i.start for i in inps)} were committed by a run that stopped before it "
+            f"registered them in {SHARDS_FILE} (killed?): rerun the stage to resume after them (they are kept)"
+        )
 
     _check_files_present(files, manifests, problems)
     first_meta: tuple[str, dict] | None = None
