@@ -17,6 +17,10 @@ import torch.nn.functional as F
 # chunk of 4096 rows (the logits are read back while still in cache)
 CHUNK_BYTES = 256 << 20
 CPU_CHUNK_BYTES = 16 << 20
+# ... and 6 MiB for bf16/fp16 logits on a CPU, whose CE also makes an fp32 copy: head + CE of 8k
+# logits took 155 ms a 8k-row batch at 6 MiB against 305 ms at 8-16 MiB here (a cache cliff), and
+# causal_loss's whole path 0.93-0.96x the time (ours, HF; alternated x4); fp32 is 5 % slower at 6
+CPU_LOW_CHUNK_BYTES = 6 << 20
 # on CUDA the CE is one compiled kernel that reads the logits in their own dtype (`token_ce`): no
 # fp32 copy exists, so a chunk holds 1 GiB of them (4k rows of bf16 at 128k). On the H100 the eager
 # CE (an fp32 copy, log_softmax, gather) over 512-row chunks was 0.4 s of device time beside a 2.15-s
@@ -155,9 +159,11 @@ def chunked_ce(rows: torch.Tensor, targets: torch.Tensor, head=None, chunk_rows:
         vocab = head.out_features if head is not None and hasattr(head, "out_features") else rows.shape[-1]
         if fused_ce(rows.device):
             chunk_rows = max(1, FUSED_CHUNK_BYTES // (rows.element_size() * vocab))
-        else:
-            budget = CPU_CHUNK_BYTES if rows.device.type == "cpu" else CHUNK_BYTES
+        elif rows.device.type == "cpu":
+            budget = CPU_CHUNK_BYTES if rows.dtype == torch.float32 else CPU_LOW_CHUNK_BYTES
             chunk_rows = max(1, budget // (4 * vocab))
+        else:
+            chunk_rows = max(1, CHUNK_BYTES // (4 * vocab))
     for s in range(0, n, chunk_rows):
         logits = rows[s : s + chunk_rows]
         if head is not None:
