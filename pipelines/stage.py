@@ -183,7 +183,7 @@ def next_shard(shard: str) -> str:
     return f"{part}-{base}-{int(k) + 1:05d}"
 
 
-def _base(name: str) -> str:
+def shard_base(name: str) -> str:
     """part-NNNNN of a shard's file names (part-NNNNN[-KKKKK].parquet, .part-....manifest.json)."""
     return "-".join(name.lstrip(".").split("-", 2)[:2]).split(".", 1)[0]
 
@@ -266,10 +266,9 @@ def plan_run(
                     storage.remove(out / REJECTS_DIR / n)
             names = storage.listing(out)
     manifests = read_manifests(out, names)
-    orphans = _orphans(stage, inputs, manifests, record.config_hash, names)
+    orphans, recut = _not_remade(stage, inputs, manifests, record.config_hash, names)
     if orphans and not overwrite:  # a source renamed, moved or deleted: its documents would stay
         raise StageError(_orphans_message(out, orphans))
-    recut = _recut(stage, inputs, manifests, record.config_hash, names)
     if recut and not overwrite:  # the same rows would be in two shards
         raise StageError(_recut_message(out, recut))
     orphans += recut
@@ -312,43 +311,38 @@ def plan_run(
     return RunPlan(stage=stage, out_dir=out, todo=todo, done=done, stale=stale, registry=registry)
 
 
-def _orphans(stage: Stage, inputs, manifests, config_hash: str, names) -> list[ShardManifest]:
-    """Committed shards of this config whose input this run does not read (its source was renamed,
-    moved or deleted since): kept, their documents would be in the output once too often or after
-    their source is gone."""
+def _not_remade(stage: Stage, inputs, manifests, config_hash: str, names) -> tuple[list, list]:
+    """Committed shards of this config that this run would not make again, kept beside its own:
+    (orphans: of an input it does not read, renamed, moved or deleted since, whose documents would
+    be in the output once too often or after their source is gone; recut: of a range of an input file
+    it does not plan, its rows cut at other places since (`--shard-docs` changed), each row of them
+    in the output twice). A streamed input resumes the shards it has (new ones take the new size),
+    so only the inputs planned as row ranges can be recut."""
     read = stage.input_universe(inputs)
-    return [
-        m
-        for m in manifests
-        if m.config_hash == config_hash
-        and _output_present(m, names)
-        and not all(i.uri in read for i in m.inputs)
-    ]
+    planned, planned_uris = {i.key for i in inputs}, {i.uri for i in inputs}
+    orphans, recut = [], []
+    for m in manifests:
+        if m.config_hash != config_hash or not _output_present(m, names):
+            continue
+        if not all(i.uri in read for i in m.inputs):
+            orphans.append(m)
+        elif (
+            len(m.inputs) == 1
+            and m.inputs[0].uri in planned_uris
+            and not stage.streams(m.inputs[0])
+            and m.inputs[0].key not in planned
+        ):
+            recut.append(m)
+    return orphans, recut
 
 
-def _recut(stage: Stage, inputs, manifests, config_hash: str, names) -> list[ShardManifest]:
-    """Committed shards of this config over a range of an input file this run does not plan (rows
-    cut at other places: `--shard-docs` changed): kept beside this run's shards, each of their rows
-    would be in the output twice. A streamed input resumes the shards it has (new ones take the new
-    size), so only the inputs planned as row ranges are compared."""
-    planned = {i.key for i in inputs}
-    read = {i.uri for i in inputs}
-    return [
-        m
-        for m in manifests
-        if m.config_hash == config_hash
-        and _output_present(m, names)
-        and len(m.inputs) == 1
-        and m.inputs[0].uri in read
-        and not stage.streams(m.inputs[0])
-        and m.inputs[0].key not in planned
-    ]
+def _shown(items: list[str]) -> str:
+    return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
 
 
 def _recut_message(out: AnyPath, recut: list[ShardManifest]) -> str:
     sizes = sorted({i.stop - i.start for m in recut for i in m.inputs if i.stop is not None})
-    files = list(dict.fromkeys(i.uri for m in recut for i in m.inputs))
-    shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    shown = _shown(list(dict.fromkeys(i.uri for m in recut for i in m.inputs)))
     made = f" (they hold {', '.join(map(str, sizes))} rows each)" if sizes else ""
     return (
         f"{out} holds {len(recut)} shard(s) of {shown} cut at other rows than this run plans{made}: the "
@@ -359,7 +353,7 @@ def _recut_message(out: AnyPath, recut: list[ShardManifest]) -> str:
 
 def _orphans_message(out: AnyPath, orphans: list[ShardManifest]) -> str:
     gone = list(dict.fromkeys(i.uri for m in orphans for i in m.inputs))
-    shown = ", ".join(gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+    shown = _shown(gone)
     return (
         f"{out} holds {len(orphans)} shard(s) of inputs this run does not read ({shown}): renamed, moved "
         "or deleted since the run that wrote them; restore them, or pass --overwrite to drop those "
@@ -413,16 +407,16 @@ class _Streamed:
         self.bases: dict[str, str] = {}  # uri -> part-NNNNN
         self.keys: dict[str, list[str]] = {}  # part-NNNNN -> its registry keys
         for key, shard in registry.items():
-            self.bases[ShardInput.parse_key(key)[0]] = _base(shard)
-            self.keys.setdefault(_base(shard), []).append(key)
+            self.bases[ShardInput.parse_key(key)[0]] = shard_base(shard)
+            self.keys.setdefault(shard_base(shard), []).append(key)
         self.manifests: dict[str, list[ShardManifest]] = {}
         for m in manifests.values():
-            self.manifests.setdefault(_base(m.shard), []).append(m)
+            self.manifests.setdefault(shard_base(m.shard), []).append(m)
         self.files: dict[str, list[str]] = {}
         self.names = names
         for n in names:
             if n.startswith(("part-", ".part-")):
-                self.files.setdefault(_base(n), []).append(n)
+                self.files.setdefault(shard_base(n), []).append(n)
 
     def resume(self, stage: Stage, inp: ShardInput, base: str, config_hash: str, out_key: str):
         """(task or None when done, its shards done, shards whose input changed, files to remove):
@@ -478,8 +472,14 @@ def preview_run(stage: Stage, out_dir: AnyPath) -> tuple[RunPlan, str]:
     registry = json.loads((out / SHARDS_FILE).read_bytes()) if SHARDS_FILE in names else {}
     manifests = read_manifests(out, names)
     todo, done, stale, _ = _sort_shards(stage, inputs, registry, manifests, names, stage.config_hash, out)
-    orphans = _orphans(stage, inputs, manifests, stage.config_hash, names)
-    note = f" ({len(orphans)} shard(s) of inputs no longer read: needs --overwrite)" if orphans else ""
+    orphans, recut = _not_remade(stage, inputs, manifests, stage.config_hash, names)
+    note = (
+        f" ({len(orphans)} shard(s) of inputs no longer read: needs --overwrite)"
+        if orphans
+        else f" ({len(recut)} shard(s) cut at other rows (--shard-docs): needs --overwrite)"
+        if recut
+        else ""
+    )
     return RunPlan(stage, out, todo, done, stale, registry), note
 
 

@@ -52,7 +52,7 @@ from entroweight.schemas.weighted import (
 )
 from entroweight.transforms.writer import TMP_MARK, sha256_file
 
-from .stage import REJECTS_DIR, SHARDS_FILE, STAGE_FILE, manifest_path
+from .stage import REJECTS_DIR, SHARDS_FILE, STAGE_FILE, manifest_path, shard_base
 
 # metadata keys that may differ between shards of one config (file name of the tokenizer, code version)
 _FREE_KEYS = {"tokenizer", "code_version"}
@@ -65,11 +65,9 @@ def _unregistered_stream(registry: dict[str, str], inp: ShardInput, shard: str) 
     """Whether `shard` is one of a streamed file's shards (part-NNNNN-KKKKK) whose file the registry
     gives to the same part-NNNNN: a streamed run registers the shards it committed only when it
     ends (pipelines/stage.py `_register`), so a killed one leaves them out."""
-    base = shard.rsplit("-", 1)[0]
-    if base == shard or base.count("-") != 1:
-        return False
-    return any(
-        v.startswith(base + "-") and ShardInput.parse_key(k)[0] == inp.uri for k, v in registry.items()
+    base = shard_base(shard)
+    return base != shard and any(
+        shard_base(v) == base and ShardInput.parse_key(k)[0] == inp.uri for k, v in registry.items()
     )
 
 

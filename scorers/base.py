@@ -343,8 +343,8 @@ def plan_batches(
         return [(idx, width_of(int(lengths[idx[0]]))) for idx in length_buckets(lengths, batch_size)]
     if batch_tokens < 1:
         raise ScorerError(f"--batch-tokens must be at least 1, not {batch_tokens}")
+    widths = np.array([width_of(int(x)) for x in lengths], dtype=np.int64)  # each row's alone
     if packed:
-        widths = np.array([width_of(int(x)) for x in lengths], dtype=np.int64)
         width = capacity or max(int(widths.max(initial=1)), 1)
         groups = pack_groups(widths, width)
         per = max(1, batch_tokens // width)
@@ -352,7 +352,7 @@ def plan_batches(
             (np.fromiter(itertools.chain.from_iterable(groups[k : k + per]), dtype=np.int64), width)
             for k in range(0, len(groups), per)
         ]
-    return cut_batches(lengths, width_of, batch_tokens)
+    return cut_batches(lengths, widths, batch_tokens)
 
 
 # what a batch costs beyond its positions, as a share of the budget: a batch is split where that saves
@@ -361,14 +361,14 @@ def plan_batches(
 BATCH_COST = 1 / 64
 
 
-def cut_batches(lengths: np.ndarray, width_of, batch_tokens: int) -> list[tuple[np.ndarray, int]]:
+def cut_batches(lengths: np.ndarray, widths: np.ndarray, batch_tokens: int) -> list[tuple[np.ndarray, int]]:
     """Rows sorted by length, longest first, in consecutive batches of at most `batch_tokens`
-    positions (rows × the first row's width; a row wider than that alone): the split that computes
+    positions (rows × the first row's width, `widths` per row; a row wider than that alone): the split that computes
     the fewest positions, each batch counted as `BATCH_COST` of the budget more (dynamic programming
     from the shortest rows up). Greedy filling would let a batch of long rows take short ones."""
     order = np.argsort(-lengths, kind="stable")
     n = len(order)
-    widths = np.array([max(width_of(int(x)), 1) for x in lengths[order]], dtype=np.int64)
+    widths = np.maximum(widths[order], 1)
     cost = np.zeros(n + 1)  # cost[i]: the least cost of rows i.. (in sorted order)
     end = np.zeros(n, dtype=np.int64)  # where the batch starting at row i ends
     per_batch = batch_tokens * BATCH_COST

@@ -127,8 +127,9 @@ _fused_ce = None  # token_ce compiled for CUDA once per process; False where it 
 
 
 def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """`token_ce`: compiled on CUDA (the fp32 cast inside the reduction, one read of the logits),
-    eager elsewhere (on a CPU `F.cross_entropy`'s fused log_softmax is the faster)."""
+    """`token_ce`: compiled on CUDA (the fp32 cast inside the reduction, one read of the logits);
+    elsewhere `F.cross_entropy` eagerly (compiled for a CPU it is faster, but each process would pay
+    ~15 s of compiling and need a C compiler: docs/scoring.md)."""
     global _fused_ce
     # one row stays eager: dynamo specializes sizes 0 and 1, so a lone row would compile once more
     if logits.device.type == "cuda" and _fused_ce is not False and logits.shape[0] > 1:

@@ -100,10 +100,9 @@ def shared_pad(ids: np.ndarray, columns: int) -> int | None:
 
 def pad_prefix(model, pad_id: int, memo: Memo) -> list:
     """A causal model's prefix (`prefix_of`) over a row of `pad_id` as wide as it reads, once."""
-    return memo.get(("pad_prefix", id(model), pad_id), lambda: model.prefix_of(_pad_row(model, pad_id)))
 
+    def build():
+        pads = torch.full((1, model.config.n_ctx), pad_id, device=model.embed_tokens.weight.device)
+        return model.prefix_of(model.embed(pads))
 
-def _pad_row(model, pad_id: int) -> torch.Tensor:
-    """The embeddings (1, n_ctx, d) of a row of `pad_id`, on the model's device."""
-    pads = torch.full((1, model.config.n_ctx), pad_id, device=model.embed_tokens.weight.device)
-    return model.embed(pads)
+    return memo.get(("pad_prefix", id(model), pad_id), build)

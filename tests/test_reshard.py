@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from entroweight.pipelines import StageError, run_stage
-from entroweight.pipelines.stage import read_manifests
+from entroweight.pipelines.stage import preview_run, read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 
 N_DOCS = 120
@@ -54,6 +54,9 @@ def test_a_rerun_with_another_shard_size_keeps_every_document_once(tmp_path, sou
     if fmt == "parquet":
         with pytest.raises(StageError, match=r"cut at other rows.*--shard-docs.*--overwrite"):
             run(20)
+        # a dry run says the same before the run refuses
+        stage = TokenizeStage([str(sources[fmt])], str(tokenizer_dir), n_ctx=32, shard_docs=20)
+        assert "cut at other rows (--shard-docs): needs --overwrite" in preview_run(stage, out)[1]
         assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing touched
         run(20, overwrite=True)
         assert {(i.stop - i.start) for m in read_manifests(out) for i in m.inputs} == {20}
