@@ -251,7 +251,7 @@ def window_loss_sums(
         bounds.append(min(s, N))
     order = np.argsort(inverse, kind="stable")  # requests grouped by the sub-batch of their window
     first = np.searchsorted(inverse[order], bounds)
-    x_all, need_t = to_device(uniq, device), to_device(need, device)
+    x_all = to_device(uniq, device)
     found, reqs = [], []
     with torch.inference_mode(), autocast(device, dtype):
         for c, (s, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
@@ -263,14 +263,20 @@ def window_loss_sums(
                 else None
             )
             h, head = _hidden(model, x, layout)
-            col = torch.arange(1, w, device=device)[None, :]
-            pred = col >= (w - need_t[s:end])[:, None]  # target column p + 1 is read
-            h = h[:, :-1]
-            per_col = chunked_ce(h.reshape(-1, h.shape[-1]), x[:, 1:].reshape(-1), head).view(len(x), -1)
-            # ce[u, p]: CE of column p + 1 where it is read (`where`, not boolean indexing: no host
-            # sync in the loop); an extra zero column, so that "the last 0 targets" sum to 0
+            # the head and CE only where a target is read: window u's last need[u] predictions (in a
+            # window with padding, its pad columns predict pads no request reads: about half the
+            # columns of decomposition's windows); the slots picked on the host, so no host sync
+            read = to_device(read_slots(need[s:end], w - 1), device)
+            h = h[:, :-1].reshape(-1, h.shape[-1]).index_select(0, read)
+            targets = x[:, 1:].reshape(-1).index_select(0, read)
+            # ce[u, p]: CE of column p + 1 where it is read, else 0; an extra zero column, so that
+            # "the last 0 targets" sum to 0
             ce = torch.zeros(len(x), w, dtype=torch.float64, device=device)
-            ce[:, :-1] = torch.where(pred, per_col.double(), 0.0)
+            ce[:, :-1] = (
+                ce.new_zeros(len(x) * (w - 1))
+                .index_copy_(0, read, chunked_ce(h, targets, head).double())
+                .view(len(x), w - 1)
+            )
             suffix = ce.flip(1).cumsum(1).flip(1)  # suffix[u, p] = Σ_{q ≥ p} ce[u, q]
             req = order[first[c] : first[c + 1]]
             at = to_device(np.stack([inverse[req] - s, w - 1 - n_targets[req]]), device)
@@ -279,6 +285,14 @@ def window_loss_sums(
     sums = np.zeros(len(wins))
     sums[np.concatenate(reqs)] = torch.cat(found).cpu().numpy()  # the batch's one host sync
     return sums
+
+
+def read_slots(need: np.ndarray, width: int) -> np.ndarray:
+    """Flat indices into (len(need), width) of each row u's last min(need[u], width) slots, in order."""
+    n = np.minimum(need, width)
+    starts = np.arange(len(n)) * width + width - n
+    ends = np.cumsum(n)
+    return np.arange(int(ends[-1]) if len(n) else 0) + np.repeat(starts - (ends - n), n)
 
 
 def _has_hidden(model: nn.Module) -> bool:

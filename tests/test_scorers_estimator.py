@@ -326,6 +326,18 @@ def test_decomposition_slides_over_wider_data(tmp_path, sha, few_rows):
     np.testing.assert_allclose(got, brute_force(model, model, ids, n_pad, 12, 12), atol=2e-4)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_read_slots_are_each_windows_last_targets(seed):
+    """The slots whose CE window_loss_sums computes: row u's last min(need[u], width), and no other."""
+    from entroweight.scorers.estimator_common import read_slots
+
+    rng = np.random.default_rng(seed)
+    need = rng.integers(0, 12, size=rng.integers(0, 9))
+    width = int(rng.integers(1, 10))
+    mask = np.arange(width)[None, :] >= width - need[:, None]
+    np.testing.assert_array_equal(read_slots(need, width), np.flatnonzero(mask))
+
+
 def test_two_model(tmp_path, sha, est_ckpt, few_rows):
     ids, n_pad = few_rows
     # identical checkpoints: exactly the one-model form
