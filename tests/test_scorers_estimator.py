@@ -146,6 +146,17 @@ def test_occlusion_equals_explicit_logits(est_ckpt, rows, baseline):
     np.testing.assert_allclose(got["cosine"], cos, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l1_rows_is_the_fp32_l1_norm(dtype):
+    """occlusion's per-row L1 (|x| in x's dtype, summed in fp32 on a CPU) = the fp32 norm of x."""
+    from entroweight.scorers.occlusion import l1_rows
+
+    x = torch.randn(37, 8000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got = l1_rows(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.linalg.vector_norm(x.float(), ord=1, dim=-1), rtol=1e-5, atol=0)
+
+
 def test_occlusion_scorer_values(est_ckpt, rows):
     ids, n_pad = rows
     assert (n_pad > 0).any() and (n_pad == 0).any()
