@@ -235,6 +235,17 @@ class DataDir:
         return [p.location for p in self.parts]
 
     @cached_property
+    def _part_at(self) -> dict[str, Part]:
+        return {p.location: p for p in self.parts}
+
+    def open(self, location: str) -> pa.NativeFile:
+        """A reader's handle on one of the files `data_files` gave for this location: a committed
+        shard's bytes checked against its manifest (`Part.read`, ShardMismatch), else the file as it is
+        (one parquet file named alone, another tool's data)."""
+        part = None if self.is_file else self._part_at.get(location)
+        return pa.BufferReader(part.read()) if part is not None else storage.open_input(location)
+
+    @cached_property
     def registry(self) -> dict[str, str]:
         """What the stage planned (`.shards.json`): each input's key (`uri[start:stop]`) -> its shard."""
         if SHARDS_FILE not in self.names:

@@ -147,6 +147,23 @@ def test_train_refusing_a_shard_exits_2_as_a_process(flipped, tmp_path):
     assert not out.exists()
 
 
+def test_inspect_refuses_a_shard_that_differs_from_its_manifest(flipped, scored):
+    """inspect summarizes each shard read checked, as every reader: no statistics of corrupt bytes."""
+    r = cli("inspect", flipped)
+    assert r.exit_code == 2, r.output
+    assert "part-00000-00001.parquet" in r.output and "differ from its manifest" in r.output
+    assert "Traceback" not in r.output
+    assert cli("inspect", scored).exit_code == 0
+
+
+def test_quantiles_from_a_shard_that_differs_from_its_manifest_are_refused(flipped, scored, tmp_path):
+    out = tmp_path / "w"
+    r = cli("weigh", scored, "--weighting", "quantile", "--quantiles-from", flipped, "--out", out)
+    assert r.exit_code == 2, r.output
+    assert "differ from its manifest" in r.output and "Traceback" not in r.output
+    assert not out.exists()
+
+
 # The stages that read another stage's output (score reads tokens, weighted data too; weigh reads
 # weighted data): each worker reads its input shard checked against its manifest's sha256, as it reads.
 READING_STAGES = {

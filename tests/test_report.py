@@ -188,3 +188,19 @@ def test_the_page_escapes_what_the_run_recorded(tiny_run, tmp_path):  # noqa: F8
     assert (
         "&lt;script&gt;alert(1)&lt;/script&gt;.yaml" in page and "&lt;img src=x onerror=alert(2)&gt;" in page
     )
+
+
+def test_the_report_refuses_a_score_shard_that_differs_from_its_manifest(tiny_run, tmp_path):  # noqa: F811
+    """The report reads each score shard checked against its manifest, as every reader: no plots of
+    corrupt bytes (exit 2, naming the shard; nothing written)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run["run_dir"], run)
+    shard = sorted((run / "scores").glob("*/part-*.parquet"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    code, out = run_cli("report", run, "--out", tmp_path / "r.html")
+    assert code == 2 and shard.name in out and "differ from its manifest" in out, out
+    assert not (tmp_path / "r.html").exists()

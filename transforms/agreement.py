@@ -14,11 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 from scipy.stats import rankdata  # 1-based average ranks (ties share their mean), float64
 
-from entroweight import storage
 from entroweight.schemas import read_file_metadata
 from entroweight.schemas.compat import TOGETHER, Incompatible, check_compatible
 from entroweight.schemas.datadir import DataDirError, data_files
@@ -53,12 +51,11 @@ def _read(dir_: str | Path, column: str) -> tuple[dict, dict[str, tuple[np.ndarr
             d.require_one_config()
     except DataDirError as e:
         raise AgreementError(str(e)) from None
-    parts = {} if d.is_file else {p.location: p for p in d.parts}
     meta = read_file_metadata(files[0]) if d.is_file else d.metadata
     rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for f in files:
         try:
-            source = pa.BufferReader(parts[f].read()) if f in parts else storage.open_input(f)
+            source = d.open(f)
         except DataDirError as e:
             raise AgreementError(str(e)) from None
         with source as fh:

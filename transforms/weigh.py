@@ -243,15 +243,14 @@ def entropy_quantiles(scored: str | Path, n: int = 101, max_tokens: int = 5_000_
     reference for `quantile` weighting; read from the first `max_tokens` such tokens)."""
     import pyarrow.parquet as pq
 
-    from entroweight import storage
     from entroweight.schemas.datadir import data_files
     from entroweight.schemas.weighted import ENTROPY, EXCLUDED, excluded_mask, matrix
 
     hint = "quantiles are read from the entropies of a scored directory"
-    _, files = data_files(scored, kind="weighted", complete=False, hint=hint)
+    d, files = data_files(scored, kind="weighted", complete=False, hint=hint)
     chunks, total = [], 0
     for f in files:
-        with storage.open_input(f) as fh:
+        with d.open(f) as fh:  # each shard checked against its manifest
             names = pq.read_schema(fh).names
             if ENTROPY not in names:
                 continue

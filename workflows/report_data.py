@@ -16,8 +16,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import yaml
 
-from entroweight import storage
-from entroweight.schemas.datadir import DataDir
+from entroweight.schemas.datadir import DataDir, DataDirError
 from entroweight.schemas.weighted import (
     ENTROPY,
     EXCLUDED,
@@ -66,7 +65,11 @@ def read_scores(score_dir: str | Path, max_tokens: int) -> dict | None:
     pos_sum = pos_n = None
     n_tokens = n_seq = 0
     for f in files:
-        with storage.open_input(f) as fh:
+        try:
+            fh = d.open(f)  # each shard checked against its manifest: no plots of corrupt bytes
+        except DataDirError as e:
+            raise ReportError(str(e)) from None
+        with fh:
             names = pq.read_schema(fh).names
             cols = [c for c in ("input_ids", "n_pad", ENTROPY, EXCLUDED, WEIGHT) if c in names]
             t = pq.read_table(fh, columns=cols)
