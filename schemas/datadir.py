@@ -76,6 +76,12 @@ def read_checked(location: str, size: int | None, sha256: str | None) -> pa.Buff
     return data
 
 
+def open_data_file(location: str, part: Part | None) -> pa.NativeFile:
+    """A reader's handle on `location`: `part`'s bytes checked against its manifest (`Part.read`,
+    ShardMismatch) when it is a committed shard, else the file as it is."""
+    return pa.BufferReader(part.read()) if part is not None else storage.open_input(location)
+
+
 class DataDir:
     """One listing of `location`, then its record and manifests on demand (read in parallel)."""
 
@@ -242,8 +248,7 @@ class DataDir:
         """A reader's handle on one of the files `data_files` gave for this location: a committed
         shard's bytes checked against its manifest (`Part.read`, ShardMismatch), else the file as it is
         (one parquet file named alone, another tool's data)."""
-        part = None if self.is_file else self._part_at.get(location)
-        return pa.BufferReader(part.read()) if part is not None else storage.open_input(location)
+        return open_data_file(location, None if self.is_file else self._part_at.get(location))
 
     @cached_property
     def registry(self) -> dict[str, str]:

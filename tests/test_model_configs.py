@@ -151,3 +151,20 @@ def test_eval_bpb_reports_amortized_bits_for_estimators(tiny_estimator):
     assert res.exit_code == 0 and "amortized: embedding" in res.output
     res = cli("eval-bpb", tiny_estimator, "--max-bytes", 4000, "--stride", 129)
     assert res.exit_code == 2 and "--stride must be in 1..n_ctx (128)" in res.output
+
+
+def test_eval_quant_refuses_a_shard_that_differs_from_its_manifest(tiny_estimator, tokenized_dir, tmp_path):
+    """eval-quant reads the tokens checked against their manifests, as every reader (exit 2, naming it)."""
+    import shutil
+
+    data = tmp_path / "tokens"
+    shutil.copytree(tokenized_dir, data)
+    shard = sorted(data.glob("part-*.parquet"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    shard.write_bytes(bytes(raw))
+    res = cli("eval-quant", tiny_estimator, "--data", data, "--max-sequences", 16)
+    assert res.exit_code == 2 and shard.name in res.output and "differ from its manifest" in res.output, (
+        res.output
+    )
+    assert "Traceback" not in res.output

@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from entroweight import storage
 from entroweight.schemas.compat import Incompatible, check_compatible, check_part_config, facts
-from entroweight.schemas.datadir import DataDirError, Part, data_files
+from entroweight.schemas.datadir import DataDirError, Part, data_files, open_data_file
 from entroweight.schemas.weighted import WEIGHT, matrix, real_mask, weight_dtype, weights_matrix
 
 
@@ -182,7 +182,7 @@ def value_problems(
     for f in files:
         if f in parts:
             try:
-                pf = pq.ParquetFile(pa.BufferReader(parts[f].read()))
+                pf = pq.ParquetFile(open_data_file(f, parts[f]))
             except DataDirError as e:  # a listed problem, not a raise: under DDP every rank raises together
                 found.append((f, str(e)))
                 continue
@@ -192,7 +192,7 @@ def value_problems(
                 found.append((f, str(e)))
                 continue
         else:
-            pf = pq.ParquetFile(storage.open_input(f))
+            pf = pq.ParquetFile(open_data_file(f, None))
         cols = [c for c in columns if c in pf.schema_arrow.names]
         counts: dict[str, int] = {}
         for rg in range(pf.num_row_groups) if cols else ():

@@ -12,15 +12,19 @@ from .cli_common import Location, _fail
 DEFAULT_FORMATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
 
 
-def token_batches(files, pad_id: int, batch_size: int, max_sequences: int | None):
-    """(input_ids (B, T) left-padded with pad_id, n_bytes (B,)) from token parquet files."""
+def token_batches(files, pad_id: int, batch_size: int, max_sequences: int | None, parts=None):
+    """(input_ids (B, T) left-padded with pad_id, n_bytes (B,)) from token parquet files; a stage's
+    shard (in `parts`) read checked against its manifest."""
     import numpy as np
     import pyarrow.parquet as pq
     import torch
 
+    from entroweight.schemas.datadir import open_data_file
+
     left = max_sequences if max_sequences is not None else float("inf")
+    parts = parts or {}
     for path in files:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(open_data_file(path, parts.get(path)))
         for batch in pf.iter_batches(batch_size=batch_size, columns=["input_ids", "n_bytes"]):
             rows = batch.column("input_ids").to_pylist()[: int(min(left, batch.num_rows))]
             if not rows:
@@ -78,9 +82,17 @@ def eval_quant_cmd(ckpt_dir, data, formats, max_sequences, batch_size, device, a
     pad_id = info.pad_id if info.pad_id is not None else config.get("pad_id")
     if pad_id is None:
         _fail("the data record no pad_id; tokenize it with `entroweight tokenize` (left-padded sequences)")
-    res = evaluate_quantized(
-        model, token_batches(info.files, pad_id, batch_size, max_sequences), pad_id, formats=fmts
-    )
+    from entroweight.schemas.datadir import DataDirError
+
+    try:
+        res = evaluate_quantized(
+            model,
+            token_batches(info.files, pad_id, batch_size, max_sequences, info.parts),
+            pad_id,
+            formats=fmts,
+        )
+    except DataDirError as e:  # a shard that differs from its manifest
+        _fail(str(e))
     res["checkpoint"] = str(ckpt_dir)
     res["kind"] = config["kind"]
     if as_json:
