@@ -250,6 +250,21 @@ class DataDir:
         (one parquet file named alone, another tool's data)."""
         return open_data_file(location, None if self.is_file else self._part_at.get(location))
 
+    def read_table(self, location: str, columns: tuple[str, ...] | None = None) -> pa.Table:
+        """The table of one of its files (those of `columns` it has), opened by `open`; a file whose
+        pages do not decode is refused (DataDirError) as a shard that differs from its manifest is."""
+        try:
+            with self.open(location) as fh:
+                pf = pq.ParquetFile(fh)
+                names = pf.schema_arrow.names
+                return pf.read(columns=None if columns is None else [c for c in columns if c in names])
+        except (pa.ArrowException, OSError) as e:
+            raise DataDirError(
+                f"{location} could not be read whole ({' '.join(str(e).split())}); if a stage wrote it, "
+                "run `entroweight verify` "
+                "on its directory"
+            ) from None
+
     @cached_property
     def registry(self) -> dict[str, str]:
         """What the stage planned (`.shards.json`): each input's key (`uri[start:stop]`) -> its shard."""

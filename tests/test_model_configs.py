@@ -168,3 +168,13 @@ def test_eval_quant_refuses_a_shard_that_differs_from_its_manifest(tiny_estimato
         res.output
     )
     assert "Traceback" not in res.output
+
+
+def test_eval_quant_refuses_a_file_that_does_not_decode(tiny_estimator, tokenized_dir, tmp_path):
+    raw = bytearray(sorted(tokenized_dir.glob("part-*.parquet"))[0].read_bytes())
+    for i in range(64, len(raw) // 2):
+        raw[i] ^= 0x5A
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(bytes(raw))
+    res = cli("eval-quant", tiny_estimator, "--data", bad, "--max-sequences", 16)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output

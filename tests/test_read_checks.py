@@ -164,6 +164,34 @@ def test_quantiles_from_a_shard_that_differs_from_its_manifest_are_refused(flipp
     assert not out.exists()
 
 
+def corrupt_pages(src: Path, dst: Path) -> Path:
+    """A copy of one parquet file whose footer reads but whose pages do not decode (no manifest to
+    check it against: it is named alone)."""
+    raw = bytearray(src.read_bytes())
+    for i in range(64, len(raw) // 2):
+        raw[i] ^= 0x5A
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+# a reader handed one parquet file: a file whose pages do not decode is refused (exit 2), not a traceback
+LONE_FILE_READERS = {
+    "inspect": lambda f, scored, out: ["inspect", f],
+    "quantiles-from": lambda f, scored, out: ["weigh", scored, "--weighting", "quantile",
+                                              "--quantiles-from", f, "--out", out],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("reader", LONE_FILE_READERS)
+def test_a_lone_file_that_does_not_decode_is_refused(scored, tmp_path, reader):
+    bad = corrupt_pages(sorted(scored.glob("part-*.parquet"))[0], tmp_path / "bad.parquet")
+    out = tmp_path / "out"
+    r = cli(*LONE_FILE_READERS[reader](bad, scored, out))
+    assert r.exit_code == 2, r.output
+    assert "could not be read whole" in r.output and "Traceback" not in r.output
+    assert not out.exists()
+
+
 # The stages that read another stage's output (score reads tokens, weighted data too; weigh reads
 # weighted data): each worker reads its input shard checked against its manifest's sha256, as it reads.
 READING_STAGES = {

@@ -241,7 +241,6 @@ def entropy_quantiles(scored: str | Path, n: int = 101, max_tokens: int = 5_000_
     """`n` evenly spaced quantiles of the `entropy` column of a weighted directory's (score or weigh
     output, local or a URL) or one file's real tokens, the positions its scorer excluded left out (the
     reference for `quantile` weighting; read from the first `max_tokens` such tokens)."""
-    import pyarrow.parquet as pq
 
     from entroweight.schemas.datadir import data_files
     from entroweight.schemas.weighted import ENTROPY, EXCLUDED, excluded_mask, matrix
@@ -250,16 +249,12 @@ def entropy_quantiles(scored: str | Path, n: int = 101, max_tokens: int = 5_000_
     d, files = data_files(scored, kind="weighted", complete=False, hint=hint)
     chunks, total = [], 0
     for f in files:
-        with d.open(f) as fh:  # each shard checked against its manifest
-            names = pq.read_schema(fh).names
-            if ENTROPY not in names:
-                continue
-            cols = [ENTROPY, "n_pad"] + ([EXCLUDED] if EXCLUDED in names else [])
-            table = pq.read_table(fh, columns=cols)
-        if table.num_rows == 0:
+        table = d.read_table(f, (ENTROPY, "n_pad", EXCLUDED))  # each shard checked (DataDirError)
+        if ENTROPY not in table.column_names or table.num_rows == 0:
             continue
         e = matrix(table.column(ENTROPY), np.float32)
-        excluded = excluded_mask(table.column(EXCLUDED), e.shape[1]) if EXCLUDED in cols else None
+        has_excluded = EXCLUDED in table.column_names
+        excluded = excluded_mask(table.column(EXCLUDED), e.shape[1]) if has_excluded else None
         vals = e[weighable(table.column("n_pad").to_numpy(), e.shape[1], excluded)]
         chunks.append(vals)
         total += vals.size

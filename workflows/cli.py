@@ -160,13 +160,13 @@ def tokenize(
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def inspect(path, as_json):
     """Schema, provenance metadata, row/token counts and id/weight statistics of PATH."""
-    from entroweight.schemas.datadir import ShardMismatch
+    from entroweight.schemas.datadir import DataDirError
     from entroweight.transforms.inspect import summarize
 
     _check_inspectable(path)
     try:
         info = summarize(path)
-    except (FileNotFoundError, ShardMismatch) as e:
+    except (FileNotFoundError, DataDirError) as e:  # a shard that differs or does not decode
         _fail(str(e))
     if as_json:
         click.echo(json.dumps(info, indent=2))

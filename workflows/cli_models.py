@@ -82,6 +82,8 @@ def eval_quant_cmd(ckpt_dir, data, formats, max_sequences, batch_size, device, a
     pad_id = info.pad_id if info.pad_id is not None else config.get("pad_id")
     if pad_id is None:
         _fail("the data record no pad_id; tokenize it with `entroweight tokenize` (left-padded sequences)")
+    import pyarrow as pa
+
     from entroweight.schemas.datadir import DataDirError
 
     try:
@@ -93,6 +95,8 @@ def eval_quant_cmd(ckpt_dir, data, formats, max_sequences, batch_size, device, a
         )
     except DataDirError as e:  # a shard that differs from its manifest
         _fail(str(e))
+    except (pa.ArrowException, OSError) as e:  # a lone file whose pages do not decode (no manifest)
+        _fail(f"--data could not be read whole ({' '.join(str(e).split())})")
     res["checkpoint"] = str(ckpt_dir)
     res["kind"] = config["kind"]
     if as_json:

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import yaml
 
 from entroweight.schemas.datadir import DataDir, DataDirError
@@ -65,14 +64,11 @@ def read_scores(score_dir: str | Path, max_tokens: int) -> dict | None:
     pos_sum = pos_n = None
     n_tokens = n_seq = 0
     for f in files:
-        try:
-            fh = d.open(f)  # each shard checked against its manifest: no plots of corrupt bytes
+        try:  # each shard checked against its manifest: no plots of corrupt bytes
+            t = d.read_table(f, ("input_ids", "n_pad", ENTROPY, EXCLUDED, WEIGHT))
         except DataDirError as e:
             raise ReportError(str(e)) from None
-        with fh:
-            names = pq.read_schema(fh).names
-            cols = [c for c in ("input_ids", "n_pad", ENTROPY, EXCLUDED, WEIGHT) if c in names]
-            t = pq.read_table(fh, columns=cols)
+        names = t.column_names
         ids = matrix(t.column("input_ids"))
         n_pad = t.column("n_pad").to_numpy()
         width = ids.shape[1]
