@@ -76,6 +76,14 @@ def read_checked(location: str, size: int | None, sha256: str | None) -> pa.Buff
     return data
 
 
+def undecodable(location: str, error: Exception) -> DataDirError:
+    """The refusal of a file whose pages do not decode (pyarrow's error on one line)."""
+    return DataDirError(
+        f"{location} could not be read whole ({' '.join(str(error).split())}); if a stage wrote it, run "
+        "`entroweight verify` on its directory"
+    )
+
+
 def open_data_file(location: str, part: Part | None) -> pa.NativeFile:
     """A reader's handle on `location`: `part`'s bytes checked against its manifest (`Part.read`,
     ShardMismatch) when it is a committed shard, else the file as it is."""
@@ -259,11 +267,7 @@ class DataDir:
                 names = pf.schema_arrow.names
                 return pf.read(columns=None if columns is None else [c for c in columns if c in names])
         except (pa.ArrowException, OSError) as e:
-            raise DataDirError(
-                f"{location} could not be read whole ({' '.join(str(e).split())}); if a stage wrote it, "
-                "run `entroweight verify` "
-                "on its directory"
-            ) from None
+            raise undecodable(location, e) from None
 
     @cached_property
     def registry(self) -> dict[str, str]:

@@ -14,18 +14,27 @@ DEFAULT_FORMATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
 
 def token_batches(files, pad_id: int, batch_size: int, max_sequences: int | None, parts=None):
     """(input_ids (B, T) left-padded with pad_id, n_bytes (B,)) from token parquet files; a stage's
-    shard (in `parts`) read checked against its manifest."""
+    shard (in `parts`) read checked against its manifest, a file that does not decode refused
+    (DataDirError either way)."""
     import numpy as np
+    import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
 
-    from entroweight.schemas.datadir import open_data_file
+    from entroweight.schemas.datadir import open_data_file, undecodable
+
+    parts = parts or {}
+
+    def read(path):  # streamed, as the sequences are needed
+        try:
+            pf = pq.ParquetFile(open_data_file(path, parts.get(path)))
+            yield from pf.iter_batches(batch_size=batch_size, columns=["input_ids", "n_bytes"])
+        except (pa.ArrowException, OSError) as e:
+            raise undecodable(path, e) from None
 
     left = max_sequences if max_sequences is not None else float("inf")
-    parts = parts or {}
     for path in files:
-        pf = pq.ParquetFile(open_data_file(path, parts.get(path)))
-        for batch in pf.iter_batches(batch_size=batch_size, columns=["input_ids", "n_bytes"]):
+        for batch in read(path):
             rows = batch.column("input_ids").to_pylist()[: int(min(left, batch.num_rows))]
             if not rows:
                 return
@@ -82,8 +91,6 @@ def eval_quant_cmd(ckpt_dir, data, formats, max_sequences, batch_size, device, a
     pad_id = info.pad_id if info.pad_id is not None else config.get("pad_id")
     if pad_id is None:
         _fail("the data record no pad_id; tokenize it with `entroweight tokenize` (left-padded sequences)")
-    import pyarrow as pa
-
     from entroweight.schemas.datadir import DataDirError
 
     try:
@@ -93,10 +100,8 @@ def eval_quant_cmd(ckpt_dir, data, formats, max_sequences, batch_size, device, a
             pad_id,
             formats=fmts,
         )
-    except DataDirError as e:  # a shard that differs from its manifest
+    except DataDirError as e:  # a shard that differs from its manifest, a file that does not decode
         _fail(str(e))
-    except (pa.ArrowException, OSError) as e:  # a lone file whose pages do not decode (no manifest)
-        _fail(f"--data could not be read whole ({' '.join(str(e).split())})")
     res["checkpoint"] = str(ckpt_dir)
     res["kind"] = config["kind"]
     if as_json:
