@@ -140,7 +140,7 @@ class OurCheckpoint(ModelSource):
                 out = torch.zeros((B, T), dtype=torch.float32, device=device)
                 x = to_device(np.ascontiguousarray(ids[:, T - W :]), device)
                 h = model.forward_hidden(model.embed(x), layout=layout)
-                out[:, T - W :] = self._window_ce(model, h, x, to_device(T - n_pad, device))
+                out[:, T - W :] = self._window_ce(model, h, x, T - n_pad)
                 return HostCopy(out), _first, B * W
             out = self._rows(model, to_device(ids, device), to_device(T - n_pad, device))
             return HostCopy(out), _first, B * T
@@ -149,12 +149,12 @@ class OurCheckpoint(ModelSource):
         return self.mask_pads
 
     @staticmethod
-    def _window_ce(model, h: torch.Tensor, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """(B, W) CE of each real token of left-padded rows from the hidden states `h` (the pad just
-        before the first real token predicts it), pads 0."""
+    def _window_ce(model, h: torch.Tensor, x: torch.Tensor, lengths: np.ndarray) -> torch.Tensor:
+        """(B, W) CE of each real token of left-padded rows (`lengths` real tokens each) from the hidden
+        states `h` (the pad just before the first real token predicts it), pads 0."""
         W = x.shape[1]
-        seg = (torch.arange(W, device=x.device)[None, :] >= (W - lengths - 1)[:, None]).long() - 1
-        return next_token_ce(h, x, seg.expand(len(x), W), model.lm_head)
+        seg = np.where(np.arange(W)[None, :] >= (W - lengths - 1)[:, None], 0, -1)
+        return next_token_ce(h, x, seg, model.lm_head)
 
     def _packed(self, model, ids: np.ndarray, n_pad: np.ndarray, device: str):
         """The rows' real tokens packed, several rows a sequence, positions restarting per row (a
@@ -165,11 +165,9 @@ class OurCheckpoint(ModelSource):
         lengths = [len(r) for r in rows]
         packed = pack_rows(rows, T)  # as wide as the data's rows, as the planner grouped them
         padded = np.flatnonzero((n_pad > 0) & (n_pad < T))
-        seg = to_device(packed.segments, device)
         x = to_device(packed.ids, device)
-        ce = next_token_ce(
-            model.forward_hidden(model.embed(x), layout=packed.layout(device)), x, seg, model.lm_head
-        )
+        h = model.forward_hidden(model.embed(x), layout=packed.layout(device))
+        ce = next_token_ce(h, x, packed.segments, model.lm_head)
         ce_first = torch.zeros(0, device=ce.device)
         if len(padded):  # one forward of each row's last pad alone
             alone = to_device(ids[padded, n_pad[padded] - 1][:, None], device)

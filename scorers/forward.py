@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -173,16 +174,24 @@ def chunked_ce(rows: torch.Tensor, targets: torch.Tensor, head=None, chunk_rows:
     return out
 
 
-def next_token_ce(h: torch.Tensor, ids: torch.Tensor, segments: torch.Tensor, head=None, chunk_rows=None):
-    """(N, S) fp32: slot s + 1's CE given its row's slots up to s (from `h`, logits or hidden states
-    with `head`), 0 where slot s + 1 starts a row or is fill. Chunked as `chunked_ce`."""
+def read_targets(segments: np.ndarray) -> np.ndarray:
+    """Flat indices into (N, S) `segments` (each slot's row, -1 on fill) of the slots whose CE a value
+    reads: every slot of a row but its first. Found on the host, so picking them costs no sync."""
+    read = np.zeros(segments.shape, dtype=bool)
+    read[:, 1:] = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] >= 0)
+    return np.flatnonzero(read)
+
+
+def next_token_ce(h: torch.Tensor, ids: torch.Tensor, segments: np.ndarray, head=None, chunk_rows=None):
+    """(N, S) fp32: slot t's CE given its row's slots before it (from `h` at t − 1: logits, or hidden
+    states with `head`), 0 where t starts a row or is fill (`segments`, on the host: `read_targets`).
+    The head and the CE run over the read slots alone: a prediction nothing reads (a pad's, a row's
+    last, fill's) is never turned into logits. Chunked as `chunked_ce`."""
     N, S = ids.shape
-    out = torch.zeros((N, S), dtype=torch.float32, device=ids.device)
-    flat = h[:, :-1].reshape(-1, h.shape[-1])
-    ce = chunked_ce(flat, ids[:, 1:].reshape(-1), head, chunk_rows).view(N, S - 1)
-    same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] >= 0)
-    out[:, 1:] = torch.where(same, ce, 0.0)
-    return out
+    read = to_device(read_targets(segments), ids.device)
+    flat = h.reshape(N * S, h.shape[-1]).index_select(0, read - 1)
+    ce = chunked_ce(flat, ids.reshape(-1).index_select(0, read), head, chunk_rows)
+    return torch.zeros(N * S, dtype=torch.float32, device=ids.device).index_copy_(0, read, ce).view(N, S)
 
 
 def hf_packed_losses(model, packed, device: str, dtype: str) -> torch.Tensor:
@@ -191,14 +200,13 @@ def hf_packed_losses(model, packed, device: str, dtype: str) -> torch.Tensor:
     `position_ids` restarting at 0, which transformers turns into block-diagonal attention (a varlen
     kernel with flash attention); no attention mask is passed (`packs` says which models allow it)."""
     x, pos = to_device(packed.ids, device), to_device(packed.positions, device)
-    seg = to_device(packed.segments, device)
     base, head, plain = _decoder_and_head(model)
     with torch.inference_mode(), autocast(x.device.type, dtype):
         # no cache: with one, transformers reads `position_ids` as a continuation, not as rows
         if base is not None:
             h = base(input_ids=x, position_ids=pos, use_cache=False).last_hidden_state
-            return next_token_ce(h, x, seg, head)
-        return next_token_ce(model(input_ids=x, position_ids=pos, use_cache=False).logits, x, seg)
+            return next_token_ce(h, x, packed.segments, head)
+        return next_token_ce(model(input_ids=x, position_ids=pos, use_cache=False).logits, x, packed.segments)
 
 
 def _decoder_and_head(model):

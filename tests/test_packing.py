@@ -19,6 +19,7 @@ from entroweight.models.llama import Llama
 from entroweight.models.mixer import MaskedMixer
 from entroweight.models.packing import Layout, block_causal, flex_block_causal
 from entroweight.scorers import Batching, make_scorer
+from entroweight.scorers.forward import next_token_ce
 from entroweight.scorers.packing import pack_rows
 from entroweight.scorers.registry import BUILTIN
 
@@ -125,6 +126,32 @@ def test_packing_computes_no_pads_for_the_models_that_allow_it(checkpoints, rows
             ids, n_pad, Batching(batch_tokens=BUDGET)
         )
         assert got.computed <= most * real + len(ids), options
+
+
+def test_next_token_ce_forms_logits_for_the_read_slots_alone():
+    """Packed rows with fill, and left-padded windows: the head sees one row per slot whose CE a value
+    reads (each slot of a row but its first), and those values are the full CE's."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 32, bias=False)
+    seen = []
+    head.register_forward_hook(lambda m, args, out: seen.append(len(args[0])))
+    rng = np.random.default_rng(0)
+    p = pack_rows([rng.integers(1, 32, size=n) for n in (9, 1, 17, 4, 0, 30)], 32)
+    window = np.where(np.arange(12)[None, :] >= np.array([[11], [3], [0], [-1]]), 0, -1)  # 0, 8, 11, 12 real
+    for segments in (p.segments, window):
+        ids = torch.as_tensor(rng.integers(0, 32, size=segments.shape))
+        h = torch.randn(*segments.shape, 8)
+        seen.clear()
+        with torch.no_grad():
+            got = next_token_ce(h, ids, segments, head)
+            full = torch.nn.functional.cross_entropy(
+                head(h[:, :-1]).transpose(1, 2), ids[:, 1:], reduction="none"
+            )
+        read = np.zeros(segments.shape, dtype=bool)
+        read[:, 1:] = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] >= 0)
+        assert sum(seen[:-1]) == read.sum() < segments.size - len(segments)
+        torch.testing.assert_close(got[:, 1:], torch.where(torch.as_tensor(read[:, 1:]), full, 0.0))
+        assert (got[:, 0] == 0).all()
 
 
 def test_pack_fills_each_sequence_and_keeps_rows_whole():
