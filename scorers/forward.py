@@ -199,14 +199,16 @@ def hf_packed_losses(model, packed, device: str, dtype: str) -> torch.Tensor:
     slots before it, 0 on each row's first slot and on fill. The rows are told apart by
     `position_ids` restarting at 0, which transformers turns into block-diagonal attention (a varlen
     kernel with flash attention); no attention mask is passed (`packs` says which models allow it)."""
-    x, pos = to_device(packed.ids, device), to_device(packed.positions, device)
+    x = to_device(packed.ids, device)
+    # one row a sequence: the model's own positions and plain causal attention (no mask built)
+    rows = {} if packed.one_row_each else {"position_ids": to_device(packed.positions, device)}
     base, head, plain = _decoder_and_head(model)
     with torch.inference_mode(), autocast(x.device.type, dtype):
         # no cache: with one, transformers reads `position_ids` as a continuation, not as rows
         if base is not None:
-            h = base(input_ids=x, position_ids=pos, use_cache=False).last_hidden_state
+            h = base(input_ids=x, use_cache=False, **rows).last_hidden_state
             return next_token_ce(h, x, packed.segments, head)
-        return next_token_ce(model(input_ids=x, position_ids=pos, use_cache=False).logits, x, packed.segments)
+        return next_token_ce(model(input_ids=x, use_cache=False, **rows).logits, x, packed.segments)
 
 
 def _decoder_and_head(model):

@@ -37,9 +37,20 @@ class Packed:
     segments: np.ndarray
     starts: list[tuple[int, int]]
 
-    def layout(self, device: str) -> Layout:
+    @property
+    def one_row_each(self) -> bool:
+        """Whether each sequence holds one row, from its first slot (fill after it): plain causal
+        attention at positions 0, 1, ... gives those rows' values. A shard's longest rows are packed
+        first (`pack_groups`), so its full rows make batches of their own: on long-document data most
+        of the tokens."""
+        return bool(np.all((self.segments == self.segments[:, :1]) | (self.segments < 0)))
+
+    def layout(self, device: str) -> Layout | None:
         """The layout a model reads these slots with: block-diagonal causal attention (FlexAttention's
-        block mask on CUDA, SDPA with a bool mask elsewhere), positions restarting per row."""
+        block mask on CUDA, SDPA with a bool mask elsewhere), positions restarting per row; None (plain
+        causal attention: SDPA's fused causal kernel, no mask built) when each sequence is one row."""
+        if self.one_row_each:
+            return None
         seg = to_device(self.segments, device)
         mask = flex_block_causal(seg) if flex_available(device) else block_causal(seg)
         return Layout(positions=to_device(self.positions, device), mask=mask)

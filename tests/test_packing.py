@@ -20,7 +20,7 @@ from entroweight.models.mixer import MaskedMixer
 from entroweight.models.packing import Layout, block_causal, flex_block_causal
 from entroweight.scorers import Batching, make_scorer
 from entroweight.scorers.forward import next_token_ce
-from entroweight.scorers.packing import pack_rows
+from entroweight.scorers.packing import Packed, pack_rows
 from entroweight.scorers.registry import BUILTIN
 
 
@@ -109,6 +109,26 @@ def test_packed_values_equal_the_per_row_path(name, i, checkpoints, rows, tokeni
     # min-max normalised values are divided by a row's range: 1e-5 of that range
     np.testing.assert_allclose(got.values, want.values, rtol=1e-5, atol=1e-5)
     assert got.real == want.real
+
+
+@pytest.mark.parametrize("options", [{"model": "hf"}, {"checkpoint": "masked"}], ids=["hf", "mask_pads"])
+def test_batches_of_one_row_a_sequence_take_plain_causal_attention(
+    options, checkpoints, rows, tokenizer_dir, monkeypatch
+):
+    """The full rows come first and make batches of one row a sequence, read with no block mask
+    (no layout, no `position_ids`); the other batches are packed; both give the per-row values."""
+    ids, n_pad = rows
+    kinds = []
+    real = Packed.one_row_each
+    monkeypatch.setattr(Packed, "one_row_each", property(lambda p: kinds.append(real.fget(p)) or kinds[-1]))
+    want = scorer("causal_loss", options, checkpoints, tokenizer_dir, False).score(
+        ids, n_pad, Batching(batch_size=1)
+    )
+    got = scorer("causal_loss", options, checkpoints, tokenizer_dir, True).score(
+        ids, n_pad, Batching(batch_tokens=BUDGET)
+    )
+    assert True in kinds and False in kinds
+    np.testing.assert_allclose(got.values, want.values, rtol=1e-5, atol=1e-5)
 
 
 def test_packing_computes_no_pads_for_the_models_that_allow_it(checkpoints, rows, tokenizer_dir):
