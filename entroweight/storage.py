@@ -189,13 +189,17 @@ def check_output(
     overwrite: bool = False,
     owners: tuple[str, ...] = (),
     may_lie_inside: bool = False,
+    apart: bool = False,
 ) -> str | None:
     """The one path rule, called by every command that writes before it creates anything: `out` may
     not be, lie inside or hold anything it reads (`reads`: (flag, location) pairs; symlinks followed,
     URLs compared by key), nor hold another command's output (a stage of another name, a training run,
     an export, a workflow run) unless `overwrite`, which replaces it whole. `owners`: the other
     commands whose output this one may continue. `may_lie_inside`: a file written inside what it
-    reads by design (`report`'s RUN_DIR/report.html).
+    reads by design (`report`'s RUN_DIR/report.html). `apart` (a command run by hand): `out` may not
+    lie inside another command's output either (a workflow run, a stage's shards, a training run):
+    it would mix into what that command reads and rewrites, and --overwrite cannot help there (a
+    workflow writes inside its own run directory, so its steps do not ask this).
     Returns the other command whose output `overwrite` will replace (the caller removes `out` whole
     once every other check passed), else None. Raises OutputRefused."""
     for what, read in reads:
@@ -207,6 +211,8 @@ def check_output(
                 f"{flag} {out} {how} {what} {read}, which {command} reads; write to a location apart "
                 "from what it reads"
             )
+    if apart:
+        _check_apart(out, flag, reads if may_lie_inside else ())
     try:
         owner = output_owner(out)
     except OutputRefused:
@@ -224,6 +230,26 @@ def check_output(
         f"{flag} {out} holds the output of {whose}, not of `{command}`; write elsewhere, or pass "
         "--overwrite to replace it whole"
     )
+
+
+def _check_apart(out, flag: str, reads) -> None:
+    """Refuse an `out` inside a directory that holds a command's output (but those of `reads`)."""
+    allowed = {k for _, read in reads if read is not None for k in _forms(read)}
+    for above in parents(out):
+        if above in allowed:
+            continue
+        try:
+            owner = output_owner(above)
+        except OutputRefused:
+            owner = "a stage whose record is not JSON"
+        except Exception:  # unreachable (no bucket, no credentials): check_writable says why
+            return
+        if owner is not None:
+            whose = owner if " " in owner else f"`{owner}`"
+            raise OutputRefused(
+                f"{flag} {out} lies inside {above}, the output of {whose}; a command's output never goes "
+                "inside another's (it would mix into what that one reads and rewrites): write elsewhere"
+            )
 
 
 def filesystem(p: AnyPath):

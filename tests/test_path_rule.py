@@ -11,6 +11,7 @@ until it gets a row here.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -173,6 +174,35 @@ def test_another_commands_output_is_refused(tmp_path, command, mark, owner):
         assert "--overwrite" in line
     else:
         assert f"{out}/.stage.json is not a stage record" in line, line
+
+
+def _inside_cases():
+    for command, overwrite in itertools.product(writing_commands(), (False, True)):
+        if overwrite and not any(p.name == "overwrite" for p in main.commands[command].params):
+            continue
+        for mark, owner in MARKS:
+            who = "shards-without-record" if owner == storage.UNKNOWN_STAGE else owner or "non-json"
+            flag = "-overwrite" if overwrite else ""
+            yield pytest.param(command, mark, owner, overwrite, id=f"{command}{flag}-inside-{who}-{mark}")
+
+
+@pytest.mark.parametrize(("command", "mark", "owner", "overwrite"), list(_inside_cases()))
+def test_no_command_writes_inside_another_commands_output(tmp_path, command, mark, owner, overwrite):
+    """--out a level or two inside a directory that holds any command's output (its own kind too: a
+    workflow run, a stage's shards, a training run): refused, --overwrite or not (it would replace
+    `out`, not the output around it)."""
+    inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
+    other = tmp_path / "other"
+    other.mkdir()
+    body = json.dumps({"stage": owner}) if mark == ".stage.json" and owner else "{}"
+    (other / mark).write_text(body if owner else "not json {")
+    for out in (other / "sub", other / "deeper" / "sub"):
+        out = out.with_suffix(".html") if command == "report" else out
+        argv = _argv(command, str(out), inputs) + (
+            ["--overwrite"] if overwrite and command != "report" else []
+        )
+        line = refused(tmp_path, argv)
+        assert f"--out {out} lies inside {other}, the output of " in line, line
 
 
 def test_the_rule_on_urls():

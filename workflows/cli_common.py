@@ -265,7 +265,7 @@ def check_output(out, reads, command: str, overwrite: bool = False, flag: str = 
     from entroweight import storage
 
     try:
-        foreign = storage.check_output(out, reads, command, flag=flag, overwrite=overwrite, **kw)
+        foreign = storage.check_output(out, reads, command, flag=flag, overwrite=overwrite, apart=True, **kw)
     except (storage.OutputRefused, storage.StorageError) as e:
         _fail(str(e))
     if storage.is_url(out):  # no bucket, no credentials: now, not after the work (one probe object)
