@@ -11,7 +11,28 @@ from __future__ import annotations
 import typing
 from collections.abc import Callable
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator
+
+
+class Options(BaseModel):
+    """The base of every options model (a scorer's, the weighting, the trainer's, the workflow file's).
+    A value keeps the kind it was written as where a bool and a number meet: YAML reads `yes`, `on`
+    and `true` as true, which pydantic would take as the number 1 (`stride: yes` would score with
+    stride 1), and it would take 1 or 0 for a switch. A quoted number is still read as the number."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bool_and_number_apart(cls, value, info: ValidationInfo):
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None:
+            return value
+        kinds = set(typing.get_args(field.annotation)) or {field.annotation}
+        kinds.discard(type(None))
+        if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
+            raise ValueError(f"takes a number, not {str(value).lower()}")
+        if kinds == {bool} and isinstance(value, int | float) and not isinstance(value, bool):
+            raise ValueError(f"takes true or false, not {value!r}")
+        return value
 
 
 def key_path(loc: tuple) -> str:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from entroweight.options import refusal_lines
+from entroweight.options import Options, refusal_lines
 from entroweight.transforms.prefetch import prefetch
 
 
@@ -52,7 +52,7 @@ class OptionsError(ScorerError):
         return f"the {self.scorer} scorer's options are refused: " + "; ".join(self.lines(where, name))
 
 
-class ScorerOptions(BaseModel):
+class ScorerOptions(Options):
     """What every scorer takes. A scorer declares its own as a subclass named `Options` (one field per
     option, one line each); unknown keys are refused, so a typo never runs with a default."""
 

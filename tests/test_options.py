@@ -137,3 +137,59 @@ def test_the_docs_carry_the_weighting_tables_the_model_generates(doc, table):
     assert table in (ROOT / "docs" / doc).read_text(), (
         f"docs/{doc}: the weighting table is stale; now:\n{table}"
     )
+
+
+def _options_models() -> list[type]:
+    """Every options model: each subclass of entroweight.options.Options, the built-in scorers' too."""
+    import entroweight.trainers.config  # noqa: F401 - the trainer's and the workflow's models
+    import entroweight.workflows.spec  # noqa: F401
+    from entroweight.options import Options
+
+    for name in BUILTIN:
+        get_scorer_class(name)
+    seen, todo = [], [Options]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                todo.append(sub)
+    return seen
+
+
+def _swaps():
+    """(model, key, value) for every number field given a bool and every switch given a number."""
+    import typing
+
+    for model in _options_models():
+        for name, field in model.model_fields.items():
+            kinds = set(typing.get_args(field.annotation)) or {field.annotation}
+            key = field.alias or name
+            if kinds & {int, float} and bool not in kinds:
+                yield pytest.param(model, key, True, id=f"{model.__qualname__}.{key}=true")
+            elif kinds - {type(None)} == {bool}:
+                yield pytest.param(model, key, 1, id=f"{model.__qualname__}.{key}=1")
+
+
+SWAPS = list(_swaps())
+
+
+def test_the_swaps_cover_every_front_end():
+    """The models of the scorers, the weighting, the trainer and the workflow file all have cases."""
+    covered = {p.values[0].__module__.rsplit(".", 1)[-1] for p in SWAPS}
+    assert {"base", "weigh", "config", "spec", "occlusion"} <= covered, covered
+
+
+@pytest.mark.parametrize(("model", "key", "value"), SWAPS)
+def test_a_bool_is_never_a_number_nor_a_number_a_switch(model, key, value):
+    """YAML's `yes`/`true` where a number goes (`stride: yes` would be stride 1), or 1 where a switch
+    goes: refused, naming the key, on every options model."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as e:
+        model.model_validate({key: value})
+    said = str(value).lower()
+    # at the key, or in the whole model's message that names each key (TrainConfig's)
+    mine = [err["msg"] for err in e.value.errors() if err["loc"][:1] == (key,)] or [
+        m for err in e.value.errors() if not err["loc"] for m in err["msg"].split("; ") if f"{key}: " in m
+    ]
+    assert mine and (f"not {said}" in mine[0] or "not true/false" in mine[0]), e.value.errors()

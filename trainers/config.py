@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from entroweight.options import refusal_lines
+from entroweight.options import Options, refusal_lines
 
 from .losses import LOSSES
 
@@ -27,7 +27,7 @@ class TrainError(ValueError):
     """A run that cannot start; the message says what to do."""
 
 
-class _Settings(BaseModel):
+class _Settings(Options):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 

@@ -26,8 +26,9 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
+from entroweight.options import Options
 from entroweight.schemas.arrow import WEIGHTED_COLUMNS
 from entroweight.schemas.weighted import ENTROPY, encode_excluded, encode_weights, lists, weighable
 
@@ -41,7 +42,7 @@ METHODS = ("minmax", "quantile", "raw", "topk")
 GLOBAL_SCALE = ("quantile", "topk")
 
 
-class WeighOptions(BaseModel):
+class WeighOptions(Options):
     """How raw values become weights, as a user chooses it: the one declaration from which `score`'s
     and `weigh`'s flags, a workflow's `weighting:` keys and the docs' tables are generated. Each
     refusal is attributed to the field it is about, so every front end names it its own way."""

@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
@@ -24,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from entroweight.options import refusal_lines, repeated
+from entroweight.options import Options, refusal_lines, repeated
 from entroweight.trainers import config as trainer_config
 from entroweight.trainers.accuracy import OFFLINE_TASK
 from entroweight.trainers.config import LossName, LossSettings
@@ -41,7 +40,7 @@ class SpecError(ValueError):
     """The workflow file is refused; the message names the offending key."""
 
 
-class _Strict(BaseModel):
+class _Strict(Options):
     model_config = ConfigDict(extra="forbid")
 
 
