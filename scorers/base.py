@@ -363,9 +363,10 @@ BATCH_COST = 1 / 64
 
 def cut_batches(lengths: np.ndarray, widths: np.ndarray, batch_tokens: int) -> list[tuple[np.ndarray, int]]:
     """Rows sorted by length, longest first, in consecutive batches of at most `batch_tokens`
-    positions (rows × the first row's width, `widths` per row; a row wider than that alone): the split that computes
-    the fewest positions, each batch counted as `BATCH_COST` of the budget more (dynamic programming
-    from the shortest rows up). Greedy filling would let a batch of long rows take short ones."""
+    positions (rows × the first row's width, `widths` per row; a row wider than that alone): the
+    split that computes the fewest positions, each batch counted as `BATCH_COST` of the budget more
+    (dynamic programming from the shortest rows up). Greedy filling would let a batch of long rows
+    take short ones."""
     order = np.argsort(-lengths, kind="stable")
     n = len(order)
     widths = np.maximum(widths[order], 1)
