@@ -181,6 +181,22 @@ def test_random_state_is_put_back(tiny_ckpt, items, tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expect
 
 
+def test_evaluating_outside_a_git_checkout_prints_no_git_error(
+    tiny_ckpt, items, tmp_path, monkeypatch, capfd
+):
+    """lm-eval asks git for the current directory's hash with git's stderr open: outside a checkout a
+    user would read "fatal: not a git repository". The probe is skipped, and put back after."""
+    import lm_eval.evaluator
+
+    probe = lm_eval.evaluator.get_git_commit_hash
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no checkout above tmp_path
+    f = write_items(items[:4], tmp_path / "items.jsonl")
+    evaluate_checkpoint(tiny_ckpt, [OFFLINE_TASK], tmp_path / "lm", items_file=f, device="cpu")
+    assert "not a git repository" not in capfd.readouterr().err
+    assert lm_eval.evaluator.get_git_commit_hash is probe
+
+
 def test_items_longer_than_the_model_context_are_refused(tiny_ckpt, items, tmp_path):
     f = write_items([{**it, "tokens": 129} for it in items[:2]], tmp_path / "items.jsonl")
     with pytest.raises(AccuracyError, match="the model's context is 128"):

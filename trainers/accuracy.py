@@ -246,14 +246,20 @@ def _simple_evaluate(hf_dir, tasks, tm, batch_size, device, num_fewshot, limit) 
 
 @contextlib.contextmanager
 def _quiet_lm_eval():
-    """lm-eval logs every step at INFO; a workflow step says its own one line."""
+    """lm-eval logs every step at INFO; a workflow step says its own one line. It also asks git for
+    the hash of the current directory with git's stderr open, so outside a checkout a user reads
+    "fatal: not a git repository": the probe is skipped (the results carry our code version)."""
+    import lm_eval.evaluator as evaluator
+
     logger = logging.getLogger("lm_eval")
-    level = logger.level
+    level, probe = logger.level, evaluator.get_git_commit_hash
     logger.setLevel(logging.WARNING)
+    evaluator.get_git_commit_hash = lambda: None
     try:
         yield
     finally:
         logger.setLevel(level)
+        evaluator.get_git_commit_hash = probe
 
 
 def _binary(v) -> float | None:
