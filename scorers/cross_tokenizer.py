@@ -36,7 +36,16 @@ from entroweight.transforms.align import (
 )
 
 from . import hf
-from .base import Batching, HFModelOptions, Scored, Scorer, ScorerError, plan_batches, queued
+from .base import (
+    Batching,
+    HFModelOptions,
+    Scored,
+    Scorer,
+    ScorerError,
+    packs_shard_wide,
+    plan_batches,
+    queued,
+)
 from .causal_loss import HFModel
 from .forward import HostCopy, check_dtype, hf_packed_losses, hf_token_losses, resolve_dtype, to_device
 from .packing import pack_rows
@@ -214,7 +223,8 @@ class CrossTokenizerScorer(Scorer):
         # each batch as wide as its longest window, so the forward computes (almost) no pads
         batch_size = batching.batch_size or self.batch_size
         packed = self.pack and hf.packs(self._model)  # several windows per sequence (block-diagonal)
-        plan = plan_batches(lengths, lambda n: n, batch_size, batching.batch_tokens, packed)
+        wide = packed and packs_shard_wide(self.device)  # else a batch's windows cut to its longest
+        plan = plan_batches(lengths, lambda n: n, batch_size, batching.batch_tokens, wide)
         computed = 0
 
         def launch(plan_item):  # the batch's forward queued; its values come back through a HostCopy

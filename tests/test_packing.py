@@ -19,6 +19,7 @@ from entroweight.models.llama import Llama
 from entroweight.models.mixer import MaskedMixer
 from entroweight.models.packing import Layout, block_causal, flex_block_causal
 from entroweight.scorers import Batching, make_scorer
+from entroweight.scorers.base import packs_shard_wide
 from entroweight.scorers.forward import next_token_ce
 from entroweight.scorers.packing import Packed, pack_rows
 from entroweight.scorers.registry import BUILTIN
@@ -111,24 +112,44 @@ def test_packed_values_equal_the_per_row_path(name, i, checkpoints, rows, tokeni
     assert got.real == want.real
 
 
-@pytest.mark.parametrize("options", [{"model": "hf"}, {"checkpoint": "masked"}], ids=["hf", "mask_pads"])
-def test_batches_of_one_row_a_sequence_take_plain_causal_attention(
-    options, checkpoints, rows, tokenizer_dir, monkeypatch
+PACKING = [
+    ("causal_loss", {"model": "hf"}),
+    ("causal_loss", {"checkpoint": "masked"}),
+    ("cross_tokenizer", {"model": "hf", "context": 16}),
+]
+
+
+@pytest.mark.parametrize("wide", [True, False], ids=["shard-wide", "cut"])
+@pytest.mark.parametrize(("name", "options"), PACKING, ids=["hf", "mask_pads", "cross"])
+def test_both_plans_and_one_row_batches_give_the_per_row_values(
+    name, options, wide, checkpoints, rows, tokenizer_dir, monkeypatch
 ):
-    """The full rows come first and make batches of one row a sequence, read with no block mask
-    (no layout, no `position_ids`); the other batches are packed; both give the per-row values."""
+    """The rows a model packs, planned either way (`base.packs_shard_wide`: over the whole shard, as
+    on CUDA, or cut to each batch's longest, as elsewhere), give the per-row values. Shard-wide, the
+    full rows come first and make batches of one row a sequence, read with plain causal attention (no
+    layout, no `position_ids`), and the other batches are packed: both kinds occur."""
+    import entroweight.scorers.base as base
+    import entroweight.scorers.cross_tokenizer as cross
+
+    for module in (base, cross):
+        monkeypatch.setattr(module, "packs_shard_wide", lambda device: wide)
     ids, n_pad = rows
     kinds = []
     real = Packed.one_row_each
     monkeypatch.setattr(Packed, "one_row_each", property(lambda p: kinds.append(real.fget(p)) or kinds[-1]))
-    want = scorer("causal_loss", options, checkpoints, tokenizer_dir, False).score(
-        ids, n_pad, Batching(batch_size=1)
-    )
-    got = scorer("causal_loss", options, checkpoints, tokenizer_dir, True).score(
+    want = scorer(name, options, checkpoints, tokenizer_dir, False).score(ids, n_pad, Batching(batch_size=1))
+    got = scorer(name, options, checkpoints, tokenizer_dir, True).score(
         ids, n_pad, Batching(batch_tokens=BUDGET)
     )
-    assert True in kinds and False in kinds
+    assert True in kinds
+    if wide and name == "causal_loss":
+        assert False in kinds
     np.testing.assert_allclose(got.values, want.values, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_are_packed_over_the_shard_on_cuda_alone():
+    assert packs_shard_wide("cuda") and packs_shard_wide("cuda:1")
+    assert not packs_shard_wide("cpu") and not packs_shard_wide("mps")
 
 
 def test_packing_computes_no_pads_for_the_models_that_allow_it(checkpoints, rows, tokenizer_dir):

@@ -201,7 +201,7 @@ def test_cross_tokenizer_token_budget_equals_the_per_window_path(aggregate, chec
     assert np.abs(want).max() > 0
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     computed, real = scored.computed, scored.real
-    assert computed > real > 0  # windows of several lengths shared forwards (pads computed, masked)
+    assert computed >= real > 0  # fill only where windows of several lengths share a forward
     assert s.dtype == "fp32" and next(s._model.parameters()).dtype == torch.float32
 
 
