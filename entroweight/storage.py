@@ -225,11 +225,15 @@ def check_output(
         return None
     if overwrite:
         return owner
-    whose = owner if owner == UNKNOWN_STAGE else f"`{owner}`"
     raise OutputRefused(
-        f"{flag} {out} holds the output of {whose}, not of `{command}`; write elsewhere, or pass "
+        f"{flag} {out} holds the output of {_named(owner)}, not of `{command}`; write elsewhere, or pass "
         "--overwrite to replace it whole"
     )
+
+
+def _named(owner: str) -> str:
+    """A command as a refusal names it (`tokenize`); an owner told in words as it is."""
+    return owner if " " in owner else f"`{owner}`"
 
 
 def _check_apart(out, flag: str, reads) -> None:
@@ -245,9 +249,8 @@ def _check_apart(out, flag: str, reads) -> None:
         except Exception:  # unreachable (no bucket, no credentials): check_writable says why
             return
         if owner is not None:
-            whose = owner if " " in owner else f"`{owner}`"
             raise OutputRefused(
-                f"{flag} {out} lies inside {above}, the output of {whose}; a command's output never goes "
+                f"{flag} {out} lies inside {above}, the output of {_named(owner)}; a command's output never goes "
                 "inside another's (it would mix into what that one reads and rewrites): write elsewhere"
             )
 
