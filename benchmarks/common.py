@@ -106,6 +106,19 @@ def median(xs) -> float:
     return float(statistics.median(xs))
 
 
+def fastest(times: list[float]) -> float:
+    """The time a ratio takes from alternated runs: the fastest. Load from other processes only ever
+    slows a run (on the shared 2-core machine one path's alternated runs spread by ±20 %), so the
+    fastest run is the nearest to the code's own cost, as `timeit` advises; path and limit are taken
+    alike."""
+    return float(min(times))
+
+
+def paired_median(slow: list[float], fast: list[float]) -> float:
+    """The median over rounds of fast/slow, each pair timed side by side: how steady a ratio is."""
+    return median([f / s for s, f in zip(slow, fast, strict=True)])
+
+
 def row(stage, metric, value, bare=None, target=None, note="") -> dict:
     """One result. `bare` is the limit measured in the same run on the same input (ratio = value/bare);
     `target` is checked on the ratio when there is a bare, else on the value (see check_target)."""

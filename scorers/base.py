@@ -339,8 +339,13 @@ def plan_batches(
     would compute too much padding (`cut_batches`), or, `packed` (rows packed into sequences), the
     sequences of as many whole `pack_groups` as fit in it, each sequence `capacity` wide (default:
     the widest row's width; short rows fill beside long ones: a batch of rows of one length would
-    leave the rest of every sequence empty); without, `batch_size` rows."""
+    leave the rest of every sequence empty); without, `batch_size` rows. A row of no tokens (an empty
+    document: pads alone) is in no batch: a forward has nothing to score there, and its values are 0."""
     lengths = np.asarray(lengths)
+    live = np.flatnonzero(lengths > 0)
+    if len(live) < len(lengths):
+        plan = plan_batches(lengths[live], width_of, batch_size, batch_tokens, packed, capacity)
+        return [(live[idx], width) for idx, width in plan]
     if batch_tokens is None:
         return [(idx, width_of(int(lengths[idx[0]]))) for idx in length_buckets(lengths, batch_size)]
     if batch_tokens < 1:

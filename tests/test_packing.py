@@ -112,6 +112,25 @@ def test_packed_values_equal_the_per_row_path(name, i, checkpoints, rows, tokeni
     assert got.real == want.real
 
 
+@pytest.mark.parametrize("name,i", PARAMS, ids=[f"{n}-{i}" for n, i in PARAMS])
+def test_rows_without_tokens_score_zero_and_leave_the_others_alone(name, i, checkpoints, rows, tokenizer_dir):
+    """An empty document tokenizes to a row of pads alone. Every scorer, packed or per row (a batch
+    of such rows alone included), gives those rows 0 and the other rows the values they get without
+    them."""
+    ids, n_pad = rows
+    ids, n_pad = ids[:4], n_pad[:4]
+    T = ids.shape[1]
+    empty = np.full((3, T), PAD, dtype=ids.dtype)
+    with_empty = np.concatenate([empty[:2], ids, empty[2:]]), np.concatenate([[T, T], n_pad, [T]])
+    for packed, batching in ((False, Batching(batch_size=1)), (True, Batching(batch_tokens=BUDGET))):
+        s = scorer(name, CASES[name][i], checkpoints, tokenizer_dir, packed)
+        alone = s.score(ids, n_pad, batching).values
+        got = s.score(*with_empty, batching)
+        assert (got.values[[0, 1, 6]] == 0).all()
+        np.testing.assert_allclose(got.values[2:6], alone, rtol=1e-5, atol=1e-5)
+        assert got.real == s.score(ids, n_pad, batching).real
+
+
 PACKING = [
     ("causal_loss", {"model": "hf"}),
     ("causal_loss", {"checkpoint": "masked"}),

@@ -146,13 +146,37 @@ def test_occlusion_equals_explicit_logits(est_ckpt, rows, baseline):
     np.testing.assert_allclose(got["cosine"], cos, atol=1e-5)
 
 
+@pytest.mark.parametrize("metric", ["l1", "cosine"])
+def test_occlusion_forms_values_for_the_real_tokens_alone(est_ckpt, rows, metric, monkeypatch):
+    """Told each row's real tokens (`lengths`), occlusion runs the head and the metric over their
+    predictions alone: the same values there, 0 at the pads, and (l1) the head sees no other row."""
+    import entroweight.scorers.occlusion as occlusion
+    from entroweight.models.checkpoint import load_checkpoint
+
+    model, _ = load_checkpoint(est_ckpt)
+    ids, n_pad = rows
+    lengths = ids.shape[1] - n_pad
+    assert lengths.min() < lengths.max() - 1  # rows of several lengths: pads inside the batch's width
+    seen = []
+    l1_rows = occlusion.l1_rows
+    monkeypatch.setattr(occlusion, "l1_rows", lambda x: seen.append(len(x)) or l1_rows(x))
+    every = occlusion.occlusion_values(model, torch.as_tensor(ids), PAD, metric)
+    seen.clear()
+    got = occlusion.occlusion_values(model, torch.as_tensor(ids), PAD, metric, lengths=lengths)
+    real = np.arange(ids.shape[1])[None, :] >= np.maximum(n_pad, 1)[:, None]  # value 0 has no prediction
+    np.testing.assert_allclose(got[real], every[real], rtol=1e-5, atol=1e-6)
+    assert (got[~real] == 0).all()
+    if metric == "l1":
+        assert sum(seen) == int(np.minimum(lengths, ids.shape[1] - 1).sum())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_l1_rows_is_the_fp32_l1_norm(dtype):
     """occlusion's per-row L1 (|x| in x's dtype, summed in fp32 on a CPU) = the fp32 norm of x."""
     from entroweight.scorers.occlusion import l1_rows
 
     x = torch.randn(37, 8000, generator=torch.Generator().manual_seed(0)).to(dtype)
-    got = l1_rows(x)
+    got = l1_rows(x.clone())  # it may overwrite its input
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, torch.linalg.vector_norm(x.float(), ord=1, dim=-1), rtol=1e-5, atol=0)
 
