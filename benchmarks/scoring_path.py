@@ -12,8 +12,8 @@ model; occlusion; decomposition), on one shard scored by `ScoreStage` as a run d
   own embedding over the whole padded rows (that embedding enters at position 0, before the pads,
   so each row's pads have their own states: no layout shares them), then one head over the
   difference; for decomposition its own limit, one model-width forward per real position. Path
-  and limit alternate six times in one process (A B, B A, ...), the fastest of each (`fastest`);
-  the note gives the median of the six paired ratios beside it;
+  and limit alternate eight times in one process (A B, B A, ...), the fastest of each (`fastest`);
+  the note gives the median of the eight paired ratios beside it;
 - feed: real tokens per second of the same path with the scorer's forward replaced by a stub that
   returns zeros of the right shape (what the CPU side can feed an accelerator);
 - pad fraction: of the positions the forwards computed, the share that were not real tokens, as
@@ -50,7 +50,7 @@ N_CTX = 512
 DTYPES = ("fp32", "bf16")  # each scorer in both, against its limit in the same dtype
 # path and limit alternate (A B, B A, ...), the fastest of each: single runs on a shared machine swing
 # by ±15 % (a 2048² matmul loop here took 0.93 to 1.24 s a run within one minute)
-ROUNDS = {False: 6, True: 1}
+ROUNDS = {False: 8, True: 1}
 LIMITS = {
     None: "one bare forward of the model",
     "occlusion": "encoder + baseline decoder packed, own-embedding decoder over the padded rows",
