@@ -710,6 +710,24 @@ def manifest_extra(out: Path) -> dict:
     return json.loads(found[0].read_text()).get("extra", {}) if found else {}
 
 
+@contextlib.contextmanager
+def planned(layout: str):
+    """Inside, with layout "cut", rows a model packs are planned as off CUDA whatever the device (the
+    one rule, `base.packs_shard_wide`, answered False where the score path asks it)."""
+    if layout != "cut":
+        yield
+        return
+    import entroweight.scorers.base as base
+    import entroweight.scorers.cross_tokenizer as cross
+
+    saved = base.packs_shard_wide, cross.packs_shard_wide
+    base.packs_shard_wide = cross.packs_shard_wide = lambda device: False
+    try:
+        yield
+    finally:
+        base.packs_shard_wide, cross.packs_shard_wide = saved
+
+
 def run_case(case: Case, dtype: str, ctx: dict) -> dict:
     from entroweight.pipelines import run_stage
     from entroweight.pipelines.score import ScoreStage
@@ -830,7 +848,7 @@ def markdown(records: list[dict], machine: dict) -> str:
             lines.append(f"| {r['label']} | {r['dtype']} | ERROR: {r['error'][:120]} | | | | | | |")
             continue
         lines.append(
-            f"| {r['label']} | {r['dtype']}{'' if r.get('layout', 'packed') == 'packed' else ', rows'} | "
+            f"| {r['label']} | {r['dtype']}{'' if r.get('layout', 'packed') == 'packed' else ', ' + r['layout']} | "
             f"{r['rows']} × {r['width']} | {fmt(r['tok_s'], ',.0f')} | "
             f"{fmt(r.get('limit_tok_s'), ',.0f')} | {fmt(r.get('ratio'), '.2f')} | {fmt(r.get('mfu'), '.1%')} | "
             f"{fmt(r.get('limit_mfu'), '.1%')} | {fmt(r.get('pad_fraction'), '.3f')} |"
@@ -971,9 +989,11 @@ def main(argv=None) -> int:
         "--layouts",
         nargs="+",
         default=["packed"],
-        choices=["packed", "rows"],
-        help="packed: rows laid out without pads (scorers/packing.py); rows: one row per batch row, "
-        "pads computed (Scorer.pack = False), the layout before packing; both: alternated per case",
+        choices=["packed", "cut", "rows"],
+        help="packed: rows laid out without pads (scorers/packing.py), planned as on this device; cut: "
+        "the same, planned as off CUDA (length-sorted rows cut into batches, each packed at its "
+        "longest row: `base.packs_shard_wide` False), the A/B for the CUDA plan; rows: one row per "
+        "batch row, pads computed (Scorer.pack = False), the layout before packing; several: each per case",
     )
     ap.add_argument("--peak-bf16", type=float, default=None, help="TFLOP/s, for a device not in the table")
     ap.add_argument("--peak-fp32", type=float, default=None, help="TFLOP/s, for a device not in the table")
@@ -1018,7 +1038,7 @@ def main(argv=None) -> int:
         runs = [(dtype, layout) for dtype in args.dtypes for layout in args.layouts]
         for case in cases:
             for dtype, layout in runs:
-                Scorer.pack = layout == "packed"  # every scorer of this run (a class default)
+                Scorer.pack = layout != "rows"  # every scorer of this run (a class default)
                 if args.deadline and time.perf_counter() - begin > args.deadline:
                     records.append(
                         {"case": case.key, "label": case.label, "dtype": dtype, "error": "skipped: deadline"}
@@ -1026,7 +1046,8 @@ def main(argv=None) -> int:
                     continue
                 t = time.perf_counter()
                 try:
-                    rec = run_case(case, dtype, ctx)
+                    with planned(layout):
+                        rec = run_case(case, dtype, ctx)
                 except Exception as e:
                     traceback.print_exc()
                     rec = {

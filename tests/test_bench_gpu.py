@@ -80,3 +80,15 @@ def test_host_sampler_sees_a_waiting_main_thread():
     assert s.samples > 10 and shares["other"] > 0.5  # the test's own frames: no entroweight code
     assert shares["other_thread_busy"] > 0
     assert gpu.classify_main(sys._getframe()) == "other"
+
+
+def test_the_cut_layout_plans_as_off_cuda_and_restores_the_rule():
+    """`--layouts cut`: the A/B of the CUDA plan (packed over the shard) against the CPU's (cut batches)."""
+    import entroweight.scorers.base as base
+    import entroweight.scorers.cross_tokenizer as cross
+
+    with gpu.planned("cut"):
+        assert not base.packs_shard_wide("cuda") and not cross.packs_shard_wide("cuda")
+    with gpu.planned("packed"):
+        assert base.packs_shard_wide("cuda") and cross.packs_shard_wide("cuda")
+    assert base.packs_shard_wide("cuda") and cross.packs_shard_wide("cuda")
