@@ -134,12 +134,12 @@ def occlusion_values(
             h_o = model.decode(ids[:, T - W :], emb, prefix=dec)[:, :-1]
         h = model.decode(ids, e)[:, T - W : -1]
     D = h.shape[-1]
-    h, h_o = h.reshape(-1, D), h_o.reshape(-1, D)
     read = None
-    if lengths is not None:  # the slots whose value is about a real token (each row's last ones)
-        read = to_device(read_slots(np.asarray(lengths), W - 1), h.device)
-        h, h_o = h.index_select(0, read), h_o.index_select(0, read)
     with torch.inference_mode():
+        h, h_o = h.reshape(-1, D), h_o.reshape(-1, D)
+        if lengths is not None:  # the slots whose value is about a real token (each row's last ones)
+            read = to_device(read_slots(np.asarray(lengths), W - 1), h.device)
+            h, h_o = h.index_select(0, read), h_o.index_select(0, read)
         if metric == "l1":
             # the head in the compute dtype (its weights are stored in it), the norm summed in fp32
             Wt = head.weight
@@ -157,8 +157,8 @@ def occlusion_values(
             ab, aa, bb = (aG * b).sum(-1), (aG * a).sum(-1), ((b @ G) * b).sum(-1)
             cos = ab / (aa.clamp_min(1e-30) * bb.clamp_min(1e-30)).sqrt()
             vals = (1.0 - cos).clamp(0.0, 2.0)
-    if read is not None:
-        vals = torch.zeros(B * (W - 1), dtype=vals.dtype, device=vals.device).index_copy_(0, read, vals)
+        if read is not None:
+            vals = torch.zeros(B * (W - 1), dtype=vals.dtype, device=vals.device).index_copy_(0, read, vals)
     out = np.zeros((B, T), dtype=np.float32)
     out[:, T - W + 1 :] = vals.reshape(B, W - 1).cpu().numpy()
     if base is not None:
