@@ -710,6 +710,12 @@ def manifest_extra(out: Path) -> dict:
     return json.loads(found[0].read_text()).get("extra", {}) if found else {}
 
 
+def _dtype_layout(r: dict) -> str:
+    """A record's dtype, and its layout where it is not the default (`--layouts`)."""
+    layout = r.get("layout", "packed")
+    return r["dtype"] if layout == "packed" else f"{r['dtype']}, {layout}"
+
+
 @contextlib.contextmanager
 def planned(layout: str):
     """Inside, with layout "cut", rows a model packs are planned as off CUDA whatever the device (the
@@ -845,10 +851,10 @@ def markdown(records: list[dict], machine: dict) -> str:
     ]
     for r in records:
         if "error" in r:
-            lines.append(f"| {r['label']} | {r['dtype']} | ERROR: {r['error'][:120]} | | | | | | |")
+            lines.append(f"| {r['label']} | {_dtype_layout(r)} | ERROR: {r['error'][:120]} | | | | | | |")
             continue
         lines.append(
-            f"| {r['label']} | {r['dtype']}{'' if r.get('layout', 'packed') == 'packed' else ', ' + r['layout']} | "
+            f"| {r['label']} | {_dtype_layout(r)} | "
             f"{r['rows']} × {r['width']} | {fmt(r['tok_s'], ',.0f')} | "
             f"{fmt(r.get('limit_tok_s'), ',.0f')} | {fmt(r.get('ratio'), '.2f')} | {fmt(r.get('mfu'), '.1%')} | "
             f"{fmt(r.get('limit_mfu'), '.1%')} | {fmt(r.get('pad_fraction'), '.3f')} |"
@@ -867,7 +873,7 @@ def markdown(records: list[dict], machine: dict) -> str:
         p, h = r["path"], r["path"]["host"]
         lb = (r.get("limit") or {}).get("device_busy")
         lines.append(
-            f"| {r['label']} | {r['dtype']} | {p['seconds']:.2f} | {fmt(p['device_busy'], '.0%')} | {fmt(lb, '.0%')} | "
+            f"| {r['label']} | {_dtype_layout(r)} | {p['seconds']:.2f} | {fmt(p['device_busy'], '.0%')} | {fmt(lb, '.0%')} | "
             + " | ".join(
                 fmt(h[k], ".0%")
                 for k in ("stage", "batch", "align", "launch", "sync", "wait_batch", "wait_write", "other")
@@ -1078,11 +1084,11 @@ def main(argv=None) -> int:
 
 def _print(r: dict) -> None:
     if "error" in r:
-        print(f"  {r['label']} [{r['dtype']}]: {r['error']}", flush=True)
+        print(f"  {r['label']} [{_dtype_layout(r)}]: {r['error']}", flush=True)
         return
     p = r["path"]
     print(
-        f"  {r['label']} [{r['dtype']}]: {r['tok_s']:,.0f} real tok/s, limit {fmt(r.get('limit_tok_s'), ',.0f')}, "
+        f"  {r['label']} [{_dtype_layout(r)}]: {r['tok_s']:,.0f} real tok/s, limit {fmt(r.get('limit_tok_s'), ',.0f')}, "
         f"ratio {fmt(r.get('ratio'), '.2f')}, MFU {fmt(r.get('mfu'), '.1%')}, device busy {fmt(p['device_busy'], '.0%')}, "
         f"host {p['host']} ({r['case_s']} s)",
         flush=True,
