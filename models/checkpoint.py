@@ -69,6 +69,11 @@ def _umask() -> int:
         return mask
 
 
+def a_model_of(kind) -> str:
+    """How a message names a checkpoint's kind: 'a llama model', 'an estimator model'."""
+    return f"{'an' if str(kind)[:1] in 'aeiou' else 'a'} {kind} model"
+
+
 def read_checkpoint_config(ckpt_dir: str | Path) -> dict:
     """The checkpoint's config: a JSON object naming a model `kind` of models.REGISTRY and its `model`
     config. Anything else is refused here, once for every reader: an HF model directory also holds a

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from pydantic import Field
 
+from entroweight.models.checkpoint import a_model_of
 from entroweight.models.packing import after_prefix
 
 from .base import ModelOptions, Scorer, ScorerError
@@ -97,7 +98,7 @@ class CheckpointScorer(Scorer):
         if self.kinds is not None and kind not in self.kinds:
             raise ScorerError(
                 f"the {self.name} scorer reads an embedding-augmented model ({' or '.join(self.kinds)}); "
-                f"{checkpoint} is a {kind!r}: train one with `entroweight train DATA --model estimator`"
+                f"{checkpoint} holds {a_model_of(kind)}: train one with `entroweight train DATA --model estimator`"
             )
         self.n_ctx = model_n_ctx(self._ckpt_config)
         self.pad_id = model_pad_id(self._ckpt_config, self.checkpoint)

@@ -79,3 +79,15 @@ def test_score_refuses_a_checkpoint_option_that_is_not_our_checkpoint(tmp_path, 
         options += ["--option", f"reference={model}"]
     res = CliRunner().invoke(main, ["score", str(data), "--scorer", scorer, "--out", str(out), *options])
     refused(res, out, needle)
+
+
+def test_a_refusal_names_every_model_kind_with_its_article():
+    """'an estimator model', 'a llama model': the one wording every refusal of a checkpoint's kind uses
+    (a new kind fails here until its wording is checked)."""
+    from entroweight.models import REGISTRY
+    from entroweight.models.checkpoint import a_model_of
+
+    want = {"llama": "a", "mixer": "a", "estimator": "an", "autoencoder": "an", "tfree": "a"}
+    assert set(want) == set(REGISTRY)
+    for kind, article in want.items():
+        assert a_model_of(kind) == f"{article} {kind} model"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from entroweight.models.checkpoint import CheckpointError, load_checkpoint, plain_mode
+from entroweight.models.checkpoint import CheckpointError, a_model_of, load_checkpoint, plain_mode
 from entroweight.schemas.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES, PAD_CANDIDATES
 
 from .bpb import checkpoint_tokenizer
@@ -58,7 +58,7 @@ def export_hf(ckpt_dir, out_dir, tokenizer=None, allow_pickle: bool = False) -> 
     model, config = load_checkpoint(ckpt_dir, allow_pickle=allow_pickle)
     if config["kind"] != "llama":
         raise CheckpointError(
-            f"{ckpt_dir} holds a {config['kind']} model; only llama checkpoints export to LlamaForCausalLM"
+            f"{ckpt_dir} holds {a_model_of(config['kind'])}; only llama checkpoints export to LlamaForCausalLM"
         )
     tok = checkpoint_tokenizer(ckpt_dir, tokenizer, config.get("tokenizer_sha256"))
     vocab = tok.get_vocab(with_added_tokens=True)

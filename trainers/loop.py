@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 
 from entroweight import storage
 from entroweight.models import build_model, model_class
-from entroweight.models.checkpoint import read_checkpoint_config
+from entroweight.models.checkpoint import a_model_of, read_checkpoint_config
 from entroweight.schemas.datadir import DataDir
 from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path
 
@@ -282,7 +282,7 @@ def _resolve(cfg: TrainConfig, loss: Loss, rank: int, world: int, device, allow_
         state, optim_sd = load_training_state(out)
         if prev["kind"] != cfg.model:
             raise TrainError(
-                f"{out} holds a {prev['kind']} model, not {cfg.model}; pass --model {prev['kind']}"
+                f"{out} holds {a_model_of(prev['kind'])}, not {cfg.model}; pass --model {prev['kind']}"
             )
         if state["world_size"] != world:
             raise TrainError(

@@ -61,7 +61,7 @@ ITEMS = "items.jsonl"
 @click.option("--overwrite", is_flag=True, help="Replace a --out that holds another command's output.")
 def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
     """Accuracy of CKPT_DIR (a llama checkpoint) on lm-eval tasks, per item and in all."""
-    from entroweight.models.checkpoint import CheckpointError, read_checkpoint_config
+    from entroweight.models.checkpoint import CheckpointError, a_model_of, read_checkpoint_config
     from entroweight.trainers.accuracy import (
         OFFLINE_TASK,
         AccuracyError,
@@ -86,7 +86,7 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
         config = read_checkpoint_config(ckpt_dir)
         if config.get("kind") != "llama":
             raise CheckpointError(
-                f"{ckpt_dir} holds a {config.get('kind')} model; lm-eval reads llama checkpoints"
+                f"{ckpt_dir} holds {a_model_of(config.get('kind'))}; lm-eval reads llama checkpoints"
             )
         unknown = unknown_tasks(names)
         if unknown:

@@ -69,7 +69,7 @@ def eval_quant_cmd(ckpt_dir, data, formats, max_sequences, batch_size, device, a
     amortized bits per byte: (embedding bits + Σ token bits) / Σ bytes of the --data sequences."""
     import torch
 
-    from entroweight.models.checkpoint import CheckpointError, load_checkpoint
+    from entroweight.models.checkpoint import CheckpointError, a_model_of, load_checkpoint
     from entroweight.models.quant import FORMATS, evaluate_quantized
     from entroweight.trainers.data import DataError, inspect_data
 
@@ -82,7 +82,7 @@ def eval_quant_cmd(ckpt_dir, data, formats, max_sequences, batch_size, device, a
         model, config = load_checkpoint(ckpt_dir, map_location=dev)
         if not all(hasattr(model, a) for a in ("encode", "decode", "embed_dim")):
             _fail(
-                f"{ckpt_dir} holds a {config['kind']} model, which has no embedding to quantize; "
+                f"{ckpt_dir} holds {a_model_of(config['kind'])}, which has no embedding to quantize; "
                 "eval-quant is for estimator and autoencoder checkpoints (use eval-bpb for the others)"
             )
         info = inspect_data(list(data), (), config.get("tokenizer_sha256"))
