@@ -324,3 +324,16 @@ def test_concurrent_gguf_conversions_share_one_cache_entry(tmp_path):
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
     assert sorted(p.name for p in out.parent.iterdir()) == sorted([out.name, out.name + ".lock"])
     assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {plain_mode()}
+
+
+def test_a_cut_parquet_file_given_as_data_is_refused_naming_it(tmp_path, tokens):
+    """A shard file copied off half way, given to `train` as a file: refused before training, naming
+    the file (pyarrow's own message names none), nothing written."""
+    shard = sorted(tokens.glob("part-*.parquet"))[0]
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(shard.read_bytes()[:3000])
+    out = tmp_path / "run"
+    refused(
+        *cli("train", cut, "--model", "llama", "--out", out, "--steps", 2), str(cut), "not a readable parquet"
+    )
+    assert not out.exists()

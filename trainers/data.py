@@ -221,7 +221,10 @@ def value_problems(
 
 def _footer(f: str) -> pq.FileMetaData:
     with storage.open_input(f) as fh:
-        return pq.read_metadata(fh)
+        try:
+            return pq.read_metadata(fh)
+        except pa.ArrowInvalid as e:  # a cut or foreign file: say which (a read error says itself)
+            raise DataError(f"{f} is not a readable parquet file ({e})") from None
 
 
 def footers(files) -> list[pq.FileMetaData]:
