@@ -47,7 +47,10 @@ class StageFailed(RuntimeError):
     def __init__(self, stage: str, failures: list[ShardResult]):
         self.failures = failures
         lines = "\n".join(f"  {r.shard}: {r.error}" for r in failures)
-        super().__init__(f"{stage}: {len(failures)} shard(s) failed (rerun to retry them):\n{lines}")
+        super().__init__(
+            f"{stage}: {len(failures)} shard(s) failed; the others are done and kept. Once each cause below "
+            f"is fixed (or if it was transient), a rerun retries only these:\n{lines}"
+        )
 
 
 @dataclass(frozen=True)
