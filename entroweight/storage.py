@@ -202,6 +202,8 @@ def check_output(
     workflow writes inside its own run directory, so its steps do not ask this).
     Returns the other command whose output `overwrite` will replace (the caller removes `out` whole
     once every other check passed), else None. Raises OutputRefused."""
+    if not str(out).strip():  # `--out "$DIR"` with DIR unset: "" would be the working directory
+        raise OutputRefused(f"{flag} is empty (an unset variable?): name the location to write")
     for what, read in reads:
         if read is None or str(read).startswith(("hf:", "hf://")):
             continue  # the hub is read-only: no output can be among its files

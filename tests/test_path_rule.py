@@ -205,6 +205,16 @@ def test_no_command_writes_inside_another_commands_output(tmp_path, command, mar
         assert f"--out {out} lies inside {other}, the output of " in line, line
 
 
+@pytest.mark.parametrize("empty", ["", "  "], ids=["empty", "blank"])
+@pytest.mark.parametrize("command", writing_commands())
+def test_an_empty_out_is_refused_not_taken_for_the_working_directory(tmp_path, monkeypatch, command, empty):
+    """`--out "$DIR"` with DIR unset: refused, nothing written where the command runs."""
+    inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
+    monkeypatch.chdir(tmp_path)
+    line = refused(tmp_path, _argv(command, empty, inputs))
+    assert "--out is empty" in line, line
+
+
 def test_the_rule_on_urls():
     """On a URL the same relations hold by key, and the hub (read-only) is never among them."""
     check = storage.relation

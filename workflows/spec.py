@@ -368,6 +368,13 @@ class Workflow(_Strict):
     accuracy: AccuracySpec | None = None
     report: ReportSpec | None = Field(default_factory=ReportSpec)
 
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir(cls, v):
+        if not v.strip():  # "" would be the working directory
+            raise ValueError("is empty: name the directory the run writes")
+        return v
+
     @model_validator(mode="after")
     def _references(self):
         def unique(items, what):
