@@ -205,6 +205,9 @@ def check_output(
     if not str(out).strip():  # `--out "$DIR"` with DIR unset: "" would be the working directory
         raise OutputRefused(f"{flag} is empty (an unset variable?): name the location to write")
     for what, read in reads:
+        if read is not None and not str(read).strip():  # "" would be read as the working directory
+            raise OutputRefused(f"{what} is empty (an unset variable?): name what {command} reads")
+    for what, read in reads:
         if read is None or str(read).startswith(("hf:", "hf://")):
             continue  # the hub is read-only: no output can be among its files
         how = relation(out, read)

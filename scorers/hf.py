@@ -98,6 +98,10 @@ def gguf_vocab_size(path: Path) -> int | None:
 
 def resolve_model(spec: str) -> Path | str:
     """A local HF directory (GGUF converted first), or the hub id unchanged."""
+    if not spec.strip():  # Path("") is the working directory
+        raise ModelLoadError(
+            "the model is empty (an unset variable?): give a Hugging Face model directory, a .gguf file, or a hub id"
+        )
     p = Path(spec)
     gguf = gguf_file(spec)
     if gguf is not None:

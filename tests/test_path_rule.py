@@ -215,6 +215,19 @@ def test_an_empty_out_is_refused_not_taken_for_the_working_directory(tmp_path, m
     assert "--out is empty" in line, line
 
 
+@pytest.mark.parametrize(("command", "name"), [(c, n) for c in writing_commands() for n in ROWS[c][0]])
+def test_an_empty_input_is_refused_not_read_as_the_working_directory(tmp_path, monkeypatch, command, name):
+    """Each input of each writing command given as "" (an unset variable): exit 2, nothing written."""
+    inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
+    inputs[name] = ""
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    result = CliRunner().invoke(main, _argv(command, str(tmp_path / "out"), inputs))
+    assert result.exit_code == 2, (command, name, result.output)
+    assert "Traceback" not in result.output and snapshot(tmp_path) == before, result.output
+    assert "is empty" in result.output or "does not exist" in result.output, result.output
+
+
 def test_the_rule_on_urls():
     """On a URL the same relations hold by key, and the hub (read-only) is never among them."""
     check = storage.relation
