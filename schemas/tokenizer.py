@@ -47,6 +47,10 @@ def resolve_tokenizer_path(
     carried `.tokenizer/` copy), else the one carried by the first of `beside` (data directories or
     files, checkpoints) that has one. None when nothing is found and not `required`."""
     if given is not None:
+        if not str(given).strip():  # an unset variable: "" would be the working directory
+            raise TokenizerError(
+                "the tokenizer is empty (an unset variable?): give a tokenizer.json or a directory holding one"
+            )
         p = storage.path(given)  # local, or a URL (s3://...)
         found = _in_dir(p) if p.is_dir() else (p if p.is_file() else None)
         if found is None:

@@ -178,3 +178,24 @@ def test_eval_quant_refuses_a_file_that_does_not_decode(tiny_estimator, tokenize
     bad.write_bytes(bytes(raw))
     res = cli("eval-quant", tiny_estimator, "--data", bad, "--max-sequences", 16)
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["eval-bpb", "--text", ""],  # was: the bundled WikiText-2 measured instead, exit 0
+        ["eval-bpb", "--unigram", ""],  # was: no baseline, silently
+        ["eval-bpb", "--tokenizer", ""],  # was: a tokenizer.json in the working directory, if any
+        ["eval-quant", "--data", ""],  # was: "." read as the data
+    ],
+    ids=lambda a: f"{a[0]}{a[1]}",
+)
+def test_an_empty_path_option_is_refused_not_defaulted(tiny_estimator, tmp_path, monkeypatch, args):
+    """An unset variable (`--text "$HELDOUT"`) is refused: never the default, nor the working directory."""
+    (tmp_path / "tokenizer.json").write_text("{}")  # what "" would have found
+    monkeypatch.chdir(tmp_path)
+    res = cli(args[0], tiny_estimator, *args[1:])
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and ("is empty" in res.output or "does not exist" in res.output), (
+        res.output
+    )

@@ -104,7 +104,11 @@ def _as_list(value) -> list:
 @click.command("eval-bpb")
 @click.argument("ckpt_dir", type=Location(exists=True, file_okay=False))
 @click.option(
-    "--text", "text_path", default=None, help="UTF-8 text file (default: the bundled WikiText-2 test set)."
+    "--text",
+    "text_path",
+    type=Location(exists=True, dir_okay=False),
+    default=None,
+    help="UTF-8 text file (default: the bundled WikiText-2 test set).",
 )
 @click.option("--n-ctx", type=int, default=None, help="Window length (default: the model's n_ctx).")
 @click.option(
@@ -118,7 +122,11 @@ def _as_list(value) -> list:
 @click.option("--batch-size", type=int, default=16, show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @click.option(
-    "--unigram", "unigram_data", default=None, help="Also the unigram baseline of this training data."
+    "--unigram",
+    "unigram_data",
+    type=Location(exists=True),
+    default=None,
+    help="Also the unigram baseline of this training data.",
 )
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--allow-pickle", is_flag=True, help=ALLOW_PICKLE_HELP)
