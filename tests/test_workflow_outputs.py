@@ -60,13 +60,23 @@ def test_the_tiny_workflow_has_its_outputs_apart():
     assert len(parse_workflow({**base(), "run_dir": "r"}).step_outputs()) >= 8
 
 
-@pytest.mark.parametrize("run_dir", ["", "   "], ids=["empty", "blank"])
-def test_an_empty_run_dir_is_refused_not_taken_for_the_working_directory(tmp_path, monkeypatch, run_dir):
-    """`run_dir: "$RUN"` templated from an unset variable: refused by --dry-run and by run, nothing written."""
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("run_dir", "", "run_dir: is empty"),
+        ("run_dir", "   ", "run_dir: is empty"),
+        ("sources", [""], "sources: a source is empty"),
+    ],
+    ids=["run_dir-empty", "run_dir-blank", "source-empty"],
+)
+def test_an_empty_path_in_a_workflow_is_refused(tmp_path, monkeypatch, key, value, says):
+    """A path templated from an unset variable (`run_dir: "$RUN"`): refused by --dry-run and by run,
+    nothing written (an empty run_dir was the working directory)."""
     wf = tmp_path / "wf.yaml"
-    wf.write_text(yaml.safe_dump({**base(), "run_dir": run_dir}))
+    spec = {**base(), "run_dir": str(tmp_path / "run"), key: value}
+    wf.write_text(yaml.safe_dump(spec))
     monkeypatch.chdir(tmp_path)
     for argv in (["run", str(wf), "--dry-run"], ["run", str(wf)]):
         r = CliRunner().invoke(main, argv)
-        assert r.exit_code == 2 and "run_dir: is empty" in r.output and "Traceback" not in r.output, r.output
+        assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output, r.output
         assert sorted(p.name for p in tmp_path.iterdir()) == ["wf.yaml"]

@@ -375,6 +375,13 @@ class Workflow(_Strict):
             raise ValueError("is empty: name the directory the run writes")
         return v
 
+    @field_validator("sources")
+    @classmethod
+    def _sources(cls, v):
+        if any(not s.strip() for s in v):  # a templated path whose variable was unset
+            raise ValueError("a source is empty: name files, directories, globs or hf: ids")
+        return v
+
     @model_validator(mode="after")
     def _references(self):
         def unique(items, what):
