@@ -113,6 +113,13 @@ def parents(p: AnyPath) -> list[str]:
 
 # ------------------------------------------------------------------ the path rule
 
+
+def blank(location) -> bool:
+    """Whether `location` names nothing: "" or spaces, what `"$DIR"` gives with DIR unset. Taken as a
+    path it would be the working directory, so every place that takes a location refuses it."""
+    return location is not None and not str(location).strip()
+
+
 # The files that mark a directory as some command's output, and that command's name. Checked in this
 # order: a training run's directory also holds what an exported model holds. `.stage.json` names its
 # stage inside (tokenize, score, weigh).
@@ -202,10 +209,10 @@ def check_output(
     workflow writes inside its own run directory, so its steps do not ask this).
     Returns the other command whose output `overwrite` will replace (the caller removes `out` whole
     once every other check passed), else None. Raises OutputRefused."""
-    if not str(out).strip():  # `--out "$DIR"` with DIR unset: "" would be the working directory
+    if blank(out):
         raise OutputRefused(f"{flag} is empty (an unset variable?): name the location to write")
     for what, read in reads:
-        if read is not None and not str(read).strip():  # "" would be read as the working directory
+        if blank(read):
             raise OutputRefused(f"{what} is empty (an unset variable?): name what {command} reads")
     for what, read in reads:
         if read is None or str(read).startswith(("hf:", "hf://")):

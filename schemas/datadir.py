@@ -95,7 +95,7 @@ class DataDir:
 
     def __init__(self, location, names: dict[str, int] | None = None):
         """`names`: a listing of `location` already made (the stage planner's), so none is made again."""
-        if not str(location).strip():  # an unset variable: "" would be the working directory
+        if storage.blank(location):
             raise DataDirError(
                 "a data location is empty (an unset variable?): name a directory or a parquet file"
             )

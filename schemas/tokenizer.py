@@ -47,7 +47,7 @@ def resolve_tokenizer_path(
     carried `.tokenizer/` copy), else the one carried by the first of `beside` (data directories or
     files, checkpoints) that has one. None when nothing is found and not `required`."""
     if given is not None:
-        if not str(given).strip():  # an unset variable: "" would be the working directory
+        if storage.blank(given):
             raise TokenizerError(
                 "the tokenizer is empty (an unset variable?): give a tokenizer.json or a directory holding one"
             )

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from filelock import FileLock
 
+from entroweight import storage
 from entroweight.models.checkpoint import plain_mode
 from entroweight.schemas.tokenizer import TOKENIZER_FILE
 from entroweight.transforms.tokenizer import LoadedTokenizer, load_tokenizer
@@ -98,7 +99,7 @@ def gguf_vocab_size(path: Path) -> int | None:
 
 def resolve_model(spec: str) -> Path | str:
     """A local HF directory (GGUF converted first), or the hub id unchanged."""
-    if not spec.strip():  # Path("") is the working directory
+    if storage.blank(spec):
         raise ModelLoadError(
             "the model is empty (an unset variable?): give a Hugging Face model directory, a .gguf file, or a hub id"
         )

@@ -163,7 +163,7 @@ def source_files(specs: list[str]) -> dict[str, tuple[int, int | None] | None]:
     argument and deduplicated, and {hub id: None}. From listings and stats only: no file is opened."""
     out: dict[str, tuple[int, int | None] | None] = {}
     for spec in specs:
-        if not spec.strip():  # an unset variable: "" is no file
+        if storage.blank(spec):
             raise SourceError(
                 "a source is empty (an unset variable?): name files, directories, globs or hf: ids"
             )

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from entroweight import storage
 from entroweight.options import Options, refusal_lines, repeated
 from entroweight.trainers import config as trainer_config
 from entroweight.trainers.accuracy import OFFLINE_TASK
@@ -371,14 +372,14 @@ class Workflow(_Strict):
     @field_validator("run_dir")
     @classmethod
     def _run_dir(cls, v):
-        if not v.strip():  # "" would be the working directory
+        if storage.blank(v):
             raise ValueError("is empty: name the directory the run writes")
         return v
 
     @field_validator("sources")
     @classmethod
     def _sources(cls, v):
-        if any(not s.strip() for s in v):  # a templated path whose variable was unset
+        if any(storage.blank(s) for s in v):
             raise ValueError("a source is empty: name files, directories, globs or hf: ids")
         return v
 
