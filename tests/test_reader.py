@@ -194,3 +194,21 @@ def test_example_hf_trainer_compute_loss(weighted_dir, tmp_path):
         zero = trainer.compute_loss(model, {**batch, "weight": batch["weight"] * 0}).item()
         double = trainer.compute_loss(model, {**batch, "weight": batch["weight"] * 2}).item()
     assert zero == 0.0 and double == pytest.approx(2 * base, rel=1e-5) and base > 0
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"batch_size": 0},  # was: one batch of every row (a real dataset: all of it in memory)
+        {"batch_size": -3},
+        {"batch_size": 2.5},
+        {"batch_size": True},
+        {"epochs": 0},  # was: nothing, silently
+        {"start": -1},
+    ],
+    ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()),
+)
+def test_the_reader_refuses_counts_that_are_not_counts(weighted_dir, kw):
+    with pytest.raises(ValueError, match=f"{next(iter(kw))} must be an integer"):
+        WeightedTokens(weighted_dir, **kw)
+    assert next(iter(WeightedTokens(weighted_dir, batch_size=np.int64(4))))["input_ids"].shape[0] == 4

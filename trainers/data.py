@@ -16,6 +16,7 @@ then reads one block and drops its first rows.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -294,6 +295,17 @@ class WeightedTokens(IterableDataset):
         vocab_size: int | None = None,
     ):
         super().__init__()
+        for name, value, least, optional in (
+            ("batch_size", batch_size, 1, True),  # 0 once gave one batch of every row: all in memory
+            ("epochs", epochs, 1, True),
+            ("start", start, 0, False),
+        ):
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+                raise ValueError(
+                    f"{name} must be an integer >= {least}{' or None' * optional}, not {value!r}"
+                )
         self.info = inspect_data(paths, require, tokenizer_sha256, vocab_size)
         self.columns = [c for c in columns if c in self.info.columns]
         self.batch_size, self.shuffle, self.shuffle_buffer = batch_size, shuffle, max(1, shuffle_buffer)
