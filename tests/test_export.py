@@ -109,6 +109,26 @@ def test_cli_eval_bpb_and_export(tiny_ckpt, weighted_dir, tmp_path):
     assert r.exit_code == 2 and "pass --tokenizer" in r.output
 
 
+def test_the_unigram_baseline_refuses_data_of_another_tokenizer(tiny_ckpt, tokenized_dir, tmp_path):
+    """`eval-bpb --unigram DATA` counts DATA's ids as tokens of the checkpoint's tokenizer: data of
+    another tokenizer (its ids other tokens) is refused naming both, not counted into a wrong baseline."""
+    from stagecopy import stage_subset
+
+    from entroweight.schemas.arrow import METADATA_KEY
+    from entroweight.workflows.cli import main
+
+    def other_tokenizer(t):
+        meta = json.loads(t.schema.metadata[METADATA_KEY])
+        return t.replace_schema_metadata({METADATA_KEY: json.dumps({**meta, "tokenizer_sha256": "f" * 64})})
+
+    other = stage_subset(tokenized_dir, tmp_path / "other", edit=other_tokenizer)
+    args = ["eval-bpb", str(tiny_ckpt), "--max-bytes", "4000", "--json", "--unigram"]
+    r = CliRunner().invoke(main, [*args, str(other)])
+    assert r.exit_code == 2 and "ffffffffffff" in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(main, [*args, str(tokenized_dir)])
+    assert r.exit_code == 0 and json.loads(r.output)["unigram_bpb"] > 0, r.output
+
+
 @pytest.mark.slow
 def test_acceptance_tiny_model_beats_unigram_on_wikitext(
     tokenized_dir, tokenizer_dir, wikitext_path, tmp_path

@@ -67,6 +67,8 @@ ROWS = {
     "weigh": lambda a, b, out: ["weigh", a, "--weighting", "quantile", "--quantiles-from", b, "--out", out],
 }
 EXEMPT = {
+    "eval-bpb": "one data input (--unigram) beside a checkpoint and a text: its tokenizer is checked "
+    "against the checkpoint's (tests/test_export.py, test_the_unigram_baseline_refuses_data_of_another_tokenizer)",
     "tokenize": "its inputs are raw documents: any two sources tokenize together",
     "train-tokenizer": "its inputs are raw documents",
 }

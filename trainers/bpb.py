@@ -235,10 +235,16 @@ def unigram_bpb(data_paths, tokenizer, text_path=None, max_bytes: int | None = N
     from .data import WeightedTokens
 
     paths = [data_paths] if isinstance(data_paths, (str, Path)) else list(data_paths)
-    tok = checkpoint_tokenizer(None, tokenizer, beside=paths)
+    try:
+        path = resolve_tokenizer_path(tokenizer, paths)
+    except TokenizerError as e:
+        raise CheckpointError(str(e)) from None
+    tok = checkpoint_tokenizer(None, path)
     V = tok.get_vocab_size(with_added_tokens=True)
     counts = np.ones(V, dtype=np.float64)
-    for item in WeightedTokens(data_paths, batch_size=256, shuffle=False, columns=()):
+    # the data's ids must be this tokenizer's: counted under another, each id would be another token
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    for item in WeightedTokens(data_paths, batch_size=256, shuffle=False, columns=(), tokenizer_sha256=sha):
         ids = item["input_ids"][item["mask"]].numpy()
         counts += np.bincount(ids, minlength=V)[:V]
     logp = np.log(counts / counts.sum())
