@@ -14,6 +14,7 @@ from entroweight.transforms.prefetch import prefetch
 from entroweight.transforms.sources import (
     Cut,
     DocumentReader,
+    check_text_column,
     plan_inputs,
     rejects_table,
     resolve_hub,
@@ -56,7 +57,8 @@ class TokenizeStage(Stage):
         if pack and overflow == "truncate":
             raise ValueError("--overflow truncate does not apply to --pack (packing cuts no document)")
         self.sources, self.n_ctx, self.pack, self.overflow = list(sources), n_ctx, pack, overflow
-        self.shard_docs, self.text_column, self.reject_duplicates = shard_docs, text_column, reject_duplicates
+        self.shard_docs, self.reject_duplicates = shard_docs, reject_duplicates
+        self.text_column = check_text_column(text_column)
         # hub datasets: one revision (commit sha) each, resolved once here, recorded in the config
         self.hub = resolve_hub(self.sources, revision)
         self._tok: LoadedTokenizer | None = load_tokenizer(tokenizer)  # fail early on a bad file

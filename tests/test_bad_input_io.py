@@ -204,6 +204,24 @@ def test_train_tokenizer_refuses_zero_documents_and_takes_text_column(tmp_path, 
     assert res.exit_code == 0 and (tmp_path / "tok" / "tokenizer.json").exists()
 
 
+@pytest.mark.parametrize("column", ["", "  "])
+def test_a_blank_text_column_is_refused_before_anything_is_read(tmp_path, c4_lines, tokenizer_dir, column):
+    """A blank --text-column matches no row: every document of every shard would be rejected. Each
+    place that takes one (tokenize, train-tokenizer, a workflow's tokenize step) refuses it up front."""
+    from entroweight.workflows.spec import SpecError, parse_workflow
+
+    src = write(tmp_path / "c4.jsonl", c4_lines)
+    for args in (
+        ("tokenize", src, "--tokenizer", tokenizer_dir),
+        ("train-tokenizer", src, "--vocab-size", 300),
+    ):
+        res = cli(*args, "--text-column", column, "--out", tmp_path / "out")
+        assert res.exit_code == 2 and "--text-column" in res.output and "Traceback" not in res.output
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(SpecError, match="tokenize.text_column: the text column"):
+        parse_workflow({"name": "w", "sources": [str(src)], "tokenize": {"text_column": column}})
+
+
 # ---------------------------------------------------------------- errors before any output
 
 

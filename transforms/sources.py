@@ -347,6 +347,16 @@ class Cut:
     last: bool  # the input's last shard
 
 
+def check_text_column(name: str) -> str:
+    """The field that holds a document's text, as given: a blank name would match no row, so every
+    document of every shard would be rejected as `missing_text` (refused before anything is read)."""
+    if not isinstance(name, str) or not name.strip():
+        raise SourceError(
+            f"the text column (--text-column) must name the field that holds the text, not {name!r}"
+        )
+    return name
+
+
 class DocumentReader:
     """Reads one ShardInput as DOCUMENT_SCHEMA batches; rejects are collected in `self.rejects`.
 

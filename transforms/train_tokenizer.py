@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from entroweight import storage
 from entroweight.schemas.tokenizer import BOS, EOS, PAD, TOKENIZER_FILE, resolve_tokenizer_path, text_as_data
 
-from .sources import DocumentReader, SourceError, plan_inputs
+from .sources import DocumentReader, SourceError, check_text_column, plan_inputs
 
 SPECIALS = [PAD, BOS, EOS]
 # The write-up's base, Llama 3's tokenizer: package data (data/README.md), installed with the package.
@@ -30,7 +30,7 @@ def corpus_texts(
     and counted by reason in `rejected` when given (for the caller to say so).
     Raises SourceError at the first read when no document can be read: a tokenizer trained on
     nothing would still save (its 256 bytes and specials) and exit 0."""
-    texts = _texts(sources, max_docs, text_column, rejected)
+    texts = _texts(sources, max_docs, check_text_column(text_column), rejected)
     first = next(texts, None)
     if first is None:
         raise SourceError(

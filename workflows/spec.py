@@ -31,6 +31,7 @@ from entroweight.trainers.config import LossName, LossSettings
 from entroweight.trainers.losses import LOSSES
 from entroweight.transforms.agreement import WRITEUP
 from entroweight.transforms.derive import OPS as VALUE_OPS
+from entroweight.transforms.sources import check_text_column
 from entroweight.transforms.weigh import GLOBAL_SCALE, WeighOptions
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -100,6 +101,7 @@ class TokenizeSpec(_Strict):
     out: str = "tokens"
 
     _out = field_validator("out")(_inside)
+    _text_column = field_validator("text_column")(check_text_column)
 
 
 class TrainSettings(trainer_config.TrainSettings):
