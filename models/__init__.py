@@ -6,6 +6,7 @@ Every model is built from a kind name and a config dict, and maps `input_ids` (B
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 # kind -> "module:Class"; each class takes its own `Config` dataclass (Class.Config) and has `.config`.
@@ -25,7 +26,39 @@ def model_class(kind: str):
     return getattr(importlib.import_module(module), name)
 
 
-def build_model(kind: str, config: dict):
-    """A freshly initialised model of `kind` from a plain config dict (unknown keys refused)."""
+def config_of(kind: str, config: dict):
+    """`kind`'s Config from a plain dict, checked as far as it can be without the data: an unknown
+    kind or key, a value of another type than its field's default (a string for d_model), a size
+    below 1 where the default is a size, and what the Config's own checks refuse (d_model not a
+    multiple of n_heads) raise ValueError naming them. A run asks it before it trains anything."""
     cls = model_class(kind)
-    return cls(cls.Config(**config))
+    fields = {f.name: f for f in dataclasses.fields(cls.Config)}
+    unknown = sorted(set(config) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"the model config has {', '.join(unknown)}, which {kind} does not take; its fields: "
+            f"{', '.join(sorted(fields))}"
+        )
+    for key, value in config.items():
+        default = fields[key].default
+        if value is None or default is None or isinstance(default, str) or default is dataclasses.MISSING:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ValueError(f"the model config's {key} is {value!r}, not true or false")
+        if isinstance(default, int) and not isinstance(default, bool):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"the model config's {key} is {value!r}, not a whole number")
+            if default >= 1 and value < 1:
+                raise ValueError(f"the model config's {key} must be at least 1, not {value!r}")
+        if isinstance(default, float) and not number:
+            raise ValueError(f"the model config's {key} is {value!r}, not a number")
+    try:
+        return cls.Config(**config)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the model config is refused by {kind}: {e}") from None
+
+
+def build_model(kind: str, config: dict):
+    """A freshly initialised model of `kind` from a plain config dict (checked by `config_of`)."""
+    return model_class(kind)(config_of(kind, config))

@@ -250,30 +250,24 @@ def plan_run(
     storage.mkdir(out)
     if inputs is None:  # first: a missing source is the error to report, not a config clash
         inputs = stage.plan_inputs()
-    record = StageRecord(
-        stage=stage.name, config=stage.config(), config_hash=stage.config_hash, code_version=__version__
-    )
+    record = _record_of(stage)
     names = storage.listing(out)
     stage_file = out / STAGE_FILE
-    if STAGE_FILE in names:
-        old = StageRecord.model_validate_json(stage_file.read_bytes())
-        if old.config_hash != record.config_hash or old.stage != record.stage:
-            # a record without any shard (a run that failed to start) protects nothing: replace it
-            if not overwrite and has_shards(out, names):
-                raise StageError(_mismatch_message(out, old, record))
-            for n in names:
-                if n.startswith(("part-", ".part-")) or n == SHARDS_FILE:
-                    storage.remove(out / n)
-            for n in storage.listing(out / REJECTS_DIR):
-                if n.startswith("part-"):
-                    storage.remove(out / REJECTS_DIR / n)
-            names = storage.listing(out)
+    old = _other_record(out, names, record)
+    if old is not None:  # another config's output: refused, or (--overwrite, or no shard) its shards go
+        if not overwrite:
+            _refuse_unless_overwrite(out, names, old, record, [], [])
+        for n in names:
+            if n.startswith(("part-", ".part-")) or n == SHARDS_FILE:
+                storage.remove(out / n)
+        for n in storage.listing(out / REJECTS_DIR):
+            if n.startswith("part-"):
+                storage.remove(out / REJECTS_DIR / n)
+        names = storage.listing(out)
     manifests = read_manifests(out, names)
     orphans, recut = _not_remade(stage, inputs, manifests, record.config_hash, names)
-    if orphans and not overwrite:  # a source renamed, moved or deleted: its documents would stay
-        raise StageError(_orphans_message(out, orphans))
-    if recut and not overwrite:  # the same rows would be in two shards
-        raise StageError(_recut_message(out, recut))
+    if not overwrite:
+        _refuse_unless_overwrite(out, names, None, record, orphans, recut)
     orphans += recut
     remove_stale_tmp(out)
     written = json.loads(record.model_dump_json())
@@ -461,29 +455,64 @@ class _Streamed:
         return task, chain, changed, dead
 
 
-def preview_run(stage: Stage, out_dir: AnyPath) -> tuple[RunPlan, str]:
-    """What `plan_run` would plan, writing nothing (a dry run), and a note: a stage whose output holds
-    another config plans every shard and says it needs --overwrite."""
+def preview_run(stage: Stage, out_dir: AnyPath, overwrite: bool = False) -> tuple[RunPlan, str]:
+    """What `plan_run` would plan, writing nothing (a dry run), and a note. Without `overwrite` it
+    refuses what `plan_run` refuses, in the same words (`_refuse_unless_overwrite`); with it, the
+    note says what --overwrite replaces."""
     out = storage.path(out_dir)
     inputs = stage.plan_inputs()
     names = storage.listing(out) if out.exists() else {}
-    if STAGE_FILE in names:
-        old = StageRecord.model_validate_json((out / STAGE_FILE).read_bytes())
-        if old.config_hash != stage.config_hash:
-            tasks = [ShardTask(shard="", inputs=(inp,), out_dir=storage.key(out)) for inp in inputs]
-            return RunPlan(stage, out, tasks, []), " (config changed: needs --overwrite)"
+    record = _record_of(stage)
+    old = _other_record(out, names, record)
+    if old is not None and has_shards(out, names):
+        if not overwrite:
+            _refuse_unless_overwrite(out, names, old, record, [], [])
+        tasks = [ShardTask(shard="", inputs=(inp,), out_dir=storage.key(out)) for inp in inputs]
+        return RunPlan(stage, out, tasks, []), " (config changed: --overwrite replaces every shard)"
     registry = json.loads((out / SHARDS_FILE).read_bytes()) if SHARDS_FILE in names else {}
     manifests = read_manifests(out, names)
     todo, done, stale, _ = _sort_shards(stage, inputs, registry, manifests, names, stage.config_hash, out)
     orphans, recut = _not_remade(stage, inputs, manifests, stage.config_hash, names)
+    if not overwrite:
+        _refuse_unless_overwrite(out, names, None, record, orphans, recut)
     note = (
-        f" ({len(orphans)} shard(s) of inputs no longer read: needs --overwrite)"
+        f" ({len(orphans)} shard(s) of inputs no longer read: --overwrite removes them)"
         if orphans
-        else f" ({len(recut)} shard(s) cut at other rows (--shard-docs): needs --overwrite)"
+        else f" ({len(recut)} shard(s) cut at other rows (--shard-docs): --overwrite re-cuts them)"
         if recut
         else ""
     )
     return RunPlan(stage, out, todo, done, stale, registry), note
+
+
+def _record_of(stage: Stage) -> StageRecord:
+    """The stage record (`.stage.json`) a run of `stage` writes."""
+    return StageRecord(
+        stage=stage.name, config=stage.config(), config_hash=stage.config_hash, code_version=__version__
+    )
+
+
+def _other_record(out: AnyPath, names: dict[str, int], record: StageRecord) -> StageRecord | None:
+    """The stage record `out` holds where it is another stage's or another config's, else None."""
+    if STAGE_FILE not in names:
+        return None
+    old = StageRecord.model_validate_json((storage.path(out) / STAGE_FILE).read_bytes())
+    return old if old.config_hash != record.config_hash or old.stage != record.stage else None
+
+
+def _refuse_unless_overwrite(
+    out, names, old: StageRecord | None, record: StageRecord, orphans, recut
+) -> None:
+    """What a run (and its preview) refuses without --overwrite: shards of another config (`old`; a
+    record without any shard, a run that failed to start, protects nothing), shards of inputs it no
+    longer reads (renamed, moved or deleted: their documents would stay), shards cut at other rows
+    (the same rows would be in two shards)."""
+    if old is not None and has_shards(out, names):
+        raise StageError(_mismatch_message(out, old, record))
+    if orphans:
+        raise StageError(_orphans_message(out, orphans))
+    if recut:
+        raise StageError(_recut_message(out, recut))
 
 
 def _output_present(m: ShardManifest, names: dict[str, int]) -> bool:

@@ -109,7 +109,7 @@ def test_config_errors_and_too_long_input():
         MaskedMixer.Config(**{**BASE, "n_heads": 5})
     with pytest.raises(ValueError, match="kernel"):
         MaskedMixer.Config(**{**BASE, "kernel": 0})
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="heads, which mixer does not take"):
         build_model("mixer", {**BASE, "heads": 2})  # unknown keys refused
     with pytest.raises(ValueError, match="longer than the mixer's n_ctx"):
         MODELS["flat"](torch.zeros(1, 25, dtype=torch.long))

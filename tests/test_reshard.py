@@ -56,7 +56,14 @@ def test_a_rerun_with_another_shard_size_keeps_every_document_once(tmp_path, sou
             run(20)
         # a dry run says the same before the run refuses
         stage = TokenizeStage([str(sources[fmt])], str(tokenizer_dir), n_ctx=32, shard_docs=20)
-        assert "cut at other rows (--shard-docs): needs --overwrite" in preview_run(stage, out)[1]
+        with pytest.raises(StageError, match="cut at other rows") as refused:
+            preview_run(stage, out)
+        with pytest.raises(StageError) as run_refused:
+            run(20)
+        assert str(refused.value) == str(run_refused.value)  # the preview refuses in the run's words
+        assert (
+            "cut at other rows (--shard-docs): --overwrite re-cuts them" in preview_run(stage, out, True)[1]
+        )
         assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing touched
         run(20, overwrite=True)
         assert {(i.stop - i.start) for m in read_manifests(out) for i in m.inputs} == {20}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 import os
@@ -322,3 +323,144 @@ def test_engine_is_passed_to_the_data_stages(tmp_path, tokenizer_dir):
         assert record["engine"] == engine
         digests[engine] = [m["output_sha256"] for m in record["steps"][1]["manifests"]]
     assert len(digests["local"]) == 2 and digests["beam"] == digests["local"]
+
+
+# -- refusals come before anything is written
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> dict:
+    """A finished run of tokenizer -> tokenize -> a causal model -> its scores (no experiment: cheap)."""
+    tmp = tmp_path_factory.mktemp("small")
+    spec = {
+        "run_dir": str(tmp / "run"),
+        "sources": [str(c4_subset(tmp / "c4.json.gz", 0, 60))],
+        "holdout": {"docs": 10},
+        "tokenizer": {"train": {"vocab_size": 300}},
+        "tokenize": {"n_ctx": 32, "shard_docs": 30},
+        "models": [
+            {
+                "name": "causal",
+                "kind": "llama",
+                "steps": 2,
+                "batch_size": 4,
+                "config": {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32},
+            }
+        ],
+        "scores": [
+            {
+                "name": "causal_loss",
+                "scorer": "causal_loss",
+                "checkpoint_from": "causal",
+                "options": {"dtype": "fp32"},
+            }
+        ],
+        "report": None,
+    }
+    code, out = run_cli("run", write_yaml(tmp / "wf.yaml", spec))
+    assert code == 0, out
+    return {"spec": spec, "root": tmp / "run"}
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        # the tokenizer's settings: refused by its own step, after the steps before it (the holdout) ran
+        (lambda s: s["tokenizer"]["train"].update(vocab_size=320), "tokenizer trained with other settings"),
+        # the data's settings: the tokenize stage's shards are another config's
+        (lambda s: s["tokenize"].update(n_ctx=48), "holds tokenize output of another config"),
+        # the model's: it would be trained again, then its scores refused
+        (lambda s: s["models"][0].update(steps=3), "holds output made with the causal this run would train"),
+    ],
+    ids=["tokenizer", "tokenize", "model"],
+)
+def test_a_refused_run_is_refused_before_any_step_writes(small_run, tmp_path, change, says):
+    """Rule: a run that will be refused is refused before the lock or any step writes, in the dry run
+    the same; every file of the run dir (run.json included) is as it was."""
+    spec = copy.deepcopy(small_run["spec"])
+    change(spec)
+    wf = write_yaml(tmp_path / "changed.yaml", spec)
+    before = _files(small_run["root"])
+    for dry in ([], ["--dry-run"]):
+        code, out = run_cli("run", wf, *dry)
+        assert code == 2 and says in out, out
+        assert "ran" not in out and "Traceback" not in out
+        assert _files(small_run["root"]) == before
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda s, tmp: s.update(sources=[str(tmp / "missing.jsonl")]), "missing.jsonl"),
+        (lambda s, tmp: s["holdout"].update(docs=500), "the sources hold only 60 documents"),
+    ],
+    ids=["missing-source", "holdout-too-large"],
+)
+def test_a_run_that_cannot_start_leaves_no_run_dir(small_run, tmp_path, change, says):
+    """Refused by a step's own work (before any step ran), a new run dir is removed again: nothing of
+    the run is left behind, and the next run starts clean."""
+    spec = copy.deepcopy(small_run["spec"]) | {"run_dir": str(tmp_path / "new")}
+    change(spec, tmp_path)
+    code, out = run_cli("run", write_yaml(tmp_path / "wf.yaml", spec))
+    assert code == 2 and says in out, out
+    assert not (tmp_path / "new").exists()
+
+
+_TRAIN = {
+    "kind": "llama",
+    "config": {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32},
+    "steps": 1,
+    "batch_size": 4,
+    "seeds": [0],
+    "runs": [{"name": "reference", "data": "tokens", "loss": "ce"}],
+}
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda s, tmp: s["models"][0].update(kind="lama"), "unknown model kind 'lama'"),
+        (lambda s, tmp: s["models"][0]["config"].update(d_modle=16), "d_modle, which llama does not take"),
+        (lambda s, tmp: s["models"][0]["config"].update(d_model="big"), "d_model is 'big'"),
+        (lambda s, tmp: s["models"][0]["config"].update(d_model=-16), "d_model must be at least 1"),
+        (lambda s, tmp: s["models"][0]["config"].update(d_model=15), "not a multiple of n_heads"),
+        (
+            lambda s, tmp: s.update(train=_TRAIN, eval={"text": str(tmp / "nope.txt")}),
+            "eval.text: no text file",
+        ),
+    ],
+    ids=["kind", "config-key", "config-type", "config-negative", "config-heads", "eval-text"],
+)
+def test_what_a_later_step_would_refuse_is_refused_before_the_first(small_run, tmp_path, change, says):
+    """A model's kind and config, and the evaluation text, are checked before any step runs, by the
+    dry run too (they were refused only when their step came, after hours of the steps before)."""
+    spec = copy.deepcopy(small_run["spec"]) | {"run_dir": str(tmp_path / "new")}
+    change(spec, tmp_path)
+    wf = write_yaml(tmp_path / "wf.yaml", spec)
+    for dry in (["--dry-run"], []):
+        code, out = run_cli("run", wf, *dry)
+        assert code == 2 and says in out and ": ran" not in out, out
+        assert not (tmp_path / "new").exists()
+
+
+def test_a_workflow_file_that_is_not_text_is_refused(tmp_path):
+    bad = tmp_path / "bin.yaml"
+    bad.write_bytes(bytes(range(128, 256)) * 2)
+    code, out = run_cli("run", bad)
+    assert code == 2 and "not a text file" in out
+
+
+@pytest.mark.parametrize("content", [b"<html>", b"[1, 2]", b'{"key": 3', b""])
+def test_a_cached_result_gone_bad_is_made_again_not_a_failure(tmp_path, content):
+    """A step's own record that cannot be read (cut short, edited into something else) means the step
+    is not done: the run makes it again instead of failing on it for good."""
+    from entroweight.workflows.steps import RunContext, UnigramStep
+
+    spec = copy.deepcopy(BASE) | {"run_dir": str(tmp_path / "run"), "train": _TRAIN, "eval": {}}
+    out = tmp_path / "unigram.json"
+    out.write_bytes(content)
+    step = UnigramStep("eval", "unigram", out, RunContext(parse_workflow(spec)))
+    step.key = lambda: "k"  # (its data fingerprint needs tokenized data)
+    assert step.done() is None

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from entroweight import __version__
+from entroweight import __version__, storage
 from entroweight.pipelines.score import ScoreStage
-from entroweight.pipelines.stage import run_lock
+from entroweight.pipelines.stage import has_shards, run_lock
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.weigh import WeighStage
 from entroweight.trainers.config import LossSettings, TrainSettings
@@ -118,13 +118,27 @@ class Runner:
                 else "nothing to do: all steps are up to date"
             )
             return self.steps
+        # every refusal a dry run gives, given before the lock is taken or anything is written: a
+        # step refused half way would leave the steps before it redone for a run that cannot finish
+        Runner(
+            self.wf, self.engine, self.engine_options, True, self.overwrite, echo=lambda _: None
+        )._all_steps()
+        fresh = not storage.path(root).exists()
         lock = run_lock(root, self.wait)  # LockHeld -> exit 3
         start = time.perf_counter()
+        gone = False
         try:
+            self.write_record(0.0)  # a run killed part way is still known as a workflow run
             self._all_steps()
+        except WorkflowError:  # refused by a step's own work (what no plan can see: a count of documents)
+            gone = fresh and not any(s.status == "ran" for s in self.steps)
+            raise
         finally:
-            self.write_record(time.perf_counter() - start)
+            if not gone:
+                self.write_record(time.perf_counter() - start)
             lock.release()
+            if gone:  # a run that could not start leaves no directory behind
+                storage.remove_tree(root)
         ran = [s for s in self.steps if s.status == "ran"]
         if not ran:
             self.echo(f"nothing to do: all {len(self.steps)} step(s) of {root} are up to date")
@@ -151,6 +165,7 @@ class Runner:
         step.prepare()
         waiting = [u for u in step.upstream if u in self.stale]
         if self.dry_run and waiting:
+            self._refuse_redoing(step, waiting)
             self.stale.add(step.name)
             return self._say(step, "would run", f"after {', '.join(waiting)}")
         detail = step.done()
@@ -164,6 +179,20 @@ class Runner:
         step.seconds = time.perf_counter() - t0
         timed = f" ({step.seconds:.1f} s)" if status == "ran" and step.timed else ""
         self._say(step, status, detail + timed)
+
+    def _refuse_redoing(self, step: Step, waiting: list[str]) -> None:
+        """A data step whose output holds shards, downstream of a model or tokenizer this run will
+        (re)train, would be made again from the new one: its stage would refuse the old shards after
+        the training it waited for. Refused now instead, unless --overwrite (which redoes it)."""
+        kinds = {s.name: s.kind for s in self.steps}
+        replaced = [u for u in waiting if kinds.get(u) in ("model", "tokenizer")]
+        if not replaced or self.overwrite or not isinstance(step, DataStep) or not has_shards(step.out):
+            return
+        raise WorkflowError(
+            f"{step.kind} {step.name}: {step.out} holds output made with the {' and '.join(replaced)} this run "
+            "would train again (its settings or data changed), so it would be made again; pass --overwrite "
+            "to redo it, or use another run_dir"
+        )
 
     def _say(self, step: Step, status: str, detail: str) -> None:
         step.status, step.detail = status, detail

@@ -747,4 +747,6 @@ def load_workflow(path: str | Path) -> Workflow:
         raise SpecError(f"cannot read {path}: {e}") from None
     except yaml.YAMLError as e:
         raise SpecError(f"{path} is not valid YAML: {e}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path} is not a text file (UTF-8): a workflow is YAML") from None
     return parse_workflow(data, str(path))

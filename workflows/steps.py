@@ -48,8 +48,19 @@ def _key(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _record(path: Path) -> dict:
+    """A step's own JSON record (its marker, a cached result, a checkpoint's state), or {} where there
+    is none that can be read: absent, cut short, edited into something else. A step whose record is
+    unreadable is not done, so it is made again (no run is blocked by a derived file gone bad)."""
+    try:
+        record = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def _recorded_key(marker: Path) -> str | None:
-    return json.loads(marker.read_text()).get("key") if marker.exists() else None
+    return _record(marker).get("key")
 
 
 def data_fingerprint(data_dir: Path) -> str:
@@ -222,7 +233,10 @@ class DataStep(Step):
     def done(self):
         if not self.run_ctx.dry_run:
             return None  # a run always goes through the stage: it skips done shards and verifies
-        self._plan, note = preview_run(self.stage(), self.out)
+        try:  # refused here as the run would refuse it (another config's shards, without --overwrite)
+            self._plan, note = preview_run(self.stage(), self.out, self.run_ctx.overwrite)
+        except StageError as e:
+            raise WorkflowError(f"{self.kind} {self.name}: {e}") from None
         self._plan_detail = f"{len(self._plan.todo)} shard(s) to run, {len(self._plan.done)} done{note}"
         return None if self._plan.todo else f"all {len(self._plan.done)} shard(s) done"
 
@@ -253,7 +267,10 @@ class TrainStep(Step):
         self.make_config, self.nproc = make_config, nproc
 
     def prepare(self):
+        from entroweight.models import config_of
+
         self.config = self.make_config()  # a TrainError names this step
+        config_of(self.config.model, self.config.model_cfg)  # refused before anything trains
 
     def key(self) -> str:
         cfg = self.config
@@ -267,10 +284,7 @@ class TrainStep(Step):
     def done(self):
         marker, state = self.out / STEP_FILE, self.out / "trainer_state.json"
         finished = (
-            marker.exists()
-            and state.exists()
-            and json.loads(marker.read_text()).get("key") == self.key()
-            and json.loads(state.read_text()).get("step") == self.config.steps
+            _record(marker).get("key") == self.key() and _record(state).get("step") == self.config.steps
         )
         return f"finished checkpoint {self.out}" if finished else None
 
@@ -325,7 +339,7 @@ class EvalStep(Step):
         settings = wf.eval.model_dump(mode="json", exclude={"out", "batch_size", "device"})
         if self.text != "main":
             settings |= {"text": self.text, "max_bytes": wf.holdout.max_bytes, "holdout": wf.holdout.docs}
-        weights = json.loads((self.ckpt / "trainer_state.json").read_text())["weights_sha256"]
+        weights = _record(self.ckpt / "trainer_state.json").get("weights_sha256")
         return _key({"weights": weights, **settings})
 
     def done(self):
@@ -333,7 +347,7 @@ class EvalStep(Step):
             if self.run_ctx.dry_run:
                 return None
             raise WorkflowError(f"eval {self.name}: no checkpoint at {self.ckpt}")
-        cached = json.loads(self.out.read_text()) if self.out.exists() else {}
+        cached = _record(self.out)
         return f"BPB {cached['bpb']:.4f}" if cached.get("key") == self.key() else None
 
     def plan(self):
@@ -350,8 +364,22 @@ class EvalStep(Step):
         return "ran", f"BPB {res['bpb']:.4f}"
 
 
+def check_eval_text(wf: Workflow) -> None:
+    """eval.text, read as its steps will read it (there, valid UTF-8, not empty): refused before the
+    models it evaluates are trained, not after."""
+    from entroweight.trainers.bpb import read_text
+
+    try:
+        read_text(wf.eval.text, wf.eval.max_bytes)
+    except (OSError, ValueError) as e:
+        raise WorkflowError(f"eval.text: {e}") from None
+
+
 class UnigramStep(Step):
     """The baseline a model must beat: the training tokens' frequencies as the prediction (BPB)."""
+
+    def prepare(self):
+        check_eval_text(self.wf)
 
     def key(self) -> str:
         e = self.wf.eval
@@ -360,7 +388,7 @@ class UnigramStep(Step):
         )
 
     def done(self):
-        cached = json.loads(self.out.read_text()) if self.out.exists() else {}
+        cached = _record(self.out)
         return f"BPB {cached['bpb']:.4f}" if cached.get("key") == self.key() else None
 
     def plan(self):
@@ -389,7 +417,7 @@ class AgreementStep(Step):
         return _key({"spec": spec, "data": {n: data_fingerprint(d) for n, d in self._dirs().items()}})
 
     def done(self):
-        cached = json.loads(self.out.read_text()) if self.out.exists() else {}
+        cached = _record(self.out)
         return str(self.out) if cached.get("key") == self.key() else None
 
     def plan(self):
@@ -505,7 +533,7 @@ class AccuracyItemsStep(Step):
             return "no offline task"
         f, marker = self.out / self.ITEMS, self.out / STEP_FILE
         if f.is_file() and _recorded_key(marker) == self.key():
-            made = json.loads(marker.read_text())
+            made = _record(marker)
             if made.get("sha256") == sha256_file(f):  # a file changed since (by hand, a bad disk): rebuilt
                 return f"{made['items']} items"
         return None
@@ -569,7 +597,7 @@ class AccuracyStep(Step):
         from importlib.metadata import version
 
         a = self.wf.accuracy
-        weights = json.loads((self.ckpt / "trainer_state.json").read_text())["weights_sha256"]
+        weights = _record(self.ckpt / "trainer_state.json").get("weights_sha256")
         items = self.items.items_file()
         settings = a.model_dump(mode="json", include={"tasks", "num_fewshot", "limit"})
         return _key(
@@ -586,7 +614,7 @@ class AccuracyStep(Step):
             if self.run_ctx.dry_run:
                 return None
             raise WorkflowError(f"accuracy {self.name}: no checkpoint at {self.ckpt}")
-        cached = json.loads(self.out.read_text()) if self.out.exists() else {}
+        cached = _record(self.out)
         return headline_metrics(cached) if cached.get("key") == self.key() else None
 
     def plan(self):
