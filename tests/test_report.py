@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from html.parser import HTMLParser
 
 import numpy as np
@@ -203,4 +204,46 @@ def test_the_report_refuses_a_score_shard_that_differs_from_its_manifest(tiny_ru
     shard.write_bytes(bytes(data))
     code, out = run_cli("report", run, "--out", tmp_path / "r.html")
     assert code == 2 and shard.name in out and "differ from its manifest" in out, out
+    assert not (tmp_path / "r.html").exists()
+
+
+# -- what report writes, and what it does with records gone bad
+@pytest.mark.parametrize(
+    "out, says",
+    [
+        ("run.json", "ending in .html"),
+        ("eval/reference/seed-0.json", "ending in .html"),
+        ("tokens", "is a directory"),
+        ("", "is empty"),
+    ],
+)
+def test_report_never_writes_over_what_it_reads(tiny_run, out, says):  # noqa: F811
+    """Rule: report writes one .html file; any other --out (a record of the run, a directory) is refused
+    with exit 2, and nothing changes."""
+    run_dir = tiny_run["run_dir"]
+    target = run_dir / out if out else ""
+    before = {p: p.read_bytes() for p in run_dir.rglob("*.json")}
+    code, text = run_cli("report", run_dir, "--out", target)
+    assert code == 2 and says in text and "Traceback" not in text, text
+    assert {p: p.read_bytes() for p in run_dir.rglob("*.json")} == before
+    assert not list(run_dir.rglob("*.tmp-*"))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        ("run.json", b"{not json"),
+        ("eval/reference/seed-0.json", b'{"bpb": "x"}'),
+        ("eval/reference/seed-0.json", b"[1, 2]"),
+        ("train/reference/seed-0/metrics.jsonl", b"garbage\n"),
+    ],
+    ids=["run-record", "eval-value", "eval-type", "metrics"],
+)
+def test_a_damaged_record_is_named_not_a_traceback(tiny_run, tmp_path, damage):  # noqa: F811
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run["run_dir"], run_dir)
+    name, content = damage
+    (run_dir / name).write_bytes(content)
+    code, text = run_cli("report", run_dir, "--out", tmp_path / "r.html")
+    assert code == 2 and "Traceback" not in text, text
     assert not (tmp_path / "r.html").exists()

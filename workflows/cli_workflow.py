@@ -14,6 +14,7 @@ import click
 from .cli_common import (
     EXIT_FAILED_SHARDS,
     EXIT_LOCKED,
+    SECONDS,
     GeneratedOptions,
     _fail,
     engine_kwargs,
@@ -27,7 +28,7 @@ from .cli_common import (
 @click.option("--overwrite", is_flag=True, help="Redo steps whose config changed instead of refusing.")
 @click.option(
     "--wait",
-    type=click.FloatRange(min=0),
+    type=SECONDS,
     default=0,
     help="Seconds to wait for another run's lock on the run dir.",
 )
@@ -70,11 +71,12 @@ def run_cmd(workflow, dry_run, overwrite, wait, **params):
 def report_cmd(run_dir, out, samples):
     """Write one self-contained HTML report of RUN_DIR (plots embedded; opens offline)."""
     from .cli_common import check_output
-    from .report import ReportError, write_report
+    from .report import ReportError, check_report_out, write_report
 
-    if out is not None:  # RUN_DIR/report.html, its default, lies inside what it reads by design
-        check_output(out, [("RUN_DIR", run_dir)], "report", may_lie_inside=True)
     try:
+        if out is not None:  # RUN_DIR/report.html, its default, lies inside what it reads by design
+            check_report_out(out)
+            check_output(out, [("RUN_DIR", run_dir)], "report", may_lie_inside=True)
         path = write_report(run_dir, out, samples=samples)
     except ReportError as e:
         _fail(str(e))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from entroweight import storage
 from entroweight.transforms.writer import write_text_atomic
 
 from .report_data import (  # noqa: F401 - re-exported: the report's public names
@@ -172,5 +173,27 @@ def write_report(
     run_dir: str | Path, out: str | Path | None = None, samples: int = 3, max_tokens: int = 2_000_000
 ) -> Path:
     out = Path(out) if out else Path(run_dir) / "report.html"
-    write_text_atomic(build_report(run_dir, samples, max_tokens), out)
+    check_report_out(out)
+    try:
+        html = build_report(run_dir, samples, max_tokens)
+    except ReportError:
+        raise
+    except (ValueError, TypeError, KeyError) as e:  # a record holding other values than the run wrote
+        raise ReportError(
+            f"{run_dir} holds a record the report cannot read ({type(e).__name__}: {e}); rerun "
+            "`entroweight run` to make the run's records again"
+        ) from None
+    write_text_atomic(html, out)
     return out
+
+
+def check_report_out(out: str | Path) -> None:
+    """The report is one HTML file: --out names a .html file, never a directory, nor a file the report
+    reads (every record of a run is JSON, parquet or a checkpoint; none ends in .html)."""
+    if storage.blank(out):
+        raise ReportError("--out is empty (an unset variable?): name the HTML file to write")
+    out = Path(out)
+    if out.is_dir():
+        raise ReportError(f"--out {out} is a directory; name the HTML file to write (e.g. {out}/report.html)")
+    if out.suffix.lower() != ".html":
+        raise ReportError(f"--out {out}: the report is one HTML file; name a file ending in .html")

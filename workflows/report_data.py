@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -35,6 +36,17 @@ class ReportError(ValueError):
 
 
 # -- reading the run
+def read_record(path: Path, what: str = "record") -> Any:
+    """A JSON record of the run (run.json, an evaluation, the agreement table), or ReportError naming
+    the file when it cannot be read: cut short or edited into something else."""
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ReportError(
+            f"{path} is not a readable {what} ({e}); `entroweight run` makes it again once it is removed"
+        ) from None
+
+
 def load_run(run_dir: str | Path) -> tuple[dict, Workflow]:
     run_dir = Path(run_dir)
     record_file = run_dir / "run.json"
@@ -42,10 +54,10 @@ def load_run(run_dir: str | Path) -> tuple[dict, Workflow]:
         raise ReportError(
             f"{run_dir} has no run.json: it is not a workflow run; run `entroweight run WORKFLOW.yaml`"
         )
-    record = json.loads(record_file.read_text())
+    record = read_record(record_file, "run record")
     try:
         wf = parse_workflow(record["config"], str(record_file))
-    except SpecError as e:
+    except (SpecError, TypeError, KeyError) as e:
         raise ReportError(str(e)) from None
     wf.run_dir = str(run_dir)  # outputs are relative to the run dir, wherever it is now
     return record, wf
@@ -110,7 +122,10 @@ def read_metrics(ckpt: Path) -> list[dict]:
     path = ckpt / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    try:
+        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    except ValueError as e:
+        raise ReportError(f"{path} is not readable training metrics ({e})") from None
 
 
 TEXT_NAMES = {"main": "WikiText-2", "heldout": "held-out source text"}
@@ -132,7 +147,7 @@ def bpb_table(wf: Workflow, text: str = "main") -> dict:
         for s in wf.train.seeds:
             f = wf.eval_file(r.name, s, text)
             if f.is_file():
-                seeds[s] = json.loads(f.read_text())["bpb"]
+                seeds[s] = read_record(f, "evaluation")["bpb"]
         v = np.array(list(seeds.values()), dtype=np.float64)
         runs.append(
             {
@@ -321,7 +336,7 @@ def read_accuracy(wf: Workflow) -> dict[tuple[str, int], dict]:
         for s in wf.train.seeds:
             f = wf.accuracy_file(r.name, s)
             if f.is_file():
-                out[(r.name, s)] = json.loads(f.read_text())
+                out[(r.name, s)] = read_record(f, "evaluation")
     return out
 
 
@@ -553,7 +568,7 @@ def writeup_agreement(wf: Workflow) -> dict | None:
     if wf.agreement is None:
         return None
     path = wf.root / wf.agreement.out
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_record(path, "agreement table") if path.is_file() else None
 
 
 def curves(wf: Workflow) -> dict:
@@ -578,7 +593,7 @@ def bpb_section(wf: Workflow, text: str = "main") -> dict:
     """A BPB table (every run × seed, mean, std), the unigram baseline and the verdicts."""
     table = bpb_table(wf, text)
     uni_file = wf.root / wf.eval.out / "unigram.json"
-    unigram = json.loads(uni_file.read_text())["bpb"] if uni_file.is_file() and text == "main" else None
+    unigram = read_record(uni_file, "evaluation")["bpb"] if uni_file.is_file() and text == "main" else None
     title = (wf.eval.text or "the bundled WikiText-2 test set") if text == "main" else text_name(wf, text)
     return {
         "text": text,

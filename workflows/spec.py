@@ -354,6 +354,8 @@ class ReportSpec(_Strict):
     @field_validator("out")
     @classmethod
     def _o(cls, v):
+        if not str(v).lower().endswith(".html"):  # one HTML file, never one of the run's records
+            raise ValueError(f"the report is one HTML file: name a file ending in .html, not {v!r}")
         return _inside(v)
 
 
