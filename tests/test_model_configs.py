@@ -199,3 +199,28 @@ def test_an_empty_path_option_is_refused_not_defaulted(tiny_estimator, tmp_path,
     assert "Traceback" not in res.output and ("is empty" in res.output or "does not exist" in res.output), (
         res.output
     )
+
+
+# every command that reads several data inputs of one role (click: DATA... or a repeatable --data)
+DATA_TWICE = {
+    "train": lambda ckpt, a, b, out: ["train", a, b, "--steps", 1, "--batch-size", 2, "--out", out],
+    "eval-quant": lambda ckpt, a, b, out: ["eval-quant", ckpt, "--data", a, "--data", b],
+}
+
+
+def test_every_command_with_repeatable_data_has_a_row():
+    def repeats_data(c):
+        return any(p.name == "data" and (p.nargs == -1 or getattr(p, "multiple", False)) for p in c.params)
+
+    assert sorted(n for n, c in main.commands.items() if repeats_data(c)) == sorted(DATA_TWICE)
+
+
+@pytest.mark.parametrize("command", sorted(DATA_TWICE))
+@pytest.mark.parametrize("how", ["same directory twice", "a directory and a file in it"])
+def test_data_given_twice_is_refused_not_read_twice(tiny_estimator, tokenized_dir, tmp_path, command, how):
+    """Rule: every row is read once. A directory given twice, or with one of its files, was read twice
+    (train trained on each row twice, eval-quant counted 1,800 sequences of 900); refused, exit 2."""
+    b = tokenized_dir if how.startswith("same") else sorted(tokenized_dir.glob("part-*.parquet"))[0]
+    res = cli(*DATA_TWICE[command](tiny_estimator, tokenized_dir, b, tmp_path / "out"))
+    assert res.exit_code == 2 and "would be read twice" in res.output, res.output
+    assert not (tmp_path / "out").exists()

@@ -66,11 +66,19 @@ def _data(paths, parts: dict[str, Part] | None = None) -> tuple[list[str], list[
     files: list[str] = []
     groups: list[list[int] | None] = []
     parts = {} if parts is None else parts
-    for p in paths:
+    given: dict[str, int] = {}  # each file (canonical key) -> the input it came through
+    for i, p in enumerate(paths):
         try:
             d, found = data_files(p, hint="tokenize (and score) data first", foreign=True)
         except DataDirError as e:
             raise DataError(str(e)) from None
+        for f in found:  # one directory twice, or a directory and a file in it: its rows read twice
+            first = given.setdefault(storage.key(f), i)
+            if first != i:
+                raise DataError(
+                    f"{f} would be read twice (through {paths[first]} and {p}): give each input once; to "
+                    "weigh some data more, weigh it (`entroweight weigh`) rather than repeat it"
+                )
         files += found
         by_location = {part.location: part for part in d.parts}
         groups += [by_location[f].manifest.output_row_groups if f in by_location else None for f in found]
