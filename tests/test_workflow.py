@@ -464,3 +464,16 @@ def test_a_cached_result_gone_bad_is_made_again_not_a_failure(tmp_path, content)
     step = UnigramStep("eval", "unigram", out, RunContext(parse_workflow(spec)))
     step.key = lambda: "k"  # (its data fingerprint needs tokenized data)
     assert step.done() is None
+
+
+def test_a_run_dir_of_other_files_is_refused_untouched(small_run, tmp_path):
+    """A run_dir that holds a user's files (not a workflow run) is refused before any step: the steps
+    would write among them, and a stage would then refuse its own output on every rerun."""
+    (tmp_path / "mine" / "tokens").mkdir(parents=True)
+    (tmp_path / "mine" / "tokens" / "readme.md").write_text("x")
+    spec = copy.deepcopy(small_run["spec"]) | {"run_dir": str(tmp_path / "mine")}
+    before = _files(tmp_path / "mine")
+    for dry in (["--dry-run"], []):
+        code, out = run_cli("run", write_yaml(tmp_path / "wf.yaml", spec), *dry)
+        assert code == 2 and "holds files that are not a workflow run's (tokens)" in out, out
+        assert _files(tmp_path / "mine") == before

@@ -22,7 +22,7 @@ import yaml
 
 from entroweight import __version__, storage
 from entroweight.pipelines.score import ScoreStage
-from entroweight.pipelines.stage import has_shards, run_lock
+from entroweight.pipelines.stage import LOCK_FILE, has_shards, run_lock
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.weigh import WeighStage
 from entroweight.trainers.config import LossSettings, TrainSettings
@@ -108,6 +108,7 @@ class Runner:
         root = self.wf.root
         if self.wf.train is not None and self.wf.accuracy is not None:
             check_accuracy(self.wf.accuracy)  # before any step writes (its step would, after hours)
+        self._check_run_dir()
         if self.dry_run:
             self.echo(f"plan for {root} (dry run: nothing is written)")
             self._all_steps()
@@ -145,6 +146,19 @@ class Runner:
         else:
             self.echo(f"done: {len(ran)} step(s) ran in {time.perf_counter() - start:.1f} s -> {root}")
         return self.steps
+
+    def _check_run_dir(self) -> None:
+        """run_dir is new, empty, or a workflow run's (run.json, or the lock of one killed before its
+        record): the steps would write among another directory's files, and its stages would then
+        refuse them (a data step's output holding a user's file) on every rerun."""
+        root = storage.path(self.wf.root)
+        names = [p.name for p in root.iterdir() if not p.name.startswith(".")] if root.is_dir() else []
+        marks = storage.listing(root)
+        if names and RUN_FILE not in marks and LOCK_FILE not in marks:
+            raise WorkflowError(
+                f"run_dir {self.wf.root} holds files that are not a workflow run's ({', '.join(sorted(names)[:3])}"
+                f"{', ...' if len(names) > 3 else ''}): give a new or empty run_dir"
+            )
 
     def _all_steps(self) -> None:
         try:
