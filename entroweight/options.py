@@ -4,6 +4,11 @@ reference tables for the docs.
 Below every layer (it imports none of ours): the scorers' options, the weighting, the trainer's config,
 the workflow file and the command line all refuse a value through `refusal_lines`, each naming the
 key its own way (`--floor` on the command line, `scores[0].weighting.floor` in a workflow).
+
+The rules every option of every front end follows are here too, once: a float is finite (`Options`),
+a seed is one numpy and torch both take (`Seed`, `SEED_LIMIT`), a device is one torch knows and
+entroweight runs on (`DeviceName`), and is on this machine where the work is about to run
+(`device_here`). The command line's own flags take them through workflows/cli_common.py.
 """
 
 from __future__ import annotations
@@ -11,14 +16,35 @@ from __future__ import annotations
 import typing
 from collections.abc import Callable
 
-from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+# a seed goes to torch.manual_seed (a signed 64-bit integer at most) and to numpy's generators (no
+# negative number): 0 <= seed < 2**63 is what both take. Outside, a run failed at its first draw, late.
+SEED_LIMIT = 2**63
+Seed = typing.Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+
+# the device types the code runs on; torch knows more names (meta, xpu, ...), none of which it supports
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+AUTO = "auto"  # where a command picks: CUDA where there is one, else the CPU
 
 
 class Options(BaseModel):
     """The base of every options model (a scorer's, the weighting, the trainer's, the workflow file's).
     A value keeps the kind it was written as where a bool and a number meet: YAML reads `yes`, `on`
     and `true` as true, which pydantic would take as the number 1 (`stride: yes` would score with
-    stride 1), and it would take 1 or 0 for a switch. A quoted number is still read as the number."""
+    stride 1), and it would take 1 or 0 for a switch. A quoted number is still read as the number.
+    No float is NaN or infinite (`lr: inf` passed `gt=0` and trained to NaN at step 2); subclasses'
+    own `model_config` is merged with this one, so the rule holds for every model."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -33,6 +59,50 @@ class Options(BaseModel):
         if kinds == {bool} and isinstance(value, int | float) and not isinstance(value, bool):
             raise ValueError(f"takes true or false, not {value!r}")
         return value
+
+
+def device_name(value: str, auto: bool = True) -> str:
+    """`value` if it names a device entroweight runs on: cpu, cuda, cuda:N, mps, and `auto` where the
+    caller resolves it (`auto=True`). Any other name is refused (ValueError, the value named). The
+    name only: whether the device is on this machine is `device_here`'s question, asked where the work
+    runs (a cluster's driver may have no GPU its workers have)."""
+    if auto and value == AUTO:
+        return value
+    import torch  # here, not at the top: the CLI starts without torch
+
+    choices = ("auto, " if auto else "") + "cpu, cuda, cuda:N, mps"
+    try:
+        kind = torch.device(value).type
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{value!r} is not a torch device ({choices})") from None
+    if kind not in DEVICE_TYPES:
+        raise ValueError(f"{value!r} is a torch device entroweight does not run on ({choices})")
+    return value
+
+
+def device_here(value: str, auto: bool = True):
+    """The torch.device `value` names on this machine (`auto`: CUDA where there is one, else the CPU),
+    refused (ValueError) unless `device_name` takes it and the device is here: CUDA or MPS asked for
+    where torch sees none, or a CUDA index past the last, failed deep in torch with a traceback."""
+    import torch
+
+    device_name(value, auto)
+    if value == AUTO:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(value)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{value} but no CUDA device is visible here; use cpu")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{value} but this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{value} but no MPS device is available here; use cpu")
+    return device
+
+
+# a device field of an options model: the name checked wherever the model is validated
+DeviceName = typing.Annotated[str, AfterValidator(device_name)]
 
 
 def key_path(loc: tuple) -> str:
@@ -94,8 +164,17 @@ def options_table(
     return "\n".join(rows)
 
 
+def bare(annotation):
+    """A type without its constraints: `int` of `Seed` (an Annotated int), so that a field's flag and
+    its docs row are those of the type it constrains."""
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation
+
+
 def type_name(annotation) -> str:
     """`int`, `bf16` / `fp16`, `float float` (a pair), `str or none`."""
+    annotation = bare(annotation)
     args = typing.get_args(annotation)
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:

@@ -193,7 +193,7 @@ def check_output(
     reads,
     command: str,
     flag: str = "--out",
-    overwrite: bool = False,
+    overwrite: bool | None = False,
     owners: tuple[str, ...] = (),
     may_lie_inside: bool = False,
     apart: bool = False,
@@ -207,6 +207,7 @@ def check_output(
     lie inside another command's output either (a workflow run, a stage's shards, a training run):
     it would mix into what that command reads and rewrites, and --overwrite cannot help there (a
     workflow writes inside its own run directory, so its steps do not ask this).
+    `overwrite` None: the command has no --overwrite, so no refusal advises it.
     Returns the other command whose output `overwrite` will replace (the caller removes `out` whole
     once every other check passed), else None. Raises OutputRefused."""
     if blank(out):
@@ -237,9 +238,9 @@ def check_output(
         return None
     if overwrite:
         return owner
+    advice = "" if overwrite is None else ", or pass --overwrite to replace it whole"
     raise OutputRefused(
-        f"{flag} {out} holds the output of {_named(owner)}, not of `{command}`; write elsewhere, or pass "
-        "--overwrite to replace it whole"
+        f"{flag} {out} holds the output of {_named(owner)}, not of `{command}`; write elsewhere{advice}"
     )
 
 

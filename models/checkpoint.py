@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from entroweight import storage
@@ -126,19 +127,56 @@ def load_checkpoint(
             f"{weights} does not match the sha256 recorded in {CONFIG}: the file changed or is corrupt; "
             "re-copy the checkpoint or retrain it"
         )
-    model = build_model(config["kind"], config["model"])
+    try:  # a config.json edited by hand or cut short: refused naming it, not a TypeError from a Config
+        model = build_model(config["kind"], config["model"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(
+            f"{ckpt / CONFIG} does not describe {a_model_of(config['kind'])} ({_one_line(e)}): "
+            "the file was edited or is corrupt; re-copy the checkpoint"
+        ) from None
+    load_weights(model, weights, config["kind"], map_location)
+    return model.to(map_location).eval(), config
+
+
+def load_weights(model: torch.nn.Module, weights: Path, kind: str, map_location: str = "cpu") -> None:
+    """`weights` (model.safetensors, or a pickle the caller allowed) into `model`, every key and shape
+    checked: a file that does not parse (cut short: its sha256 can be absent from config.json), or
+    weights of another shape than config.json describes (an edited d_model), is a CheckpointError
+    naming the file, where it was a SafetensorError or a state dict's "size mismatch" traceback.
+    Every reader of our weights goes through it: load_checkpoint, and the trainer's resume."""
     if weights.name == WEIGHTS:
-        state = load_file(str(weights), device=map_location)
+        try:
+            state = load_file(str(weights), device=map_location)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(
+                f"{weights} is not a readable safetensors file ({_one_line(e)}): it is cut short or "
+                "corrupt; re-copy the checkpoint or retrain it"
+            ) from None
     else:
         state = _load_pickle_state(weights, map_location)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    expected = model.state_dict()
     # tied weights were saved once; anything else missing is an error
-    missing = [k for k in missing if not _is_tied(model, k)]
+    missing = [k for k in expected if k not in state and not _is_tied(model, k)]
+    unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
         raise CheckpointError(
-            f"{weights} does not fit a {config['kind']} model: missing {missing}, unexpected {unexpected}"
+            f"{weights} does not fit {a_model_of(kind)}: missing {missing}, unexpected {unexpected}"
         )
-    return model.to(map_location).eval(), config
+    wrong = [k for k in state if tuple(state[k].shape) != tuple(expected[k].shape)]
+    if wrong:
+        k = wrong[0]
+        raise CheckpointError(
+            f"{weights} does not fit the {kind} model its {CONFIG} describes: {k} is "
+            f"{list(state[k].shape)}, the model's {list(expected[k].shape)}"
+            + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+            + f"; {CONFIG} was edited, or the weights are of another model"
+        )
+    model.load_state_dict(state, strict=False)
+
+
+def _one_line(e: Exception) -> str:
+    """An exception's message on one line (torch's and safetensors' span several)."""
+    return " ".join(str(e).split())
 
 
 def _pickle_weights(ckpt: Path, allow_pickle: bool) -> Path:

@@ -18,7 +18,7 @@ from .stage import (
     StageError,
     StageFailed,
     has_shards,
-    plan_run,
+    plan_past_damage,
     run_lock,
 )
 
@@ -75,7 +75,7 @@ def run_stage(
         created = not out_dir.exists() if storage.is_local(out_dir) else not storage.listing(out_dir)
         lock = run_lock(out_dir, wait)
         try:
-            plan = plan_run(stage, out_dir, overwrite=overwrite, inputs=inputs)
+            plan = plan_past_damage(stage, out_dir, overwrite=overwrite, inputs=inputs)
             start = time.perf_counter()
             results = module.run(plan, progress=progress, **engine_options) if plan.todo else []
             # A worker that died mid-shard (SIGKILL, OOM) left its temp file; we hold the lock and the

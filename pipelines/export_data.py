@@ -178,6 +178,15 @@ def _megatron(source: Source, out: Path, record: dict) -> None:
     weights.finalize(get_idx_path(weight_prefix))
 
 
+# LitData has no empty dataset: its writer writes no index for no item, its reader refuses an index
+# without chunks ("No chunks found")
+_NO_LITDATA_ROWS = (
+    "{src} holds no rows (every document was rejected or dropped: see `entroweight inspect {src}`), and "
+    "LitData cannot hold an empty dataset (its StreamingDataset refuses an index without chunks): "
+    "nothing to export; --format hf and megatron write an empty dataset"
+)
+
+
 def _litdata(source: Source, out: Path, record: dict) -> None:
     from litdata.streaming.writer import BinaryWriter
 
@@ -193,6 +202,8 @@ def _litdata(source: Source, out: Path, record: dict) -> None:
             }
             writer.add_item(index, sample)
             index += 1
+    if index == 0:  # merge() would wait forever for the index a writer of no item never writes
+        raise ExportError(_NO_LITDATA_ROWS.format(src=source.path))
     writer.done()
     writer.merge()
 
@@ -319,6 +330,8 @@ def export_data(
     """
     check_request(src, out, fmt, overwrite)
     source = open_scored(src)
+    if fmt == "litdata" and not any(p.manifest.rows_out for p in source.parts):  # before any writing
+        raise ExportError(_NO_LITDATA_ROWS.format(src=src))
     if storage.is_url(out):
         with tempfile.TemporaryDirectory(prefix="entroweight-export-") as local:
             record = export_data(src, Path(local) / "export", fmt, overwrite, bpb)

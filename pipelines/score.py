@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from entroweight import __version__, storage
+from entroweight.options import device_here
 from entroweight.schemas import ROW_IN_DOC, FileMetadata, ShardManifest, document_starts
 from entroweight.schemas.arrow import WEIGHTED_COLUMNS
 from entroweight.schemas.datadir import DataDir, DataDirError
@@ -47,7 +48,14 @@ from entroweight.transforms.tokenizer import (
 from entroweight.transforms.weigh import WeighConfig
 
 from .stage import ShardTask, Stage, StageError
-from .weighted import WeightedShardWriter, check_steps, part_inputs, read_input, weighing_metadata
+from .weighted import (
+    WeightedShardWriter,
+    check_steps,
+    part_inputs,
+    part_locations,
+    read_input,
+    weighing_metadata,
+)
 
 # positions (rows × n_ctx) scored together: the rows of a segment are sorted by length into batches
 # (fuller batches the more rows there are), and two segments are in memory at a time
@@ -56,12 +64,12 @@ MIN_SEGMENT_ROWS = 64
 
 
 def check_device(device: str) -> None:
-    """Where the scorer runs (a worker, or the local engine's driver): is its device here?"""
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise StageError(f"--device {device} but no CUDA device is visible here; use --device cpu")
+    """Where the scorer runs (a worker, or the local engine's driver): is its device here? The one
+    check of every command (entroweight.options.device_here), worded as the stage's refusal."""
+    try:
+        device_here(device, auto=False)
+    except ValueError as e:
+        raise StageError(f"--device {e}") from None
 
 
 def open_parquet(path: str) -> pq.ParquetFile:
@@ -175,6 +183,7 @@ class ScoreStage(Stage):
             )
         self.scorer.check_data_tokenizer(sha, self._tok)
         self._check_vocab()
+        self._check_context()
         check_steps(self.steps, meta)
 
     def _check_vocab(self) -> None:
@@ -191,6 +200,17 @@ class ScoreStage(Stage):
                 f"({self.input_meta['vocab_size']} ids)"
             )
 
+    def _check_context(self) -> None:
+        """Rows no wider than the model reads: refused here, not by the model in every shard after it
+        loaded. The data's width is its n_ctx (every row is padded or packed to it)."""
+        limit, width = self.scorer.max_row_tokens(), int(self.input_meta["n_ctx"])
+        if limit is not None and width > limit:
+            raise StageError(
+                f"{self.data.location} holds rows of {width} tokens (n_ctx), longer than the "
+                f"{self.scorer.name} scorer's model reads ({limit}, its n_ctx): tokenize with --n-ctx "
+                f"{limit} or less, or score with a model of a longer context"
+            )
+
     def plan_inputs(self) -> list[ShardInput]:
         self.prepare()
         inputs = part_inputs(self.data, "sequences")
@@ -199,7 +219,7 @@ class ScoreStage(Stage):
         return inputs[: self.limit] if self.limit else inputs
 
     def input_universe(self, planned: list[ShardInput]) -> set[str]:
-        return {p.location for p in self.data.parts}  # with `limit`: the parts not yet scored too
+        return set(part_locations(self.data))  # with `limit`: the parts not yet scored too
 
     def carry(self, out_dir) -> None:
         if self.tokenizer_path is not None:  # the weighted data stays self-describing

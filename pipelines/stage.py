@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from entroweight import __version__, storage
 from entroweight.schemas import ShardManifest, StageRecord, config_hash
-from entroweight.schemas.datadir import DataDir
+from entroweight.schemas.datadir import DataDir, Unreadable
 from entroweight.schemas.manifest import (
     REJECTS_DIR,
     SHARDS_FILE,
@@ -308,6 +308,34 @@ def plan_run(
     return RunPlan(stage=stage, out_dir=out, todo=todo, done=done, stale=stale, registry=registry)
 
 
+def plan_past_damage(
+    stage: Stage, out_dir: AnyPath, overwrite: bool = False, inputs: list[ShardInput] | None = None
+) -> RunPlan:
+    """`plan_run`, where --out's bookkeeping that does not parse (a shard manifest or `.shards.json`,
+    changed by hand or damaged) is refused naming the file (StageError), or with --overwrite removed
+    and planned again: a shard without its manifest is not done (redone, as after a crash between its
+    parquet and its manifest), and a run without a registry numbers its inputs anew."""
+    while True:
+        try:
+            return plan_run(stage, out_dir, overwrite=overwrite, inputs=inputs)
+        except (ValueError, TypeError, AttributeError) as e:  # Unreadable (a manifest), or the registry's
+            # json error or a registry of another shape: the registry read again names it, or the error stands
+            damaged = e if isinstance(e, Unreadable) else _unreadable_registry(out_dir)
+            if damaged is None:
+                raise
+            if not overwrite:
+                raise StageError(str(damaged)) from None
+            storage.remove(storage.path(damaged.location))
+
+
+def _unreadable_registry(out_dir: AnyPath) -> Unreadable | None:
+    try:
+        DataDir(out_dir).registry  # noqa: B018 - read to check that it parses
+    except Unreadable as e:
+        return e
+    return None
+
+
 def _not_remade(stage: Stage, inputs, manifests, config_hash: str, names) -> tuple[list, list]:
     """Committed shards of this config that this run would not make again, kept beside its own:
     (orphans: of an input it does not read, renamed, moved or deleted since, whose documents would
@@ -351,6 +379,13 @@ def _recut_message(out: AnyPath, recut: list[ShardManifest]) -> str:
 def _orphans_message(out: AnyPath, orphans: list[ShardManifest]) -> str:
     gone = list(dict.fromkeys(i.uri for m in orphans for i in m.inputs))
     shown = _shown(gone)
+    if any(not storage.is_url(u) and not u.startswith("hf:") and not os.path.isabs(u) for u in gone):
+        # score and weigh record where they read absolutely now (pipelines/weighted.py part_locations)
+        return (
+            f"{out} holds {len(orphans)} shard(s) whose inputs were recorded relative to the working "
+            f"directory of the run that wrote them ({shown}), by an older entroweight: it cannot tell "
+            "whether this run reads them; pass --overwrite to redo those shards"
+        )
     return (
         f"{out} holds {len(orphans)} shard(s) of inputs this run does not read ({shown}): renamed, moved "
         "or deleted since the run that wrote them; restore them, or pass --overwrite to drop those "
@@ -469,8 +504,10 @@ def preview_run(stage: Stage, out_dir: AnyPath, overwrite: bool = False) -> tupl
             _refuse_unless_overwrite(out, names, old, record, [], [])
         tasks = [ShardTask(shard="", inputs=(inp,), out_dir=storage.key(out)) for inp in inputs]
         return RunPlan(stage, out, tasks, []), " (config changed: --overwrite replaces every shard)"
-    registry = json.loads((out / SHARDS_FILE).read_bytes()) if SHARDS_FILE in names else {}
-    manifests = read_manifests(out, names)
+    try:  # bookkeeping that does not parse: refused naming the file, as the run refuses it
+        registry, manifests = DataDir(out).registry, read_manifests(out, names)
+    except Unreadable as e:
+        raise StageError(str(e)) from None
     todo, done, stale, _ = _sort_shards(stage, inputs, registry, manifests, names, stage.config_hash, out)
     orphans, recut = _not_remade(stage, inputs, manifests, stage.config_hash, names)
     if not overwrite:

@@ -9,6 +9,7 @@ import pyarrow as pa
 
 from entroweight import __version__, storage
 from entroweight.schemas import FileMetadata, ShardManifest, with_file_metadata
+from entroweight.schemas.arrow import check_n_ctx
 from entroweight.schemas.manifest import ShardInput
 from entroweight.transforms.prefetch import prefetch
 from entroweight.transforms.sources import (
@@ -48,8 +49,7 @@ class TokenizeStage(Stage):
         overflow: str = "split",
         revision: str | None = None,
     ):
-        if n_ctx < 2:
-            raise ValueError(f"--n-ctx must be at least 2, not {n_ctx}")
+        check_n_ctx(n_ctx)
         if shard_docs is not None and shard_docs < 1:
             raise ValueError(f"--shard-docs must be at least 1, not {shard_docs}")
         if overflow not in OVERFLOW:

@@ -46,18 +46,26 @@ def parquet_options(weight_dtype: str, with_entropy: bool) -> dict:
     return {**PARQUET_OPTIONS, "column_encoding": split} if split else dict(PARQUET_OPTIONS)
 
 
+def part_locations(data: DataDir) -> list[str]:
+    """Where a stage that reads `data` records each committed part it reads: its canonical location
+    (`storage.key`: absolute and resolved, or the URL), as tokenize records its sources, so that
+    `verify` and a rerun find the same input whatever the working directory."""
+    root = storage.key(data.root)  # once: it resolves the path
+    return [f"{root}/{p.name}" for p in data.parts]
+
+
 def part_inputs(data: DataDir, fmt: str) -> list[ShardInput]:
     """One shard per committed part of `data`, keyed by its size and sha256 (from its manifest): a
     changed part recomputes, and the worker reads it checked against that sha256 (`read_input`)."""
     return [
         ShardInput(
-            uri=p.location,
+            uri=uri,
             fmt=fmt,
             size=p.size,
             mtime_ns=storage.stat(p.location)[1],
             sha256=p.manifest.output_sha256,
         )
-        for p in data.parts
+        for p, uri in zip(data.parts, part_locations(data), strict=True)
     ]
 
 

@@ -45,6 +45,19 @@ REJECT_REASONS = (
 )
 
 
+# The longest row a sequence may hold (n_ctx): 2**20 tokens, above the longest context of today's
+# models; a wider row is a mistyped --n-ctx, whose every row (n_ctx ids, weights and values) would
+# exhaust memory while its shard is written
+MAX_N_CTX = 2**20
+
+
+def check_n_ctx(n_ctx: int, name: str = "--n-ctx") -> int:
+    """`n_ctx` when it is a row width the sequences can hold (2 to MAX_N_CTX), else ValueError."""
+    if not 2 <= n_ctx <= MAX_N_CTX:
+        raise ValueError(f"{name} must be from 2 to {MAX_N_CTX:,} (2**20) tokens, not {n_ctx:,}")
+    return n_ctx
+
+
 def ids_type(vocab_size: int) -> pa.DataType:
     """uint16 ids when the vocabulary fits (half the bytes), int32 otherwise."""
     return pa.uint16() if vocab_size <= 2**16 else pa.int32()

@@ -84,6 +84,32 @@ def undecodable(location: str, error: Exception) -> DataDirError:
     )
 
 
+class Unreadable(DataDirError):
+    """A bookkeeping file (a shard manifest, `.shards.json`) that does not parse; `location` names it."""
+
+    def __init__(self, message: str, location: str):
+        super().__init__(message)
+        self.location = location
+
+
+def unreadable(location: str, what: str, error: Exception) -> Unreadable:
+    """The refusal of a bookkeeping file (a manifest, `.shards.json`) that does not parse: one line
+    naming it, and what to do."""
+    if isinstance(error, ValidationError):  # its first line names only the model: say what failed
+        e = error.errors()[0]
+        where = ".".join(map(str, e["loc"]))
+        first = f"{where}: {e['msg']}" if where else e["msg"]
+    else:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    directory = location.rsplit("/", 1)[0]
+    return Unreadable(
+        f"{location} is not {what} (it does not parse: {first}): the directory's bookkeeping was "
+        f"changed or damaged; run `entroweight verify {directory}`, then rerun the command that wrote it "
+        "with --overwrite",
+        location,
+    )
+
+
 def open_data_file(location: str, part: Part | None) -> pa.NativeFile:
     """A reader's handle on `location`: `part`'s bytes checked against its manifest (`Part.read`,
     ShardMismatch) when it is a committed shard, else the file as it is."""
@@ -178,9 +204,16 @@ class DataDir:
 
     @cached_property
     def manifests(self) -> list[ShardManifest]:
-        """Every shard manifest in the directory (whatever its config), in shard order."""
-        paths = [self.root / n for n in sorted(n for n in self.names if is_manifest(n))]
-        return [ShardManifest.model_validate_json(b) for b in storage.read_many(paths)]
+        """Every shard manifest in the directory (whatever its config), in shard order; one that does
+        not parse is refused (DataDirError naming it: `unreadable`)."""
+        names = sorted(n for n in self.names if is_manifest(n))
+        out = []
+        for name, raw in zip(names, storage.read_many([self.root / n for n in names]), strict=True):
+            try:
+                out.append(ShardManifest.model_validate_json(raw))
+            except ValidationError as e:
+                raise unreadable(self.child(name), "a shard manifest", e) from None
+        return out
 
     @cached_property
     def parts(self) -> list[Part]:
@@ -273,12 +306,30 @@ class DataDir:
         except (pa.ArrowException, OSError) as e:
             raise undecodable(location, e) from None
 
+    @property
+    def registry_lost(self) -> bool:
+        """A stage's output holding shards but no `.shards.json` (copied without its dotfiles?): which
+        shards its run planned is unknown, so whether it is complete cannot be shown."""
+        return self.record is not None and SHARDS_FILE not in self.names and bool(self.manifests)
+
     @cached_property
     def registry(self) -> dict[str, str]:
-        """What the stage planned (`.shards.json`): each input's key (`uri[start:stop]`) -> its shard."""
+        """What the stage planned (`.shards.json`): each input's key (`uri[start:stop]`) -> its shard;
+        one that does not parse is refused (DataDirError naming it)."""
         if SHARDS_FILE not in self.names:
             return {}
-        return json.loads((self.root / SHARDS_FILE).read_bytes())
+        raw = (self.root / SHARDS_FILE).read_bytes()
+        try:
+            registry = json.loads(raw)
+            if not isinstance(registry, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in registry.items()
+            ):
+                raise ValueError("not a mapping of input keys to shard names")
+            for key in registry:
+                ShardInput.parse_key(key)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise unreadable(self.child(SHARDS_FILE), "a shard registry", e) from None
+        return registry
 
     @cached_property
     def planned(self) -> list[str]:
@@ -335,6 +386,7 @@ class DataDir:
             )
         if not self.parts:
             raise DataDirError(f"{self.location} holds no committed shard (its run has not finished){hint}")
+        self.registry  # noqa: B018 - damaged bookkeeping is refused by every reader, complete or not
         foreign = [m for m in self.manifests if m.config_hash != self.record.config_hash]
         if complete and foreign:  # a shard of another run, copied in with its manifest
             m = foreign[0]
@@ -343,6 +395,12 @@ class DataDir:
                 f"{m.config_hash[:12]}…, the directory's {STAGE_FILE} {self.record.config_hash[:12]}…; "
                 "move that shard elsewhere, or rerun the command that wrote the directory with --overwrite "
                 "(which drops it)"
+            )
+        if complete and self.registry_lost:  # `missing` would be empty: nothing says what is planned
+            raise DataDirError(
+                f"{self.location} has no {SHARDS_FILE} (the registry of the shards its run planned; was it "
+                "copied without its dotfiles?), so whether it is complete cannot be shown: copy it whole, "
+                "or rerun the command that writes it"
             )
         if complete and self.missing:
             shown = ", ".join(self.missing[:5]) + (" ..." if len(self.missing) > 5 else "")

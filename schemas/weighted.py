@@ -77,6 +77,23 @@ def describe_encoding(dtype: str) -> str:
     return "float16 in [0, 1]"
 
 
+def stored_at_least(value: float, dtype: str) -> float:
+    """The smallest weight `dtype` stores that is at least `value` (in [0, 1]): what a floor becomes,
+    so that no stored weight is below it. Else uint8's steps of 1/255 store a floor of 0.001 as 0 and
+    round 0.3 down to 76/255, and float16 stores 0.1 as 0.09998."""
+    if check_weight_dtype(dtype) == "uint8":
+        k = int(np.ceil(value * UINT8_SCALE))  # then exact in float64: 0.2 · 255 is 51.000000000000007
+        while k > 0 and (k - 1) / UINT8_SCALE >= value:
+            k -= 1
+        while k / UINT8_SCALE < value:
+            k += 1
+        return k / UINT8_SCALE
+    stored = np.float16(value)
+    if float(stored) < value:
+        stored = np.nextafter(stored, np.float16(np.inf))
+    return float(stored)
+
+
 def encode_weights(w: np.ndarray, dtype: str) -> np.ndarray:
     """Weights in [0, 1] -> their stored form: float16, or uint8 holding round(255·w)."""
     if check_weight_dtype(dtype) == "uint8":

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from entroweight.options import Options, refusal_lines
+from entroweight.options import Options, device_name, refusal_lines
 from entroweight.transforms.prefetch import prefetch
 
 
@@ -64,14 +64,9 @@ class ScorerOptions(Options):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        # the syntax only: whether CUDA is there is a worker's question (a cluster's driver may have none)
-        import torch
-
-        try:
-            torch.device(v)
-        except (RuntimeError, ValueError):
-            raise ValueError(f"{v!r} is not a torch device (cpu, cuda, cuda:N, mps)") from None
-        return v
+        # the name only (no `auto`: a scorer is told where it runs): whether the device is there is a
+        # worker's question (a cluster's driver may have none), pipelines/score.py's check_device
+        return device_name(v, auto=False)
 
 
 class ModelOptions(ScorerOptions):
@@ -178,6 +173,12 @@ class Scorer(ABC):
     def vocab_size(self) -> int | None:
         """How many ids the model reads (ids from 0 to this − 1), found cheaply on the driver; None
         when it reads text or cannot tell. The score stage refuses data with larger ids up front."""
+        return None
+
+    def max_row_tokens(self) -> int | None:
+        """The widest row the model reads (its context), found cheaply on the driver; None when it
+        reads rows of any width (windows that slide) or cannot tell. The score stage refuses wider
+        data up front."""
         return None
 
     @classmethod

@@ -28,6 +28,7 @@ from .estimator_common import (
     checkpoint_info,
     checkpoint_vocab,
     load_model,
+    model_n_ctx,
 )
 from .forward import (
     HostCopy,
@@ -71,6 +72,10 @@ class ModelSource(ABC):
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
         """Raise ScorerError when the data's ids are not what the model reads."""
 
+    def max_row_tokens(self) -> int | None:
+        """The widest row the model reads, found without loading it; None when it cannot tell."""
+        return None
+
     @abstractmethod
     def load(self, device: str, dtype: str, options: dict[str, Any]) -> torch.nn.Module:
         """The model on `device` in the compute dtype (and what is known only once it is loaded)."""
@@ -110,6 +115,12 @@ class OurCheckpoint(ModelSource):
 
     def vocab_size(self) -> int | None:
         return checkpoint_vocab(self.info)
+
+    def max_row_tokens(self) -> int | None:
+        try:  # its positions: the model refuses a wider row
+            return model_n_ctx(self.info)
+        except (KeyError, TypeError, ValueError):  # a config that records none: the model will say
+            return None
 
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
         check_tokenizer(self.info, self.checkpoint, sha256)
@@ -364,6 +375,9 @@ class CausalLossScorer(Scorer):
 
     def vocab_size(self) -> int | None:
         return self.source.vocab_size()
+
+    def max_row_tokens(self) -> int | None:
+        return self.source.max_row_tokens()
 
     def check_data_tokenizer(self, sha256: str, data_tokenizer=None) -> None:
         self.source.check_data_tokenizer(sha256, data_tokenizer)

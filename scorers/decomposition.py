@@ -32,6 +32,9 @@ class DecompositionScorer(CheckpointScorer):
     name = "decomposition"
     _heavy = (*CheckpointScorer._heavy, "_short")
 
+    def max_row_tokens(self) -> int | None:
+        return None  # windows of n_ctx tokens slide over a wider row
+
     def setup(self, data_tokenizer=None) -> None:
         super().setup(data_tokenizer)
         # the shifted windows run on the same model (two_model sets its own short model)

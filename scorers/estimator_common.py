@@ -117,6 +117,9 @@ class CheckpointScorer(Scorer):
     def vocab_size(self) -> int | None:
         return checkpoint_vocab(self._ckpt_config)
 
+    def max_row_tokens(self) -> int | None:
+        return self.n_ctx  # every row is run at the model's width (to_model_width)
+
     def batch_width(self, longest: int, T: int) -> int:
         # every row is run at the model's width, however short (to_model_width)
         return max(self.n_ctx, T)

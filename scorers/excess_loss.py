@@ -120,6 +120,10 @@ class ExcessLossScorer(Scorer):
         sizes = [v for v in (self.model.vocab_size(), self.reference.vocab_size()) if v]
         return min(sizes) if sizes else None
 
+    def max_row_tokens(self) -> int | None:
+        widths = [v for v in (self.model.max_row_tokens(), self.reference.max_row_tokens()) if v]
+        return min(widths) if widths else None
+
     def metadata(self) -> dict[str, Any]:
         return {**super().metadata(), **{k: v for k, v in self.reference.metadata().items() if k != "unit"}}
 

@@ -255,6 +255,62 @@ def test_zero_byte_file_fails_its_shard(tmp_path, tokenizer_dir, name):
     assert [m.shard for m in read_manifests(tmp_path / "out")] == ["part-00000"]
 
 
+DOCS = [{"id": f"d{i}", "text": f"{GOOD} Number {i}."} for i in range(5)]
+NOT_JSON_LINES = {  # name -> (the file's text, what the refusal says)
+    "array, indented": (json.dumps(DOCS, indent=2), "is a JSON array, not JSON lines"),
+    "array, one line": (json.dumps(DOCS), "is a JSON array, not JSON lines"),
+    "array after a BOM and blank lines": ("\ufeff\n  \n" + json.dumps(DOCS, indent=1), "is a JSON array"),
+    "one object, indented": (json.dumps(DOCS[0], indent=2), "is not JSON lines"),
+    "lines of no object": ('hello\n42\n"text"\n', "is not JSON lines"),
+}
+COMPRESS = {"json": lambda b: b, "json.gz": gzip.compress, "jsonl.zst": zstandard.ZstdCompressor().compress}
+
+
+@pytest.mark.parametrize("shard_docs", [None, 2])
+@pytest.mark.parametrize("suffix", sorted(COMPRESS))
+@pytest.mark.parametrize("shape", sorted(NOT_JSON_LINES))
+def test_a_file_that_is_not_json_lines_fails_its_shard_by_name(
+    tmp_path, tokenizer_dir, shape, suffix, shard_docs
+):
+    """Before: each line of a JSON array (or of a pretty-printed object) was a document rejected as
+    `invalid_json`, and the run exited 0 ("202 docs in, 0 out"). Now the file's shard fails, naming it
+    and what it is, while the others complete. With --shard-docs, shards of a short file's rejects may
+    commit before its end is judged; a rerun, which resumes after them, judges the file from its first
+    line again and fails it again: never exit 0, never a document of it written."""
+    text, said = NOT_JSON_LINES[shape]
+    good = jsonl(tmp_path / "good.jsonl", DOCS)
+    bad = tmp_path / f"bad.{suffix}"
+    bad.write_bytes(COMPRESS[suffix](text.encode()))
+    stage = TokenizeStage([str(good), str(bad)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=shard_docs)
+    for _ in range(2):  # the run, and its rerun
+        with pytest.raises(StageFailed, match=f"bad.{suffix} {said}") as err:
+            run_stage(stage, tmp_path / "out", progress=False)
+        (failed,) = err.value.failures
+        assert failed.shard.startswith("part-00001")
+        ms = read_manifests(tmp_path / "out")
+        assert sum(m.docs_out for m in ms if m.inputs[0].uri == str(bad)) == 0
+        assert sum(m.docs_out for m in ms if m.inputs[0].uri == str(good)) == len(DOCS)
+
+
+def test_json_lines_with_bad_lines_still_count_them_as_rejects(tmp_path, tokenizer_dir):
+    """The check is of the file, not of a line: an object among the first 100 lines makes it JSON
+    lines, its bad lines counted rejects, also when they fill whole shards; so does a first shard of
+    bad lines only, and a first line that is not an object."""
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("not json\n" * 3 + json.dumps(DOCS[0]) + "\n" + "[1, 2]\nnot json\n" * 3)
+    s, out = tokenize(tmp_path, [src], tokenizer_dir, shard_docs=2)
+    assert (s.docs_in, s.rows_out, rejected(out)) == (10, 1, {"invalid_json": 9})
+
+
+def test_a_long_file_of_no_object_fails_at_its_100th_line(tmp_path, tokenizer_dir):
+    src = tmp_path / "long.jsonl"
+    src.write_text("not json\n" * 10_000)
+    stage = TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=1000)
+    with pytest.raises(StageFailed, match="none of its first 100 non-blank line"):
+        run_stage(stage, tmp_path / "out", progress=False)
+    assert read_manifests(tmp_path / "out") == []  # judged before its first shard of 1000 committed
+
+
 def cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 

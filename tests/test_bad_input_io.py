@@ -319,3 +319,22 @@ def test_a_failing_shard_still_fails(tmp_path, c4_lines, tokenizer_dir):
     src.write_bytes(src.read_bytes()[:-100])
     with pytest.raises(StageFailed, match="c4.jsonl"):
         tokenize([src], tokenizer_dir, tmp_path / "out")
+
+
+@pytest.mark.parametrize("held", ["ours", "a user's file"])
+def test_train_tokenizer_never_replaces_a_tokenizer_unasked(tmp_path, c4_lines, held):
+    """A tokenizer in --out (the one data was tokenized with, or a user's file) is replaced only with
+    --overwrite: without it, exit 2 and the file is as it was."""
+    src = write(tmp_path / "c4.jsonl", c4_lines)
+    out = tmp_path / "tok"
+    if held == "ours":
+        assert cli("train-tokenizer", src, "--vocab-size", 300, "--out", out).exit_code == 0
+    else:
+        out.mkdir()
+        (out / "tokenizer.json").write_text('{"mine": 1}')
+    before = (out / "tokenizer.json").read_bytes()
+    res = cli("train-tokenizer", src, "--vocab-size", 320, "--out", out)
+    assert res.exit_code == 2 and "already holds a tokenizer" in res.output and "--overwrite" in res.output
+    assert (out / "tokenizer.json").read_bytes() == before
+    res = cli("train-tokenizer", src, "--vocab-size", 320, "--out", out, "--overwrite")
+    assert res.exit_code == 0 and (out / "tokenizer.json").read_bytes() != before

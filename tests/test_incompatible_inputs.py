@@ -231,3 +231,69 @@ def test_weights_that_sum_to_zero_are_refused(scored, tmp_path):  # noqa: F811
         ["train", d, "--steps", "1", "--loss", "weighted_ce", "--out", tmp_path / "out"], tmp_path / "out"
     )
     assert "every weight" in line and "is 0" in line, line
+
+
+# -- data wider than a scorer's model reads (score)
+
+
+@pytest.fixture(scope="module")
+def short_checkpoints(tmp_path_factory, tokens):  # noqa: F811
+    """Our checkpoints of the data's tokenizer, reading 32 tokens: a llama, and an estimator."""
+    import torch
+    from test_scorers_estimator import save, tiny_estimator
+
+    from entroweight.models.checkpoint import save_checkpoint
+    from entroweight.models.llama import Llama
+
+    sha = DataDir(tokens).metadata["tokenizer_sha256"]
+    torch.manual_seed(0)
+    llama = Llama(Llama.Config(vocab_size=1024, d_model=16, n_layers=1, n_heads=2, d_ff=32, n_ctx=32))
+    root = tmp_path_factory.mktemp("short_ckpts")
+    return {
+        "llama": save_checkpoint(llama, "llama", root / "llama", n_ctx=32, tokenizer_sha256=sha, pad_id=0),
+        "estimator": save(tiny_estimator(n_ctx=32), root / "estimator", sha),
+    }
+
+
+# scorer -> its flags, given our checkpoints ({kind: dir}): each reads rows of at most the model's n_ctx
+NARROW = {
+    "causal_loss": lambda c: ["--checkpoint", c["llama"]],
+    "excess_loss": lambda c: ["--checkpoint", c["llama"], "--reference", c["llama"]],
+    "occlusion": lambda c: ["--checkpoint", c["estimator"]],
+    "grad_input": lambda c: ["--checkpoint", c["estimator"]],
+}
+SLIDING = {  # read rows of any width, their windows sliding: options given our checkpoints and an HF model
+    "decomposition": lambda c, hf: {"checkpoint": c["llama"]},
+    "two_model": lambda c, hf: {"checkpoint": c["llama"], "checkpoint_short": c["llama"]},
+    "cross_tokenizer": lambda c, hf: {"model": hf},
+}
+
+
+def test_every_builtin_scorer_says_how_wide_a_row_it_reads():
+    from entroweight.scorers.registry import BUILTIN
+
+    assert set(NARROW) | set(SLIDING) == set(BUILTIN)
+
+
+@pytest.mark.parametrize("scorer", sorted(NARROW))
+def test_data_wider_than_the_scorers_model_is_refused_up_front(
+    scorer,
+    tokens,  # noqa: F811
+    short_checkpoints,
+    tmp_path,
+):
+    """Before: `score` loaded the model and failed every shard ("sequence of 64 tokens is longer than
+    the model's n_ctx 32", exit 1). Now refused before anything is written (Scorer.max_row_tokens,
+    checked by the score stage's driver)."""
+    out = tmp_path / "out"
+    argv = ["score", tokens, "--scorer", scorer, *NARROW[scorer](short_checkpoints), "--out", out]
+    line = refused(argv, out)
+    assert "64 tokens" in line and "(32, its n_ctx)" in line and "--n-ctx 32" in line, line
+
+
+@pytest.mark.parametrize("scorer", sorted(SLIDING))
+def test_a_scorer_whose_windows_slide_takes_rows_of_any_width(scorer, short_checkpoints, model):  # noqa: F811
+    from entroweight.scorers import make_scorer
+
+    options = {k: str(v) for k, v in SLIDING[scorer](short_checkpoints, model).items()}
+    assert make_scorer(scorer, **options).max_row_tokens() is None

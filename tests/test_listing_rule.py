@@ -22,6 +22,7 @@ RAW_LISTING = {
     "pipelines/__init__.py": "run_stage: whether --out existed before the run (a created directory is removed)",
     "transforms/sources.py": "source discovery: whether an input file lies in a stage's output (not its parts)",
     "pipelines/export_data.py": "check_request: whether the export's --out is empty (an export, not a data directory)",
+    "workflows/runner.py": "whether run_dir is a workflow run's (run.json, its lock), not a data directory",
 }
 # modules that may name part files themselves: the naming contract, DataDir, the planner's bookkeeping
 PART_NAMES = {"schemas/manifest.py", "schemas/datadir.py", "pipelines/stage.py"}

@@ -339,6 +339,46 @@ def test_an_empty_shard_contributes_nothing(with_an_empty_shard, tmp_path, fmt):
         assert t.num_rows == n_rows
 
 
+@pytest.fixture(scope="module")
+def with_no_rows(tmp_path_factory, with_an_empty_shard):
+    """The same data weighed with --min-mean-weight 1.0: every document dropped, every shard 0 rows."""
+    from entroweight.pipelines.weigh import WeighStage
+    from entroweight.transforms.select import MinMeanWeight
+    from entroweight.transforms.weigh import WeighConfig
+
+    out = tmp_path_factory.mktemp("no_rows")
+    run_stage(
+        WeighStage(with_an_empty_shard[0], WeighConfig(), steps=[MinMeanWeight(1.0)]), out, progress=False
+    )
+    assert sum(pq.read_metadata(f).num_rows for f in out.glob("part-*.parquet")) == 0
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_data_of_no_rows_exports_or_is_refused_never_hangs(with_no_rows, tmp_path, fmt):
+    """Every format on data whose shards all hold 0 rows: megatron and hf write an empty dataset;
+    LitData has none (its writer writes no index for no item, its reader refuses an index without
+    chunks), so litdata is refused up front (exit 2, nothing written). Before: `writer.merge()` waited
+    forever for that index, leaving `.OUT.export-tmp` behind."""
+    out = tmp_path / "export"
+    argv = ["export-data", str(with_no_rows), "--format", fmt, "--out", str(out)]
+    r = subprocess.run(
+        [sys.executable, "-m", "entroweight.workflows.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if fmt == "litdata":
+        assert r.returncode == 2, r.stderr
+        line = r.stderr.strip()
+        assert "\n" not in line and "holds no rows" in line and "LitData" in line, line
+        assert not out.exists() and not (tmp_path / ".export.export-tmp").exists()
+        return
+    assert r.returncode == 0, r.stderr
+    counts = json.loads((out / "export.json").read_text())["counts"]
+    assert counts["rows"] == 0 and counts["documents"] == 0 and counts["real_tokens"] == 0
+
+
 # -- a model directory without its tokenizer
 
 

@@ -213,7 +213,8 @@ def test_the_report_refuses_a_score_shard_that_differs_from_its_manifest(tiny_ru
     [
         ("run.json", "ending in .html"),
         ("eval/reference/seed-0.json", "ending in .html"),
-        ("tokens", "is a directory"),
+        ("tokens", "holds the output of `tokenize`, not of `report`; write elsewhere\n"),
+        ("train", "is a directory"),
         ("", "is empty"),
     ],
 )

@@ -412,3 +412,43 @@ def test_cli_tokenize_and_inspect(tmp_path, tokenizer_dir, c4_path):
         text=True,
     )
     assert res.returncode == 2 and "no such file" in res.stderr
+
+
+# -- the width of a row
+
+
+@pytest.mark.parametrize("front", ["tokenize", "run --dry-run", "run"])
+@pytest.mark.parametrize("n_ctx", [-5, 0, 1, 2**20 + 1, 99_999_999_999])
+def test_an_n_ctx_outside_its_bounds_is_refused_up_front(tmp_path, tokenizer_dir, c4_path, front, n_ctx):
+    """Before: `--n-ctx 99999999999` failed its shard with a MemoryError traceback (a row of that many
+    ids), after the run had started. Now every front end refuses it (exit 2, one line saying the bound,
+    nothing written): n_ctx is from 2 to 2**20 (schemas/arrow.py MAX_N_CTX)."""
+    from click.testing import CliRunner
+
+    from entroweight.schemas.arrow import MAX_N_CTX
+    from entroweight.workflows.cli import main
+
+    out = tmp_path / "out"
+    if front == "tokenize":
+        argv = ["tokenize", str(c4_path), "--tokenizer", str(tokenizer_dir), "--n-ctx", str(n_ctx)]
+        argv += ["--out", str(out)]
+    else:
+        wf = tmp_path / "wf.yaml"
+        wf.write_text(
+            f"run_dir: {out}\nsources: [{c4_path}]\ntokenizer: {{path: {tokenizer_dir}}}\n"
+            f"tokenize: {{n_ctx: {n_ctx}}}\n"
+        )
+        argv = ["run", str(wf), *(["--dry-run"] if front.endswith("dry-run") else [])]
+    r = CliRunner().invoke(main, argv)
+    line = r.output.strip().splitlines()[-1]
+    if n_ctx < 2 and front != "tokenize":  # the workflow's spec refuses it first, naming its key
+        assert r.exit_code != 0 and "n_ctx" in r.output, r.output
+    else:
+        assert r.exit_code == 2 and f"{MAX_N_CTX:,}" in line and f"{n_ctx:,}" in line, r.output
+    assert "Traceback" not in r.output and not out.exists()
+
+
+def test_the_widest_row_is_taken(tokenizer_dir):
+    from entroweight.schemas.arrow import MAX_N_CTX
+
+    assert TokenizeStage(["x.jsonl"], str(tokenizer_dir), n_ctx=MAX_N_CTX).n_ctx == MAX_N_CTX

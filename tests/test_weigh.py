@@ -30,8 +30,9 @@ def test_invert_floor_clip():
     base = normalize(VALUES, N_PAD, WeighConfig())
     inv = weigh(VALUES, N_PAD, WeighConfig(invert=True))
     np.testing.assert_allclose(inv, base)  # w = e
-    floored = weigh(VALUES, N_PAD, WeighConfig(floor=0.2))
-    assert floored[0, 4] == pytest.approx(0.2) and floored[0, 0] == 0  # floor on real tokens only
+    floored = weigh(VALUES, N_PAD, WeighConfig(floor=0.2))  # float16: 0.2 rounds up to 0.20007
+    assert floored[0, 4] == pytest.approx(0.2, abs=1e-3) and floored[0, 0] == 0  # real tokens only
+    assert floored[0, 4] >= np.float32(0.2)
     clipped = normalize(VALUES, N_PAD, WeighConfig(clip=(0.25, 0.75)))
     np.testing.assert_allclose(clipped[0], [0, 0, 0.0, 0.5, 1.0])
 
@@ -61,3 +62,22 @@ def test_bad_options_are_refused():
         WeighConfig(floor=1.5)
     with pytest.raises(ValidationError, match="clip"):
         WeighConfig(clip=(0.8, 0.2))
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float16"])
+@pytest.mark.parametrize("floor", [1e-9, 0.001, 1 / 510, 0.05, 0.1, 0.2, 0.3, 0.5, 0.999, 1.0])
+def test_no_stored_weight_of_a_real_token_is_below_the_floor(floor, dtype):
+    """Before: uint8 stored a floor below 1/510 as 0 (`--floor 0.001 --weight-dtype uint8` gave real
+    tokens weight 0) and rounded 0.3 down to 76/255; float16 stored 0.1 as 0.09998. The floor is now
+    rounded up to the next weight the dtype stores, and recorded so (the config says what was applied)."""
+    from entroweight.schemas.weighted import decode_weights
+
+    cfg = WeighConfig(floor=floor, dtype=dtype)
+    assert floor <= cfg.floor <= floor + (1 / 255 if dtype == "uint8" else 1e-3)
+    assert WeighConfig(floor=cfg.floor, dtype=dtype).floor == cfg.floor  # what is recorded stays
+    for invert in (False, True):
+        w = weigh(VALUES, N_PAD, cfg.model_copy(update={"invert": invert}))
+        stored = decode_weights(encode_weights(w, dtype))
+        real = np.arange(VALUES.shape[1])[None, :] >= N_PAD[:, None]
+        assert stored[real].min() >= np.float32(floor), (floor, dtype, stored[real].min())
+        assert (stored[~real] == 0).all()

@@ -477,3 +477,22 @@ def test_a_run_dir_of_other_files_is_refused_untouched(small_run, tmp_path):
         code, out = run_cli("run", write_yaml(tmp_path / "wf.yaml", spec), *dry)
         assert code == 2 and "holds files that are not a workflow run's (tokens)" in out, out
         assert _files(tmp_path / "mine") == before
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="asks for a device this machine lacks")
+@pytest.mark.parametrize("where", ["models", "train", "eval"])
+def test_a_device_that_is_not_here_is_refused_before_the_first_step(small_run, tmp_path, where):
+    """A run asking for CUDA on a machine without one is refused before its first step (it crashed
+    after training); its --dry-run still plans it, as a laptop plans a cluster's run."""
+    spec = copy.deepcopy(small_run["spec"]) | {
+        "run_dir": str(tmp_path / "new"),
+        "train": copy.deepcopy(_TRAIN),
+    }
+    spec["eval"] = {}
+    {"models": spec["models"][0], "train": spec["train"], "eval": spec["eval"]}[where]["device"] = "cuda"
+    wf = write_yaml(tmp_path / "wf.yaml", spec)
+    code, out = run_cli("run", wf)
+    assert code == 2 and "no CUDA device is visible here" in out and ": ran" not in out, out
+    assert not (tmp_path / "new").exists()
+    code, out = run_cli("run", wf, "--dry-run")  # a plan of a GPU run may be made on a laptop
+    assert code == 0 and "would run" in out, out

@@ -28,6 +28,8 @@ import random
 import tempfile
 from pathlib import Path
 
+from entroweight.options import device_here
+
 OFFLINE_TASK = "entroweight_heldout"
 CHOICE_METRICS = ("acc", "acc_norm", "acc_mutual_info")
 TASK_DIR = "tasks"  # under work_dir: the offline task's YAML (include_path)
@@ -202,6 +204,10 @@ def evaluate_checkpoint(
     require_lm_eval()
     if not tasks:
         raise AccuracyError("no task to evaluate: name at least one")
+    try:  # the one device check of every command, before the scratch directory is made
+        device = str(device_here(device))
+    except ValueError as e:
+        raise AccuracyError(f"--device {e}") from None
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     items = read_items(items_file) if items_file is not None and OFFLINE_TASK in tasks else None
@@ -223,15 +229,14 @@ def _simple_evaluate(hf_dir, tasks, tm, batch_size, device, num_fewshot, limit) 
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
-    if dev == "cpu":
+    if device == "cpu":  # resolved and checked by evaluate_checkpoint
         # lm-eval scores request by request (a slice, an argmax, a gather per choice): small ops whose
         # thread hand-offs cost more than they share; one thread took 6-7x less CPU time for the
         # same answers on 2 busy cores (docs/workflows.md, downstream accuracy)
         torch.set_num_threads(1)
     try:
-        lm = HFLM(pretrained=str(hf_dir), device=dev, batch_size=batch_size, dtype="float32")
+        lm = HFLM(pretrained=str(hf_dir), device=device, batch_size=batch_size, dtype="float32")
         return simple_evaluate(
             model=lm,
             tasks=list(tasks),

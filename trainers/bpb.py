@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from entroweight.models.checkpoint import CheckpointError, load_checkpoint
+from entroweight.options import device_here
 from entroweight.schemas.tokenizer import (
     BOS_CANDIDATES,
     EOS_CANDIDATES,
@@ -157,10 +158,11 @@ def eval_bpb(
     """
     if batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, not {batch_size}")
+    try:  # the one device check of every command, before anything is read
+        dev = device_here(device)
+    except ValueError as e:
+        raise ValueError(f"--device {e}") from None
     text = read_text(text_path, max_bytes)  # refusals about the text come before loading the model
-    dev = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
-    )
     model, config = load_checkpoint(ckpt_dir, map_location=str(dev), allow_pickle=allow_pickle)
     tok = checkpoint_tokenizer(ckpt_dir, tokenizer, config.get("tokenizer_sha256"))
     model_ctx = config["model"].get("n_ctx") or config.get("n_ctx")

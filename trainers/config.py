@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from entroweight.options import Options, refusal_lines
+from entroweight.options import DeviceName, Options, Seed, refusal_lines
 
 from .losses import LOSSES
 
@@ -44,7 +44,9 @@ class TrainSettings(_Settings):
     grad_clip: float = Field(1.0, ge=0, description="Clip the gradient norm to this (0: no clipping).")
     shuffle_buffer: int = Field(4096, ge=1, description="Rows shuffled together as they stream in.")
     log_every: int = Field(10, ge=1, description="Log (metrics.jsonl and the console) every N steps.")
-    device: str = Field("auto", description="auto, cpu, cuda, cuda:1, ...")
+    # the name here (a workflow file is validated where it may not run); whether it is on this machine
+    # is asked when the run starts (trainers/loop.py, entroweight.options.device_here)
+    device: DeviceName = Field("auto", description="auto, cpu, cuda, cuda:1, ...")
     compile: bool = Field(False, description="torch.compile the model.")
 
 
@@ -55,7 +57,10 @@ class LossSettings(_Settings):
     normalize: Literal["tokens", "weight"] = Field(
         "tokens", description="weighted_ce: divide Σ w·CE by the real-token count or by Σ w."
     )
-    margin: float = Field(2.0, description="hard_negative: logits this far below the target's are dropped.")
+    # below 0 the target's own logit is dropped: its CE is infinite
+    margin: float = Field(
+        2.0, ge=0, description="hard_negative: logits this far below the target's are dropped."
+    )
     prefix_weight: float = Field(0.1, ge=0, description="prefix_smooth: the weight of each prefix token.")
 
 
@@ -75,7 +80,7 @@ class TrainConfig(TrainSettings, LossSettings):
         description="The data's tokenizer.json (default: the copy the data carries); stored for eval-bpb / "
         "export-hf.",
     )
-    seed: int = Field(0, description="Initialisation, data order and dropout.")
+    seed: Seed = Field(0, description="Initialisation, data order and dropout.")
     betas: tuple[float, float] = Field(
         (0.9, 0.95), description="AdamW betas.", json_schema_extra={"cli": False}
     )

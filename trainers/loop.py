@@ -23,7 +23,8 @@ from safetensors import SafetensorError
 
 from entroweight import storage
 from entroweight.models import build_model, model_class
-from entroweight.models.checkpoint import a_model_of, read_checkpoint_config
+from entroweight.models.checkpoint import WEIGHTS, a_model_of, load_weights, read_checkpoint_config
+from entroweight.options import device_here
 from entroweight.schemas.datadir import DataDir
 from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path
 
@@ -58,12 +59,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def _setup_dist(device_pref: str):
+def _device(name: str) -> torch.device:
+    """--device on this machine (`auto` resolved), or a TrainError: asked before anything is read or
+    written, where a device torch does not know or a CUDA it cannot see failed with a traceback."""
+    try:
+        return device_here(name)
+    except ValueError as e:
+        raise TrainError(f"--device {e}") from None
+
+
+def _setup_dist(device: torch.device):
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    if device_pref == "auto":
-        device_pref = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device_pref)
     if device.type == "cuda":
         device = torch.device("cuda", local if world > 1 else (device.index or 0))
         torch.cuda.set_device(device)
@@ -149,11 +156,12 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> TrainResult:
     each config with the step it took effect."""
     if allow_config_change and not cfg.resume:
         raise TrainError("--allow-config-change applies only with --resume")
+    device = _device(cfg.device)
     if _check_out_apart(cfg):  # another command's output, which --overwrite replaces whole
         storage.remove_tree(cfg.out)
     if storage.is_url(cfg.out):
-        return _train_to_store(cfg, allow_config_change)
-    rank, world, device, own_group = _setup_dist(cfg.device)
+        return _train_to_store(cfg, device, allow_config_change)
+    rank, world, device, own_group = _setup_dist(device)
     try:
         return _train(cfg, rank, world, device, allow_config_change)
     finally:
@@ -161,7 +169,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> TrainResult:
             torch.distributed.destroy_process_group()
 
 
-def _train_to_store(cfg: TrainConfig, allow_config_change: bool) -> TrainResult:
+def _train_to_store(cfg: TrainConfig, device: torch.device, allow_config_change: bool) -> TrainResult:
     """Train with --out on an object store: the run works in a local directory (a resume downloads
     the checkpoint into it first) and each checkpoint is uploaded as it is saved, trainer_state.json
     last, which commits it (a resume checks the other files against its sha256s). metrics.jsonl is
@@ -172,7 +180,7 @@ def _train_to_store(cfg: TrainConfig, allow_config_change: bool) -> TrainResult:
     with tempfile.TemporaryDirectory(prefix="entroweight-train-") as local:
         if cfg.resume and not storage.download_dir(url, Path(local)):
             raise TrainError(f"nothing to resume in {url} (no {STATE}); drop --resume to start a new run")
-        rank, world, device, own_group = _setup_dist(cfg.device)
+        rank, world, device, own_group = _setup_dist(device)
         publish = (lambda: storage.upload_dir(Path(local), url, last=(STATE,))) if rank == 0 else None
         try:
             result = _train(
@@ -371,10 +379,8 @@ def _build(cfg: TrainConfig, run: _Run, world: int, device):
     """(the model, what the loop calls: compiled and/or DDP-wrapped, its AdamW), restored on resume."""
     torch.manual_seed(cfg.seed)  # same init on every rank
     raw_model = build_model(cfg.model, run.model_cfg)
-    if run.state is not None:
-        from safetensors.torch import load_file
-
-        raw_model.load_state_dict(load_file(str(run.out / "model.safetensors")), strict=False)
+    if run.state is not None:  # every key and shape checked, as every reader of our weights does
+        load_weights(raw_model, run.out / WEIGHTS, cfg.model)
     raw_model.to(device)
     optimizer = _optimizer(raw_model, cfg, device)
     if run.optimizer is not None:

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 from entroweight import storage
 from entroweight.schemas import read_file_metadata
 from entroweight.schemas.datadir import data_files
+from entroweight.schemas.manifest import SHARDS_FILE
 from entroweight.schemas.weighted import (
     ENTROPY,
     EXCLUDED,
@@ -97,7 +98,9 @@ def summarize(path: str | Path) -> dict:
         if truncated:  # tokenize --overflow truncate cut documents: say how much text is missing
             out["truncated_docs"] = truncated
             out["bytes_dropped"] = sum(m.extra.get("bytes_dropped", 0) for m in ms)
-        if d.missing:
+        if d.registry_lost:  # nothing records what was planned: say so rather than show none missing
+            out["missing_shards"] = f"unknown: {d.location} has no {SHARDS_FILE} (run `entroweight verify`)"
+        elif d.missing:
             out["missing_shards"] = d.missing
     return out
 

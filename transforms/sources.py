@@ -504,10 +504,29 @@ class DocumentReader:
 
     # -- readers
     def _json_rows(self) -> Iterator[tuple[int, dict | None, str | None]]:
+        """Each line as a row. A file that is not JSON lines fails its shard, naming it, rather than
+        give every line as an `invalid_json` reject: one whose first non-blank character is `[` (a
+        JSON array, pretty-printed or on one line), or one with no JSON object among its first
+        `NOT_JSON_LINES_AFTER` non-blank lines (or in the whole of a shorter one: a pretty-printed
+        object, another format). Both are judged on the file from its first line, also by a task that
+        resumes past committed shards, so a rerun fails it again rather than resume past the judgement."""
         s = self.shard
+        content_seen, objects, lines = False, 0, 0  # counted from the file's first line
         with _open_binary(s.uri, s.fmt) as f:
             for rowno, line in enumerate(f):
+                if not content_seen:
+                    head = line.lstrip(codecs.BOM_UTF8 + b" \t\r\n")
+                    content_seen = bool(head)
+                    if head.startswith(b"["):
+                        raise SourceError(
+                            f"{s.uri} is a JSON array, not JSON lines: write one JSON object per line "
+                            f"(e.g. `jq -c '.[]' {s.uri.rsplit('/', 1)[-1]}`)"
+                        )
                 if rowno < s.start:
+                    if not objects and line.strip():  # a resumed task judges these lines too
+                        lines += 1
+                        objects += _is_json_object(line)
+                        self._check_json_lines(lines, objects, end=False)
                     continue
                 if s.stop is not None and rowno >= s.stop:
                     break
@@ -521,15 +540,28 @@ class DocumentReader:
                 if not line_text.strip():
                     yield rowno, None, "empty"
                     continue
+                lines += 1
                 try:
                     row = json.loads(line_text)
                 except json.JSONDecodeError:
-                    yield rowno, None, "invalid_json"
-                    continue
+                    row = None
                 if not isinstance(row, dict):
+                    self._check_json_lines(lines, objects, end=False)
                     yield rowno, None, "invalid_json"
                     continue
+                objects += 1
                 yield rowno, row, None
+        self._check_json_lines(lines, objects, end=s.stop is None)
+
+    def _check_json_lines(self, lines: int, objects: int, end: bool) -> None:
+        """Refuse the file when no JSON object is among its first NOT_JSON_LINES_AFTER non-blank lines,
+        or (`end`: all of it was read) among all of them."""
+        if not objects and (lines >= NOT_JSON_LINES_AFTER or (end and lines)):
+            raise SourceError(
+                f"{self.shard.uri} is not JSON lines: none of its {'first ' if not end else ''}{lines} "
+                "non-blank line(s) is a JSON object (a pretty-printed JSON document?); write one JSON "
+                "object per line"
+            )
 
     def _parquet_rows(self) -> Iterator[tuple[int, dict | None, str | None]]:
         s = self.shard
@@ -557,6 +589,16 @@ class DocumentReader:
 
 
 _MISSING = object()
+# JSON lines hold a JSON object among their first lines: a file with none among its first 100 non-blank
+# lines (or in all of a shorter one) is not JSON lines, whatever a line's error
+NOT_JSON_LINES_AFTER = 100
+
+
+def _is_json_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line.decode("utf-8", "surrogateescape").lstrip("\ufeff")), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def rejects_table(rejects: list[dict]) -> pa.Table:

@@ -26,11 +26,18 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from entroweight.options import Options
+from entroweight.options import Options, Seed
 from entroweight.schemas.arrow import WEIGHTED_COLUMNS
-from entroweight.schemas.weighted import ENTROPY, encode_excluded, encode_weights, lists, weighable
+from entroweight.schemas.weighted import (
+    ENTROPY,
+    encode_excluded,
+    encode_weights,
+    lists,
+    stored_at_least,
+    weighable,
+)
 
 
 class NonFiniteScores(ValueError):
@@ -61,14 +68,19 @@ class WeighOptions(Options):
     clip: tuple[float, float] | None = Field(
         None, description="Clip the normalised value to [LO, HI], then rescale to [0, 1]."
     )
-    floor: float = Field(0.0, ge=0, le=1, description="Minimum weight of a real token.")
+    floor: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Minimum weight of a real token, rounded up to the next weight the dtype stores "
+        "(uint8: a multiple of 1/255).",
+    )
     invert: bool = Field(False, description="w = e instead of 1 − e (Rho-1: keep the high-excess tokens).")
     dtype: Literal["float16", "uint8"] = Field(
         "float16", description="Storage of the weights: float16, or uint8 holding round(255·w)."
     )
-    shuffle: int | None = Field(
+    shuffle: Seed | None = Field(
         None,
-        ge=0,
         description="Control: permute each row's weights among its real tokens, seeded by this and the "
         "row's seq_id (same weights, no information about which token is which).",
     )
@@ -80,6 +92,15 @@ class WeighOptions(Options):
         if isinstance(v, bool):
             raise ValueError("is a seed (an integer >= 0), not true/false; leave it out not to shuffle")
         return v
+
+    @model_validator(mode="after")
+    def _floor_as_stored(self):
+        # the floor the weights are held to is one the dtype stores (schemas/weighted.py), and it is
+        # recorded so: a floor that changes the bytes changes the config hash too
+        stored = stored_at_least(self.floor, self.dtype)
+        if stored != self.floor:
+            self.__dict__["floor"] = stored  # frozen: set once, here, while validating
+        return self
 
     @field_validator("keep")
     @classmethod
@@ -188,8 +209,8 @@ def weigh(
     check_finite(values, n_pad, first_row)
     e = normalize(values, n_pad, cfg, exclude)
     w = e if cfg.invert else 1.0 - e
-    if cfg.floor:
-        w = np.maximum(w, cfg.floor)
+    if cfg.floor:  # one the dtype stores (WeighOptions rounds it up): no stored weight falls below it
+        w = np.maximum(w, stored_at_least(cfg.floor, cfg.dtype))
     mask = weighable(n_pad, w.shape[1], exclude)
     w = np.where(mask, w, 0.0).astype(np.float32)
     if cfg.shuffle is not None:

@@ -15,6 +15,8 @@ import click
 from entroweight import __version__
 
 from .cli_common import (
+    COUNT,
+    Commands,
     GeneratedOptions,
     Location,
     _fail,
@@ -38,7 +40,7 @@ COMMAND_MODULES = (
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="entroweight")
 def main():
     """entroweight: tokenize, score and weigh pretraining data; train on the weighted parquet."""
@@ -52,7 +54,7 @@ def main():
     default=None,
     help="Tokenizer whose normalizer and pre-tokenizer to reuse (default: the bundled Llama 3 tokenizer).",
 )
-@click.option("--max-docs", type=int, default=None, help="Train on the first N valid documents only.")
+@click.option("--max-docs", type=COUNT, default=None, help="Train on the first N valid documents only.")
 @click.option(
     "--algorithm",
     type=click.Choice(["bpe", "lz78", "lz78-freqgated"]),
@@ -63,8 +65,16 @@ def main():
 )
 @click.option("--text-column", default="text", show_default=True, help="The field that holds the text.")
 @click.option("--out", required=True, type=Location(file_okay=False))
-def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_column, out):
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace the tokenizer (or another command's output) --out holds; what was tokenized with the "
+    "old one no longer matches it.",
+)
+def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_column, out, overwrite):
     """Train a tokenizer of VOCAB_SIZE tokens (pad/bos/eos reserved) on SOURCES: BPE or LZ78."""
+    from entroweight import storage
+    from entroweight.schemas.tokenizer import TOKENIZER_FILE
     from entroweight.transforms.sources import SourceError
     from entroweight.transforms.train_tokenizer import (
         corpus_texts,
@@ -73,13 +83,22 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
         train_tokenizer,
     )
 
-    check_output(out, [("the source", s) for s in sources] + [("--base", base)], "train-tokenizer")
+    reads = [("the source", s) for s in sources] + [("--base", base)]
+    foreign = check_output(out, reads, "train-tokenizer", overwrite=overwrite)
+    held = storage.path(out) / TOKENIZER_FILE
+    if held.exists() and not overwrite:  # data and models made with it would no longer match it
+        _fail(
+            f"--out {out} already holds a tokenizer ({held}); what was tokenized or trained with it depends "
+            "on it: write to another --out, or pass --overwrite to replace it"
+        )
     rejected: collections.Counter = collections.Counter()
     try:
         texts = corpus_texts(list(sources), max_docs, text_column, rejected)
         tok = train_tokenizer(texts, vocab_size, algorithm, base, progress=sys.stderr.isatty())
     except (SourceError, ValueError) as e:
         _fail(str(e))
+    if foreign:  # another command's output, which --overwrite replaces whole
+        storage.remove_tree(out)
     path, sha = save_tokenizer(tok, out)
     skipped = f"; {rejects_said(rejected)}" if rejected else ""
     click.echo(f"wrote {path} ({tok.get_vocab_size()} tokens, sha256 {sha}){skipped}")

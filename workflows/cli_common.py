@@ -7,9 +7,12 @@ the lock on the output directory.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import click
+
+from entroweight.options import SEED_LIMIT
 
 EXIT_FAILED_SHARDS = 1
 EXIT_REFUSED = 2
@@ -19,6 +22,20 @@ EXIT_LOCKED = 3
 def _fail(message: str, code: int = EXIT_REFUSED):
     click.secho(f"error: {message}", fg="red", err=True)
     sys.exit(code)
+
+
+class Commands(click.Group):
+    """The `entroweight` group. A value a flag's type refuses (a count of 0, a device that is not here,
+    a path that does not exist) is a refusal like every other: one line, exit 2, where click printed
+    its usage screen around it. A missing argument keeps the usage, which says what to give."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.BadParameter as e:
+            if isinstance(e, click.MissingParameter):
+                raise
+            _fail(e.format_message())
 
 
 class Location(click.ParamType):
@@ -44,6 +61,48 @@ class Location(click.ParamType):
             if not found:
                 self.fail(f"{value} does not exist.", param, ctx)
         return value
+
+
+# The rules of every number and device a command takes on its own (those of an options model, the
+# trainer's, a scorer's, the weighting, are the model's: entroweight.options); a test runs each flag of
+# the whole CLI against them (tests/test_option_rules.py).
+COUNT = click.IntRange(min=1)  # how many of something: 0 or fewer would do nothing, or do it wrongly
+SEED = click.IntRange(0, SEED_LIMIT - 1)  # what numpy and torch both take (entroweight.options.Seed)
+
+
+class Finite(click.FloatRange):
+    """A float that is a number: NaN passes every range's comparison and inf means no limit, neither
+    of which a command means (a FloatRange alone took `--wait nan`)."""
+
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+SECONDS = Finite(min=0)  # a wait
+
+
+class Device(click.ParamType):
+    """--device of a command that runs its work here: a torch device on this machine, or auto. Refused
+    while the arguments are parsed, before anything is read or written (entroweight.options)."""
+
+    name = "device"
+
+    def convert(self, value, param, ctx):
+        from entroweight.options import device_here
+
+        try:
+            device_here(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        return value
+
+
+DEVICE = Device()
 
 
 class GeneratedOptions(click.Command):
@@ -107,8 +166,11 @@ def _click_type(annotation) -> dict:
     import types
     import typing
 
+    from entroweight.options import bare
+
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    annotation = bare(annotation)  # a Seed's flag is an int's
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is bool:
         return {"is_flag": True}
@@ -196,9 +258,14 @@ def engine_options() -> list[click.Option]:
         if option.type is dict:
             kw = {"multiple": True, "metavar": "KEY=VALUE", "callback": _key_values}
         else:
-            kw = {"type": option.type, "default": option.default}
+            kw = {"type": ENGINE_TYPES.get(option.type, option.type), "default": option.default}
         params.append(click.Option([flag, ENGINE + key], help=text, **kw))
     return params
+
+
+# an engine's knob of each type (pipelines/<engine>.py OPTIONS): its ints are counts (--workers), its
+# floats waits in seconds (--ray-wait-nodes)
+ENGINE_TYPES = {int: COUNT, float: SECONDS}
 
 
 def _key_values(ctx, param, values) -> dict:
@@ -232,7 +299,7 @@ def stage_options(f):
     )(f)
     f = click.option(
         "--wait",
-        type=click.FloatRange(min=0),
+        type=SECONDS,
         default=0,
         help="Seconds to wait for another run's lock on --out.",
     )(f)
@@ -243,7 +310,7 @@ def document_step_options(f):
     """The document steps of the stages that write weighted data (score, weigh): one flag each."""
     return click.option(
         "--min-mean-weight",
-        type=click.FloatRange(0.0, 1.0),
+        type=Finite(0.0, 1.0),
         default=None,
         help="Drop documents whose mean weight is below this (all their rows), counted as rejects "
         "(reason low_weight). Not on packed rows.",
@@ -264,6 +331,9 @@ def check_output(out, reads, command: str, overwrite: bool = False, flag: str = 
     that --overwrite replaces whole (the caller removes it before writing), else None."""
     from entroweight import storage
 
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and not any(p.name == "overwrite" for p in ctx.command.params):
+        overwrite = None  # the command has no --overwrite: its refusals must not advise one
     try:
         foreign = storage.check_output(out, reads, command, flag=flag, overwrite=overwrite, apart=True, **kw)
     except (storage.OutputRefused, storage.StorageError) as e:

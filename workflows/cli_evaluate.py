@@ -18,7 +18,7 @@ import click
 
 from entroweight.options import repeated
 
-from .cli_common import Location, _fail, check_output
+from .cli_common import DEVICE, SEED, Location, _fail, check_output
 
 RESULTS = "accuracy.json"  # marks DIR as this command's output (entroweight.storage.OUTPUT_MARKS)
 ITEMS = "items.jsonl"
@@ -51,17 +51,22 @@ ITEMS = "items.jsonl"
     default=None,
     help="Least tokens between two cuts of a document (default: prefix + continuation, no overlap).",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Item construction's seed.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Item construction's seed.")
 @click.option("--text-column", default="text", show_default=True, help="The field that holds the text.")
 @click.option("--num-fewshot", type=click.IntRange(min=0), default=None, help="Default: each task's own.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N items per lm-eval task.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--device", default="auto", show_default=True)
+@click.option("--device", type=DEVICE, default="auto", show_default=True)
 @click.option("--out", required=True, type=click.Path(file_okay=False))
 @click.option("--overwrite", is_flag=True, help="Replace a --out that holds another command's output.")
 def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
     """Accuracy of CKPT_DIR (a llama checkpoint) on lm-eval tasks, per item and in all."""
-    from entroweight.models.checkpoint import CheckpointError, a_model_of, read_checkpoint_config
+    from entroweight.models.checkpoint import (
+        CheckpointError,
+        a_model_of,
+        load_checkpoint,
+        read_checkpoint_config,
+    )
     from entroweight.trainers.accuracy import (
         OFFLINE_TASK,
         AccuracyError,
@@ -88,6 +93,10 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
             raise CheckpointError(
                 f"{ckpt_dir} holds {a_model_of(config.get('kind'))}; lm-eval reads llama checkpoints"
             )
+        # loaded once here, and dropped: weights that are corrupt or do not fit config.json are
+        # refused before --out is made, where the export inside the evaluation found them after
+        # the items and lm-eval's scratch were written
+        load_checkpoint(ckpt_dir)
         unknown = unknown_tasks(names)
         if unknown:
             raise AccuracyError(

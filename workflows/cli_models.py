@@ -7,7 +7,7 @@ import json
 
 import click
 
-from .cli_common import Location, _fail
+from .cli_common import COUNT, DEVICE, Location, _fail
 
 DEFAULT_FORMATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
 
@@ -60,24 +60,23 @@ def token_batches(files, pad_id: int, batch_size: int, max_sequences: int | None
     show_default=True,
     help="Embedding formats to compare with float32 (float8_e4m3fn, float8_e5m2, int8, bfloat16, float16).",
 )
-@click.option("--max-sequences", type=int, default=None, help="Evaluate the first N sequences only.")
-@click.option("--batch-size", type=int, default=32, show_default=True)
-@click.option("--device", default="auto", show_default=True)
+@click.option("--max-sequences", type=COUNT, default=None, help="Evaluate the first N sequences only.")
+@click.option("--batch-size", type=COUNT, default=32, show_default=True)
+@click.option("--device", type=DEVICE, default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def eval_quant_cmd(ckpt_dir, data, formats, max_sequences, batch_size, device, as_json):
     """Eval loss of CKPT_DIR's decoder with its embedding cast to each format vs float32, and the
     amortized bits per byte: (embedding bits + Σ token bits) / Σ bytes of the --data sequences."""
-    import torch
-
     from entroweight.models.checkpoint import CheckpointError, a_model_of, load_checkpoint
     from entroweight.models.quant import FORMATS, evaluate_quantized
+    from entroweight.options import device_here
     from entroweight.trainers.data import DataError, inspect_data
 
     fmts = [f.strip() for f in formats.split(",") if f.strip()]
     unknown = [f for f in fmts if f not in FORMATS]
     if unknown:
         _fail(f"unknown --formats {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
-    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = str(device_here(device))  # checked as the option was parsed: auto resolved
     try:
         model, config = load_checkpoint(ckpt_dir, map_location=dev)
         if not all(hasattr(model, a) for a in ("encode", "decode", "embed_dim")):

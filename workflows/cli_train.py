@@ -15,7 +15,15 @@ import click
 
 from entroweight.trainers.config import TrainConfig
 
-from .cli_common import EXIT_FAILED_SHARDS, Location, _fail, check_output, config_options, given_options
+from .cli_common import (
+    DEVICE,
+    EXIT_FAILED_SHARDS,
+    Location,
+    _fail,
+    check_output,
+    config_options,
+    given_options,
+)
 
 ALLOW_PICKLE_HELP = (
     "Load a checkpoint's .pt/.bin/.pth weights where it has no model.safetensors (torch.load with "
@@ -120,7 +128,7 @@ def _as_list(value) -> list:
 @click.option("--tokenizer", default=None, help="Default: the tokenizer.json the checkpoint stores.")
 @click.option("--max-bytes", type=int, default=None, help="Evaluate the first N bytes of the text only.")
 @click.option("--batch-size", type=int, default=16, show_default=True)
-@click.option("--device", default="auto", show_default=True)
+@click.option("--device", type=DEVICE, default="auto", show_default=True)
 @click.option(
     "--unigram",
     "unigram_data",

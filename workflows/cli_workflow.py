@@ -67,7 +67,9 @@ def run_cmd(workflow, dry_run, overwrite, wait, **params):
 @click.command("report")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", default=None, help="HTML file to write (default: RUN_DIR/report.html).")
-@click.option("--samples", type=int, default=3, show_default=True, help="Sample texts per scorer.")
+@click.option(
+    "--samples", type=click.IntRange(0, 50), default=3, show_default=True, help="Sample texts per scorer."
+)
 def report_cmd(run_dir, out, samples):
     """Write one self-contained HTML report of RUN_DIR (plots embedded; opens offline)."""
     from .cli_common import check_output
@@ -75,8 +77,8 @@ def report_cmd(run_dir, out, samples):
 
     try:
         if out is not None:  # RUN_DIR/report.html, its default, lies inside what it reads by design
-            check_report_out(out)
             check_output(out, [("RUN_DIR", run_dir)], "report", may_lie_inside=True)
+            check_report_out(out)
         path = write_report(run_dir, out, samples=samples)
     except ReportError as e:
         _fail(str(e))

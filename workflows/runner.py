@@ -121,9 +121,9 @@ class Runner:
             return self.steps
         # every refusal a dry run gives, given before the lock is taken or anything is written: a
         # step refused half way would leave the steps before it redone for a run that cannot finish
-        Runner(
-            self.wf, self.engine, self.engine_options, True, self.overwrite, echo=lambda _: None
-        )._all_steps()
+        plan = Runner(self.wf, self.engine, self.engine_options, True, self.overwrite, echo=lambda _: None)
+        plan.ctx.here = True  # ... and the devices it names are on this machine
+        plan._all_steps()
         fresh = not storage.path(root).exists()
         lock = run_lock(root, self.wait)  # LockHeld -> exit 3
         start = time.perf_counter()

@@ -24,7 +24,8 @@ from pydantic import (
 )
 
 from entroweight import storage
-from entroweight.options import Options, refusal_lines, repeated
+from entroweight.options import DeviceName, Options, Seed, refusal_lines, repeated
+from entroweight.schemas.arrow import check_n_ctx
 from entroweight.trainers import config as trainer_config
 from entroweight.trainers.accuracy import OFFLINE_TASK
 from entroweight.trainers.config import LossName, LossSettings
@@ -92,7 +93,7 @@ class TokenizerSpec(_Strict):
 
 
 class TokenizeSpec(_Strict):
-    n_ctx: int = Field(512, ge=2)
+    n_ctx: int = 512
     pack: bool = False
     shard_docs: int | None = Field(None, ge=1)
     text_column: str = "text"
@@ -102,6 +103,7 @@ class TokenizeSpec(_Strict):
 
     _out = field_validator("out")(_inside)
     _text_column = field_validator("text_column")(check_text_column)
+    _n_ctx = field_validator("n_ctx")(lambda v: check_n_ctx(v, "n_ctx"))  # as `tokenize --n-ctx`
 
 
 class TrainSettings(trainer_config.TrainSettings):
@@ -119,7 +121,7 @@ class ModelSpec(TrainSettings):
     model_config_file: str | None = Field(None, alias="model_config")
     config: dict[str, Any] = Field(default_factory=dict)  # inline fields, over the file's
     loss: LossName = "ce"
-    seed: int = 0
+    seed: Seed = 0
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     _name = field_validator("name")(_name)
@@ -280,7 +282,7 @@ class TrainSpec(TrainSettings):
     kind: str = "llama"
     model_config_file: str | None = Field(None, alias="model_config")
     config: dict[str, Any] = Field(default_factory=dict)
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    seeds: list[Seed] = Field(default_factory=lambda: [0], min_length=1)
     runs: list[ExperimentRun] = Field(min_length=1)
     reference: str | None = None  # the run the others are compared to (default: the first `ce` run)
     out: str = "train"
@@ -306,7 +308,7 @@ class EvalSpec(_Strict):
     n_ctx: int | None = Field(None, ge=2)
     stride: int | None = Field(None, ge=1)
     batch_size: int = Field(16, ge=1)
-    device: str = "auto"
+    device: DeviceName = "auto"
     out: str = "eval"
 
     _out = field_validator("out")(_inside)
@@ -322,11 +324,11 @@ class AccuracySpec(_Strict):
     continuation_tokens: int = Field(16, ge=1)
     choices: int = Field(4, ge=2)
     stride: int | None = Field(None, ge=1)  # least tokens between two cuts (None: prefix + continuation)
-    seed: int = 0  # which cut points, which distractors, where the true one stands
+    seed: Seed = 0  # which cut points, which distractors, where the true one stands
     num_fewshot: int | None = Field(None, ge=0)  # lm-eval's tasks (None: each task's own default)
     limit: int | None = Field(None, ge=1)  # items per lm-eval task (a quick look, not a result)
     batch_size: int = Field(32, ge=1)
-    device: str = "auto"
+    device: DeviceName = "auto"
     out: str = "accuracy"
 
     _out = field_validator("out")(_inside)

@@ -81,6 +81,9 @@ class RunContext:
     steps: list[Step] = field(default_factory=list)  # this run's steps so far, in order
     #: writes run.json with the steps so far (the report step reads it)
     write_record: Any = None
+    #: the plan of a run about to start here (not a --dry-run, which may plan a GPU cluster's run on a
+    #: laptop): the devices it names must be on this machine
+    here: bool = False
 
     def tokenizer_file(self) -> str:
         """The tokenizer.json of the run (a directory's file, or a file given as is)."""
@@ -268,9 +271,12 @@ class TrainStep(Step):
 
     def prepare(self):
         from entroweight.models import config_of
+        from entroweight.options import device_here
 
         self.config = self.make_config()  # a TrainError names this step
         config_of(self.config.model, self.config.model_cfg)  # refused before anything trains
+        if self.run_ctx.here:  # a CUDA workflow on a machine without one: refused before, not after
+            device_here(self.config.device)
 
     def key(self) -> str:
         cfg = self.config
@@ -379,7 +385,11 @@ class UnigramStep(Step):
     """The baseline a model must beat: the training tokens' frequencies as the prediction (BPB)."""
 
     def prepare(self):
+        from entroweight.options import device_here
+
         check_eval_text(self.wf)
+        if self.run_ctx.here:  # before the models it evaluates are trained
+            device_here(self.wf.eval.device)
 
     def key(self) -> str:
         e = self.wf.eval
@@ -506,6 +516,12 @@ class AccuracyItemsStep(Step):
     @property
     def spec(self):
         return self.wf.accuracy
+
+    def prepare(self):
+        from entroweight.options import device_here
+
+        if self.run_ctx.here:  # before the runs it evaluates are trained
+            device_here(self.spec.device)
 
     @property
     def offline(self) -> bool:

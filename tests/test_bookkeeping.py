@@ -1,0 +1,231 @@
+# ruff: noqa: F811 - pytest fixtures imported from test_weighted_inputs
+"""A stage's bookkeeping (`.shards.json`, the shard manifests) is what shows a directory complete; every
+reader trusts nothing it cannot show (schemas/datadir.py `DataDir`, the one place they all read through).
+
+- A directory without `.shards.json` (copied without its dotfiles) cannot show that it is complete:
+  every reader that needs the whole of it refuses it (exit 2, one line naming the file, nothing
+  written), as `verify` does. Before, weigh, export-data, compare, score and train read what was left
+  as the whole (a copy missing a shard too: 30 of 40 documents, exit 0, and `verify` of weigh's output
+  said ok). The readers of a sample (`inspect`, `--quantiles-from`) read it, and `inspect` says that
+  what is missing is unknown.
+- A manifest or `.shards.json` that does not parse is refused by every reader (exit 2, one line naming
+  the file), where most ended in a traceback, and by a stage rerun into that directory, which with
+  --overwrite redoes what it committed.
+- score and weigh record where they read absolutely (`pipelines/weighted.py` `part_locations`, as
+  tokenize records its sources), so `verify` and a rerun from another working directory find the same
+  inputs: before, both resolved the relative paths against the new directory.
+
+The reading commands come from the click group: each has cases in READERS or a reason in EXEMPT, so a new
+command fails `test_every_command_reads_through_the_checks_or_says_why_not`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from click.testing import CliRunner
+from test_weighted_inputs import model, scored, tokens, weighed  # noqa: F401 - fixtures
+
+from entroweight.pipelines.verify import verify_dir
+from entroweight.schemas.datadir import DataDir
+from entroweight.schemas.manifest import SHARDS_FILE, manifest_name
+from entroweight.workflows.cli import main
+
+SCORE = ["--scorer", "causal_loss", "--dtype", "fp32"]  # + --model: the config `scored` was made with
+
+# case -> argv of (damaged directory, a sound weighted directory, the tokens, the model, --out)
+READERS = {
+    "inspect": lambda d, good, tokens, model, out: ["inspect", d],
+    "compare A": lambda d, good, tokens, model, out: ["compare", d, good],
+    "compare B": lambda d, good, tokens, model, out: ["compare", good, d],
+    "export-data": lambda d, good, tokens, model, out: ["export-data", d, "--format", "hf", "--out", out],
+    "weigh": lambda d, good, tokens, model, out: ["weigh", d, "--out", out],
+    "weigh --quantiles-from": lambda d, good, tokens, model, out: [
+        "weigh",
+        good,
+        "--weighting",
+        "quantile",
+        "--quantiles-from",
+        d,
+        "--out",
+        out,
+    ],  # fmt: skip
+    "score": lambda d, good, tokens, model, out: ["score", d, *SCORE, "--model", model, "--out", out],
+    "score --quantiles-from": lambda d, good, tokens, model, out: [
+        "score",
+        tokens,
+        *SCORE,
+        "--model",
+        model,
+        "--weighting",
+        "quantile",
+        "--quantiles-from",
+        d,
+        "--out",
+        out,
+    ],  # fmt: skip
+    "train": lambda d, good, tokens, model, out: ["train", d, "--steps", "1", "--out", out],
+}
+# readers of a sample or of what there is: a directory whose completeness is unknown is read
+PARTIAL = {"inspect", "weigh --quantiles-from", "score --quantiles-from"}
+EXEMPT = {
+    "verify": "reports every problem itself, exit 1 (tests/test_verify.py)",
+    "eval-bpb": "--unigram reads data through trainers/data.py's data_files, as train does",
+    "eval-quant": "--data reads data through trainers/data.py's data_files, as train does",
+    "report": "reads a workflow run, whose runner verifies every data step",
+    "run": "a workflow: its steps are these commands' stages",
+    "tokenize": "reads raw documents",
+    "train-tokenizer": "reads raw documents",
+    "evaluate": "reads a checkpoint",
+    "export-hf": "reads a checkpoint",
+}
+
+
+def test_every_command_reads_through_the_checks_or_says_why_not():
+    assert {case.split()[0] for case in READERS} | set(EXEMPT) == set(main.commands)
+
+
+def no_registry(d):
+    """The hostile case: a copy without its dotfiles' registry, and one shard short."""
+    part = DataDir(d).parts[1]
+    (d / SHARDS_FILE).unlink()
+    (d / manifest_name(part.manifest.shard)).unlink()
+    (d / part.name).unlink()
+    return SHARDS_FILE
+
+
+def bad_manifest(d):
+    name = manifest_name(DataDir(d).parts[1].manifest.shard)
+    (d / name).write_text("{not json")
+    return name
+
+
+def bad_registry(d):
+    (d / SHARDS_FILE).write_text("{not json")
+    return SHARDS_FILE
+
+
+def registry_not_a_mapping(d):
+    (d / SHARDS_FILE).write_text('["part-00000"]')
+    return SHARDS_FILE
+
+
+DAMAGES = {
+    "no registry": no_registry,
+    "manifest does not parse": bad_manifest,
+    "registry does not parse": bad_registry,
+    "registry not a mapping": registry_not_a_mapping,
+}
+
+
+def damaged(src, dst, damage: str):
+    shutil.copytree(src, dst)
+    return dst, DAMAGES[damage](dst)
+
+
+def invoke(argv):
+    return CliRunner().invoke(main, [str(a) for a in argv])
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+@pytest.mark.parametrize("case", sorted(READERS))
+def test_every_reader_refuses_a_directory_it_cannot_show_whole(
+    case,
+    damage,
+    scored,
+    tokens,
+    model,
+    tmp_path,
+):
+    d, name = damaged(scored, tmp_path / "damaged", damage)
+    out = tmp_path / "out"
+    r = invoke(READERS[case](d, scored, tokens, model, out))
+    if damage == "no registry" and case in PARTIAL:  # a sample of what is there
+        assert r.exit_code == 0, r.output
+        if case == "inspect":
+            assert f"unknown: {d} has no {SHARDS_FILE}" in r.output, r.output
+        return
+    assert r.exit_code == 2, (r.output, r.exception)
+    line = r.output.strip()
+    assert "\n" not in line and "Traceback" not in line, line
+    assert f"{d}/{name}" in line or (name == SHARDS_FILE and f"{d} has no {SHARDS_FILE}" in line), line
+    assert not out.exists() or not any(out.iterdir()), "output written before the refusal"
+
+
+STAGES = {  # stage -> (its input, its committed output, its argv but --out)
+    "score": lambda tokens, scored, weighed, model: (
+        scored,
+        ["score", tokens, *SCORE, "--model", model],
+    ),  # fmt: skip
+    "weigh": lambda tokens, scored, weighed, model: (weighed, ["weigh", scored, "--weight-dtype", "uint8"]),
+}
+
+
+@pytest.mark.parametrize(
+    "damage", ["manifest does not parse", "registry does not parse", "registry not a mapping"]
+)
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_a_rerun_refuses_its_damaged_output_and_overwrite_redoes_it(
+    stage,
+    damage,
+    tokens,
+    scored,
+    weighed,
+    model,
+    tmp_path,
+):
+    done, argv = STAGES[stage](tokens, scored, weighed, model)
+    d, name = damaged(done, tmp_path / "out", damage)
+    before = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    r = invoke([*argv, "--out", d])
+    assert r.exit_code == 2, (r.output, r.exception)
+    line = r.output.strip()
+    assert "\n" not in line and f"{d}/{name}" in line and "--overwrite" in line, line
+    assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()} == before  # nothing touched
+    r = invoke([*argv, "--out", d, "--overwrite"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert verify_dir(d) == []
+    shas = {p.name: p.manifest.output_sha256 for p in DataDir(d).parts}
+    assert shas == {p.name: p.manifest.output_sha256 for p in DataDir(done).parts}  # the same bytes
+
+
+def test_a_lost_registry_is_planned_again_by_a_rerun(tokens, scored, model, tmp_path):
+    """The refusal says "rerun the command that writes it": the rerun finds the committed shards, redoes
+    the missing one and writes the registry again."""
+    d, _ = damaged(scored, tmp_path / "out", "no registry")
+    r = invoke(["score", tokens, *SCORE, "--model", model, "--out", d])
+    assert r.exit_code == 0 and "1 shard(s) run" in r.output, r.output
+    assert verify_dir(d) == [] and not DataDir(d).missing
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_inputs_are_recorded_absolutely_whatever_the_working_directory(
+    stage,
+    tokens,
+    scored,
+    weighed,
+    model,
+    tmp_path,
+    monkeypatch,
+):
+    """Run from the input's parent with a relative path, then verify and rerun from elsewhere. Before,
+    score and weigh recorded `DIR/part-….parquet` as typed: verify from another directory checked (or
+    skipped) the wrong input, and a rerun refused "shards of inputs this run does not read"."""
+    _, argv = STAGES[stage](tokens, scored, weighed, model)
+    src = argv[1]
+    monkeypatch.chdir(src.parent)
+    out = tmp_path / "out"
+    r = invoke([argv[0], src.name, *argv[2:], "--out", out])
+    assert r.exit_code == 0, (r.output, r.exception)
+    uris = [i.uri for m in DataDir(out).manifests for i in m.inputs]
+    keys = list(DataDir(out).registry)
+    assert uris and all(os.path.isabs(u) and u.startswith(str(src.resolve())) for u in uris), uris
+    assert all(os.path.isabs(k) for k in keys), keys
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert verify_dir(out) == []
+    r = invoke([*argv, "--out", out])
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output
