@@ -746,7 +746,7 @@ def _kept_size_note(plan: RunPlan) -> str:
         return ""
     return (
         f"; kept shards of {', '.join(map(str, sorted(sizes)))} rows each from an earlier run (the shard "
-        f"size asked, {want}, applies to new shards; --overwrite re-cuts them)"
+        f"size asked, {want}, applies to new shards; to re-cut these, write to a new --out)"
     )
 
 

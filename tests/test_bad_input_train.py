@@ -140,6 +140,9 @@ def test_allowed_config_change_records_both_configs(weighted_dir, tmp_path):
     r = cli(*train_args(weighted_dir, out, "--steps", 8, "--lr", "1e-4", "--stop-at", 8, "--resume"))
     assert r.exit_code == 0, r.output
     assert json.loads((out / "config.json").read_text())["train_history"] == config["train_history"]
+    # once more, at its last step: nothing is trained, and it says so (it said "loss None, 0 real tok/s")
+    r = cli(*train_args(weighted_dir, out, "--steps", 8, "--lr", "1e-4", "--resume"))
+    assert r.exit_code == 0 and f"nothing to train: {out} is at step 8 of 8" in r.output, r.output
 
 
 # ---------------------------------------------------------------- train: non-finite values

@@ -71,4 +71,5 @@ def test_a_rerun_with_another_shard_size_keeps_every_document_once(tmp_path, sou
         summary = run(20)
         assert summary.shards_run == 0  # the shards it has are the same documents, and it says so
         assert "kept shards of 50 rows each" in summary.line() and "applies to new shards" in summary.line()
+        assert "--overwrite" not in summary.line()  # which would not re-cut them: it is not advised
     _docs_once(out)

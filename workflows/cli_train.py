@@ -98,7 +98,11 @@ def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, **
         _fail(str(e), EXIT_FAILED_SHARDS)
     except (TrainError, DataError, CheckpointError, ValueError) as e:
         _fail(str(e))
-    if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, one line for the run, not one per rank
+    if int(os.environ.get("RANK", 0)) != 0:  # under torchrun, one line for the run, not one per rank
+        return
+    if result.loss is None:  # a resume of a run already at its last step: no step ran
+        click.echo(f"nothing to train: {result.out} is at step {result.step} of {result.step}")
+    else:
         click.echo(
             f"trained {result.step} steps, {result.tokens:,} tokens, loss {result.loss}, "
             f"{result.tokens_per_s:,.0f} real tok/s -> {result.out}"
