@@ -338,3 +338,9 @@ def test_train_tokenizer_never_replaces_a_tokenizer_unasked(tmp_path, c4_lines, 
     assert (out / "tokenizer.json").read_bytes() == before
     res = cli("train-tokenizer", src, "--vocab-size", 320, "--out", out, "--overwrite")
     assert res.exit_code == 0 and (out / "tokenizer.json").read_bytes() != before
+
+
+def test_train_tokenizer_says_when_it_makes_fewer_tokens_than_asked(tmp_path, c4_lines):
+    src = write(tmp_path / "c4.jsonl", c4_lines[:5])
+    res = cli("train-tokenizer", src, "--vocab-size", 60000, "--out", tmp_path / "tok")
+    assert res.exit_code == 0 and "60000 asked: the documents give no more" in res.output, res.output

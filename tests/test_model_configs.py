@@ -121,6 +121,9 @@ def test_eval_quant(tiny_estimator, tokenized_dir):
     assert r["float8_e4m3fn"]["embed_bpb"] == pytest.approx(64 * 8 * 8 / r["bytes"])
     assert r["int8"]["embed_bpb"] == pytest.approx(64 * (8 * 8 + 32) / r["bytes"])
     assert r["float32"]["embed_bpb"] == pytest.approx(4 * r["float8_e5m2"]["embed_bpb"])
+    # no format to compare: refused, not a table of float32 alone
+    res = cli("eval-quant", tiny_estimator, "--data", tokenized_dir, "--formats", " , ")
+    assert res.exit_code == 2 and "--formats names no format" in res.output
     # the table form
     res = cli("eval-quant", tiny_estimator, "--data", tokenized_dir, "--max-sequences", 16)
     assert res.exit_code == 0 and "float8_e4m3fn" in res.output and "bpb" in res.output

@@ -101,7 +101,9 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
         storage.remove_tree(out)
     path, sha = save_tokenizer(tok, out)
     skipped = f"; {rejects_said(rejected)}" if rejected else ""
-    click.echo(f"wrote {path} ({tok.get_vocab_size()} tokens, sha256 {sha}){skipped}")
+    n = tok.get_vocab_size()
+    short = f"; {vocab_size} asked: the documents give no more" if n < vocab_size else ""
+    click.echo(f"wrote {path} ({n} tokens, sha256 {sha}){short}{skipped}")
 
 
 @main.command(cls=GeneratedOptions, generated=[engine_options])

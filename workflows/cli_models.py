@@ -73,6 +73,8 @@ def eval_quant_cmd(ckpt_dir, data, formats, max_sequences, batch_size, device, a
     from entroweight.trainers.data import DataError, inspect_data
 
     fmts = [f.strip() for f in formats.split(",") if f.strip()]
+    if not fmts:  # float32 against nothing: a table of one row
+        _fail(f"--formats names no format; choose from {', '.join(FORMATS)}")
     unknown = [f for f in fmts if f not in FORMATS]
     if unknown:
         _fail(f"unknown --formats {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
