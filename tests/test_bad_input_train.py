@@ -230,3 +230,14 @@ def test_disk_full_while_saving_leaves_no_staging(weighted_dir, tokenizer_dir, t
     assert not (out / ".staging").exists()
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "tokenizer.json"]
     assert np.all([math.isfinite(row["loss"]) for row in strict_json_lines(out / "metrics.jsonl")])
+
+
+def test_a_config_json_without_a_checkpoint_is_not_called_one(weighted_dir, tmp_path):
+    """--out holding a config.json but no trainer_state.json (another program's file, or a run stopped
+    before its first save): --resume could not continue it, so it is not advised."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": 1}')
+    r = cli(*train_args(weighted_dir, out, "--steps", 2))
+    line = refused(r, "holds a config.json but no checkpoint")
+    assert "--resume" not in line and (out / "config.json").read_text() == '{"mine": 1}'

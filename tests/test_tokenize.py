@@ -99,6 +99,9 @@ def test_directory_and_glob_sources(c4_formats):
         sources.expand_sources([str(d / "*.nothing")])
     with pytest.raises(SourceError, match="no such file"):
         sources.expand_sources([str(d / "missing.jsonl")])
+    # a file:// URL names the local path, as it does for --tokenizer and --out
+    for spec in (d, d / "*.jsonl*", d / "a.jsonl"):
+        assert sources.expand_sources([f"file://{spec}"]) == sources.expand_sources([str(spec)])
 
 
 def test_fineweb_columns_map_onto_documents(tmp_path):

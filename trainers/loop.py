@@ -304,6 +304,11 @@ def _resolve(cfg: TrainConfig, loss: Loss, rank: int, world: int, device, allow_
         if tok_path is None and (out / TOKENIZER).is_file():
             tok_path = out / TOKENIZER
     elif (out / "config.json").exists() and not cfg.overwrite:
+        if not (out / STATE).exists():  # nothing --resume could continue: say what is there
+            raise TrainError(
+                f"{out} holds a config.json but no checkpoint ({STATE}): a run stopped before its first "
+                "save, or another program's file; write to another --out, or pass --overwrite to start over there"
+            )
         raise TrainError(f"{out} already holds a checkpoint; pass --resume to continue it, or another --out")
 
     try:

@@ -175,6 +175,7 @@ def source_files(specs: list[str]) -> dict[str, tuple[int, int | None] | None]:
             # object stores keep no stable mtime across listings: the size stands alone
             out.update((f, (size, None)) for f, size in _expand_url(spec).items())
             continue
+        spec = str(storage.path(spec)) if spec.startswith("file://") else spec  # a local path, as elsewhere
         if any(ch in spec for ch in "*?["):
             matches = sorted(glob.glob(spec, recursive=True))
             if not matches:
