@@ -432,6 +432,24 @@ def local_copy(location: AnyPath) -> Iterator[Path]:
         yield Path(tmp)
 
 
+@contextlib.contextmanager
+def staged(location: AnyPath) -> Iterator[Path]:
+    """A local directory to write `location`'s files in: the path itself when local; for a URL a temp
+    directory whose files are uploaded there once the block succeeds (a failed block uploads nothing).
+    For the writers that need files on disk (transformers' save_pretrained, the tokenizer, lm-eval);
+    `Path(url)` would instead write a local folder named `s3:`."""
+    p = path(location)
+    if is_local(p):
+        Path(p).mkdir(parents=True, exist_ok=True)
+        yield Path(p)
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="entroweight-out-") as tmp:
+        yield Path(tmp)
+        upload_dir(Path(tmp), p)
+
+
 def download_dir(location: AnyPath, local: Path) -> int:
     """Copy every file under `location` (a URL) into the local directory `local`; returns how many."""
     fs, inner = filesystem(location)

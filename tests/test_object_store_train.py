@@ -10,7 +10,8 @@ import json
 import fsspec
 import pytest
 from test_trainer import cfg, metrics
-from test_trainer_fixtures import one_thread, weighted_dir  # noqa: F401 - fixtures
+from test_trainer_fixtures import one_thread, tiny_ckpt, weighted_dir  # noqa: F401 - fixtures
+from test_workflow import tiny_run  # noqa: F401 - the session fixture
 
 from entroweight import storage
 from entroweight.models.checkpoint import CheckpointError, load_checkpoint
@@ -53,6 +54,11 @@ def test_train_and_resume_on_s3_match_local_disk(weighted_dir, tokenizer_dir, tm
     assert config["step"] == 12
     bpb_remote = eval_bpb(out, max_bytes=2000)
     assert bpb_remote["bpb"] == eval_bpb(str(local), max_bytes=2000)["bpb"]
+    # the text on the store too (it was read as a local path "s3:/...": "no text file")
+    from entroweight.trainers.bpb import DEFAULT_TEXT
+
+    text = upload(DEFAULT_TEXT, f"{s3_bucket}/text/wiki.test.raw")
+    assert eval_bpb(out, text, max_bytes=2000)["bpb"] == bpb_remote["bpb"]
 
 
 def test_a_tampered_checkpoint_on_s3_is_refused(weighted_dir, tmp_path, s3_bucket):
@@ -130,3 +136,59 @@ def test_the_reader_plans_from_manifests_not_footers(tokenized_dir, tmp_path, s3
     assert [(u.row_group, u.start, u.stop) for u in ds._units(2)] == [
         (u.row_group, u.start, u.stop) for u in units
     ]
+
+
+# -- every command that writes, with --out on s3://: written there, never into a local folder "s3:"
+# (export-hf, train-tokenizer, report and evaluate took the URL through Path(), exit 0, bucket empty)
+COVERED = {
+    "tokenize": "test_object_store.py::test_the_cli_reads_and_writes_s3",
+    "score": "test_object_store.py::test_the_cli_reads_and_writes_s3",
+    "weigh": "test_object_store.py::test_tokenize_score_weigh_on_s3_match_local_disk",
+    "train": "test_train_and_resume_on_s3_match_local_disk",
+    "export-data": "test_export_data_reads_and_writes_s3_like_local_disk",
+}
+URL_OUT = {
+    "export-hf": lambda ckpt, run, docs, out: ["export-hf", ckpt, "--out", out],
+    "train-tokenizer": lambda ckpt, run, docs, out: [
+        "train-tokenizer",
+        docs,
+        "--vocab-size",
+        300,
+        "--out",
+        out,
+    ],
+    "report": lambda ckpt, run, docs, out: ["report", run, "--out", f"{out}/report.html"],
+    "evaluate": lambda ckpt, run, docs, out: [
+        "evaluate",
+        ckpt,
+        "--documents",
+        docs,
+        "--items",
+        4,
+        "--device",
+        "cpu",
+        "--out",
+        out,
+    ],  # fmt: skip
+}
+
+
+def test_every_writing_command_is_tried_with_an_s3_out():
+    from test_path_rule import writing_commands
+
+    assert sorted([*COVERED, *URL_OUT]) == writing_commands()
+
+
+@pytest.mark.parametrize("command", sorted(URL_OUT))
+def test_an_s3_out_is_written_there(command, tiny_ckpt, tiny_run, c4_60, s3_bucket, tmp_path, monkeypatch):  # noqa: F811
+    from click.testing import CliRunner
+
+    from entroweight.workflows.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    out = f"{s3_bucket}/{command}"
+    argv = URL_OUT[command](tiny_ckpt, tiny_run["run_dir"], c4_60, out)
+    res = CliRunner().invoke(main, [str(a) for a in argv])
+    assert res.exit_code == 0, res.output
+    assert storage.walk(out), f"nothing in {out}: {res.output}"
+    assert not (tmp_path / "s3:").exists()

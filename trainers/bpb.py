@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
+from entroweight import storage
 from entroweight.models.checkpoint import CheckpointError, load_checkpoint
 from entroweight.options import device_here
 from entroweight.schemas.tokenizer import (
@@ -47,7 +48,7 @@ def read_text(path: str | Path | None, max_bytes: int | None = None) -> str:
     A `max_bytes` cut inside a character drops that partial character (the result's `bytes` says
     how many were scored).
     """
-    path = Path(path) if path else DEFAULT_TEXT
+    path = storage.path(path) if path else DEFAULT_TEXT  # a URL stays one (s3://...)
     if not path.is_file():
         what = "is not a regular file" if path.exists() else "does not exist"
         raise FileNotFoundError(
@@ -199,7 +200,7 @@ def eval_bpb(
         "tokens": len(ids) - 1,
         "n_ctx": n_ctx,
         "stride": stride,
-        "text": str(Path(text_path) if text_path else DEFAULT_TEXT),
+        "text": str(text_path or DEFAULT_TEXT),  # as given: Path() would turn s3:// into s3:/
     }
 
 
@@ -230,7 +231,7 @@ def _amortized(model, ids, n_ctx, stride, batch_size, dev, n_bytes, fmt, text_pa
         "tokens": len(ids) - 1,
         "n_ctx": n_ctx,
         "stride": stride,
-        "text": str(Path(text_path) if text_path else DEFAULT_TEXT),
+        "text": str(text_path or DEFAULT_TEXT),  # as given: Path() would turn s3:// into s3:/
     }
 
 

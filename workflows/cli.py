@@ -99,7 +99,9 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
         _fail(str(e))
     if foreign:  # another command's output, which --overwrite replaces whole
         storage.remove_tree(out)
-    path, sha = save_tokenizer(tok, out)
+    with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
+        path, sha = save_tokenizer(tok, local)
+    path = storage.path(out) / path.name
     skipped = f"; {rejects_said(rejected)}" if rejected else ""
     n = tok.get_vocab_size()
     short = f"; {vocab_size} asked: the documents give no more" if n < vocab_size else ""

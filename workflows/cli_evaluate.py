@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import json
-import shutil
 from pathlib import Path
 
 import click
@@ -57,10 +56,11 @@ ITEMS = "items.jsonl"
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N items per lm-eval task.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--device", type=DEVICE, default="auto", show_default=True)
-@click.option("--out", required=True, type=click.Path(file_okay=False))
+@click.option("--out", required=True, type=Location(file_okay=False))
 @click.option("--overwrite", is_flag=True, help="Replace a --out that holds another command's output.")
 def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
     """Accuracy of CKPT_DIR (a llama checkpoint) on lm-eval tasks, per item and in all."""
+    from entroweight import storage
     from entroweight.models.checkpoint import (
         CheckpointError,
         a_model_of,
@@ -70,10 +70,8 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
     from entroweight.trainers.accuracy import (
         OFFLINE_TASK,
         AccuracyError,
-        evaluate_checkpoint,
         require_lm_eval,
         unknown_tasks,
-        write_items,
     )
 
     reads = [("CKPT_DIR", ckpt_dir)] + [("--documents", d) for d in documents]
@@ -106,9 +104,26 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
     except (AccuracyError, CheckpointError, ValueError) as e:
         _fail(str(e))
     if foreign:
-        shutil.rmtree(out)
-    dest = Path(out)
-    dest.mkdir(parents=True, exist_ok=True)
+        storage.remove_tree(out)
+    with storage.staged(out) as dest:  # an s3:// --out: written here, then uploaded
+        res = _evaluate(ckpt_dir, names, dest, items, kw)
+    for task, t in res["tasks"].items():
+        metrics = ", ".join(
+            f"{k} {m['value']:.4f}" + (f" ± {m['stderr']:.4f}" if m["stderr"] is not None else "")
+            for k, m in t["metrics"].items()
+        )
+        chance = f"; chance {t['chance']:.4f}" if t["chance"] is not None else ""
+        click.echo(f"{task}: {metrics} ({t['n']} items{chance})")
+    for group, g in res["groups"].items():
+        click.echo(f"{group}: " + ", ".join(f"{k} {m['value']:.4f}" for k, m in g["metrics"].items()))
+    click.echo(f"wrote {storage.path(out) / RESULTS}")
+
+
+def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
+    """The evaluation written into the local directory `dest`: the items, lm-eval's scratch, the results."""
+    from entroweight.models.checkpoint import CheckpointError
+    from entroweight.trainers.accuracy import AccuracyError, evaluate_checkpoint, write_items
+
     items_file = write_items(items, dest / ITEMS) if items is not None else None
     try:
         res = evaluate_checkpoint(
@@ -127,16 +142,7 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
     tmp = dest / (RESULTS + ".tmp")
     tmp.write_text(json.dumps(res, indent=1))
     tmp.replace(dest / RESULTS)
-    for task, t in res["tasks"].items():
-        metrics = ", ".join(
-            f"{k} {m['value']:.4f}" + (f" ± {m['stderr']:.4f}" if m["stderr"] is not None else "")
-            for k, m in t["metrics"].items()
-        )
-        chance = f"; chance {t['chance']:.4f}" if t["chance"] is not None else ""
-        click.echo(f"{task}: {metrics} ({t['n']} items{chance})")
-    for group, g in res["groups"].items():
-        click.echo(f"{group}: " + ", ".join(f"{k} {m['value']:.4f}" for k, m in g["metrics"].items()))
-    click.echo(f"wrote {dest / RESULTS}")
+    return res
 
 
 def _items(ckpt_dir, documents, config, **kw) -> list[dict]:

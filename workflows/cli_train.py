@@ -183,16 +183,18 @@ def eval_bpb_cmd(ckpt_dir, unigram_data, as_json, **kw):
 @click.option("--allow-pickle", is_flag=True, help=ALLOW_PICKLE_HELP)
 def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle):
     """Write CKPT_DIR as a Hugging Face LlamaForCausalLM directory (config, safetensors, tokenizer)."""
+    from entroweight import storage
     from entroweight.models.checkpoint import CheckpointError
     from entroweight.trainers.export import export_hf
 
     check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf")
     try:
-        path = export_hf(ckpt_dir, out, tokenizer, allow_pickle=allow_pickle)
+        with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
+            export_hf(ckpt_dir, local, tokenizer, allow_pickle=allow_pickle)
     except (CheckpointError, ValueError) as e:
         _fail(str(e))
     click.echo(
-        f"wrote {path}; evaluate with: lm_eval --model hf --model_args pretrained={path} --tasks hellaswag"
+        f"wrote {out}; evaluate with: lm_eval --model hf --model_args pretrained={out} --tasks hellaswag"
     )
 
 

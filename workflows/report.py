@@ -172,7 +172,7 @@ def build_report(run_dir: str | Path, samples: int = 3, max_tokens: int = 2_000_
 def write_report(
     run_dir: str | Path, out: str | Path | None = None, samples: int = 3, max_tokens: int = 2_000_000
 ) -> Path:
-    out = Path(out) if out else Path(run_dir) / "report.html"
+    out = storage.path(out) if out else Path(run_dir) / "report.html"  # a URL stays one (s3://...)
     check_report_out(out)
     try:
         html = build_report(run_dir, samples, max_tokens)
@@ -192,7 +192,7 @@ def check_report_out(out: str | Path) -> None:
     reads (every record of a run is JSON, parquet or a checkpoint; none ends in .html)."""
     if storage.blank(out):
         raise ReportError("--out is empty (an unset variable?): name the HTML file to write")
-    out = Path(out)
+    out = storage.path(out)
     if out.is_dir():
         raise ReportError(f"--out {out} is a directory; name the HTML file to write (e.g. {out}/report.html)")
     if out.suffix.lower() != ".html":
