@@ -110,7 +110,7 @@ def test_resume_position_in_process(weighted_dir):
     for w in want:
         assert torch.equal(next(it2)["input_ids"], w)
     with pytest.raises(DataError, match="same number of processes"):
-        WeightedTokens(weighted_dir, rank=0, world_size=2).load_state_dict(state)
+        WeightedTokens(weighted_dir, rank=0, world_size=2, seed=2).load_state_dict(state)
 
 
 # -- refusals, each with a message that says what to do
@@ -205,6 +205,9 @@ def test_example_hf_trainer_compute_loss(weighted_dir, tmp_path):
         {"batch_size": True},
         {"epochs": 0},  # was: nothing, silently
         {"start": -1},
+        {"shuffle_buffer": -5},  # was: taken as 1, silently
+        {"seed": "x"},  # was: numpy's "unrecognized seed string"
+        {"seed": -1},
     ],
     ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()),
 )
@@ -212,3 +215,18 @@ def test_the_reader_refuses_counts_that_are_not_counts(weighted_dir, kw):
     with pytest.raises(ValueError, match=f"{next(iter(kw))} must be an integer"):
         WeightedTokens(weighted_dir, **kw)
     assert next(iter(WeightedTokens(weighted_dir, batch_size=np.int64(4))))["input_ids"].shape[0] == 4
+
+
+@pytest.mark.parametrize("columns", ["weight", ("weights",), ("weight", "entrpy")])
+def test_the_reader_refuses_columns_it_cannot_give(weighted_dir, columns):
+    """A string (read letter by letter) or a misspelled name gave items without weights: a weighted
+    trainer trained unweighted, no error."""
+    with pytest.raises(ValueError, match="columns is a list of weight, entropy"):
+        WeightedTokens(weighted_dir, columns=columns)
+    assert "weight" in next(iter(WeightedTokens(weighted_dir, columns=["weight"])))
+
+
+def test_a_saved_position_is_refused_under_another_seed(weighted_dir):
+    ds = WeightedTokens(weighted_dir, batch_size=2, seed=1)
+    with pytest.raises(DataError, match="for seed 0, not 1"):
+        ds.load_state_dict(WeightedTokens(weighted_dir, batch_size=2).state_dict())

@@ -272,6 +272,9 @@ def _dist() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+COLUMNS = ("weight", "entropy")  # what an item carries beside input_ids and mask, where the data has it
+
+
 class WeightedTokens(IterableDataset):
     """Token sequences (and their per-token `weight`, `entropy`) from parquet, as torch tensors.
 
@@ -297,7 +300,7 @@ class WeightedTokens(IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         start: int = 0,
-        columns=("weight", "entropy"),
+        columns=COLUMNS,
         require=(),
         tokenizer_sha256: str | None = None,
         vocab_size: int | None = None,
@@ -307,6 +310,8 @@ class WeightedTokens(IterableDataset):
             ("batch_size", batch_size, 1, True),  # 0 once gave one batch of every row: all in memory
             ("epochs", epochs, 1, True),
             ("start", start, 0, False),
+            ("shuffle_buffer", shuffle_buffer, 1, False),
+            ("seed", seed, 0, False),
         ):
             if value is None and optional:
                 continue
@@ -314,9 +319,15 @@ class WeightedTokens(IterableDataset):
                 raise ValueError(
                     f"{name} must be an integer >= {least}{' or None' * optional}, not {value!r}"
                 )
+        if paths is None or isinstance(columns, str) or not all(c in COLUMNS for c in columns):
+            # a string would be read letter by letter, a misspelled name skipped: weights silently gone
+            raise ValueError(
+                "paths name the data (directories or files), and columns is a list of "
+                f"{', '.join(COLUMNS)} (those the data has are read), not paths={paths!r}, columns={columns!r}"
+            )
         self.info = inspect_data(paths, require, tokenizer_sha256, vocab_size)
         self.columns = [c for c in columns if c in self.info.columns]
-        self.batch_size, self.shuffle, self.shuffle_buffer = batch_size, shuffle, max(1, shuffle_buffer)
+        self.batch_size, self.shuffle, self.shuffle_buffer = batch_size, shuffle, shuffle_buffer
         self.seed, self.epochs, self.start = seed, epochs, start
         r, w = _dist()
         self.rank = r if rank is None else rank
@@ -443,6 +454,8 @@ class WeightedTokens(IterableDataset):
         return {"position": self.position, "seed": self.seed, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("seed", self.seed) != self.seed:  # another seed orders the rows otherwise
+            raise DataError(f"the saved data position is for seed {state['seed']}, not {self.seed}")
         if state.get("world_size", self.world_size) != self.world_size:
             raise DataError(
                 f"the saved data position is for {state['world_size']} ranks, not {self.world_size}; "
