@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 
 # kind -> "module:Class"; each class takes its own `Config` dataclass (Class.Config) and has `.config`.
 REGISTRY = {
@@ -39,8 +40,14 @@ def config_of(kind: str, config: dict):
             f"the model config has {', '.join(unknown)}, which {kind} does not take; its fields: "
             f"{', '.join(sorted(fields))}"
         )
+    config = dict(config)
     for key, value in config.items():
         default = fields[key].default
+        if isinstance(default, float) and isinstance(value, str):  # YAML 1.1 reads 1e-05 as a string
+            try:
+                value = config[key] = float(value)
+            except ValueError:
+                pass
         if value is None or default is None or isinstance(default, str) or default is dataclasses.MISSING:
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -51,8 +58,8 @@ def config_of(kind: str, config: dict):
                 raise ValueError(f"the model config's {key} is {value!r}, not a whole number")
             if default >= 1 and value < 1:
                 raise ValueError(f"the model config's {key} must be at least 1, not {value!r}")
-        if isinstance(default, float) and not number:
-            raise ValueError(f"the model config's {key} is {value!r}, not a number")
+        if isinstance(default, float) and not (number and math.isfinite(value)):
+            raise ValueError(f"the model config's {key} is {value!r}, not a finite number")
     try:
         return cls.Config(**config)
     except (TypeError, ValueError) as e:

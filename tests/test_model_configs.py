@@ -227,3 +227,14 @@ def test_data_given_twice_is_refused_not_read_twice(tiny_estimator, tokenized_di
     res = cli(*DATA_TWICE[command](tiny_estimator, tokenized_dir, b, tmp_path / "out"))
     assert res.exit_code == 2 and "would be read twice" in res.output, res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_config_file_as_json_writes_it_is_read():
+    """`"norm_eps": 1e-05` (json.dump's spelling, our own config.json's) is a string to YAML 1.1: it was
+    refused as "not a number". A number in a string is taken; a non-finite one is not."""
+    from entroweight.models import config_of
+
+    assert config_of("llama", {"norm_eps": "1e-05"}).norm_eps == 1e-05
+    for bad in ("inf", "nan", "x"):
+        with pytest.raises(ValueError, match="not a finite number"):
+            config_of("llama", {"norm_eps": bad})
