@@ -439,8 +439,7 @@ def staged(location: AnyPath) -> Iterator[Path]:
     For the writers that need files on disk (transformers' save_pretrained, the tokenizer, lm-eval);
     `Path(url)` would instead write a local folder named `s3:`."""
     p = path(location)
-    if is_local(p):
-        Path(p).mkdir(parents=True, exist_ok=True)
+    if is_local(p):  # created by the writer, once it writes: a refused one leaves no directory
         yield Path(p)
         return
     import tempfile

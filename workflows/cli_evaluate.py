@@ -124,6 +124,7 @@ def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
     from entroweight.models.checkpoint import CheckpointError
     from entroweight.trainers.accuracy import AccuracyError, evaluate_checkpoint, write_items
 
+    dest.mkdir(parents=True, exist_ok=True)
     items_file = write_items(items, dest / ITEMS) if items is not None else None
     try:
         res = evaluate_checkpoint(
