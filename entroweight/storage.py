@@ -131,6 +131,7 @@ OUTPUT_MARKS = (
     ("tokenizer.sha256", "train-tokenizer"),
     ("model.safetensors", "export-hf"),
     ("accuracy.json", "evaluate"),
+    ("items.jsonl", "evaluate"),  # its first file: a run stopped before accuracy.json is still its own
 )
 #: The owner of a directory holding a stage's shards but no stage record (`.stage.json` removed).
 UNKNOWN_STAGE = "a stage whose .stage.json is gone"
@@ -197,6 +198,7 @@ def check_output(
     owners: tuple[str, ...] = (),
     may_lie_inside: bool = False,
     apart: bool = False,
+    only_ours: bool = False,
 ) -> str | None:
     """The one path rule, called by every command that writes before it creates anything: `out` may
     not be, lie inside or hold anything it reads (`reads`: (flag, location) pairs; symlinks followed,
@@ -207,7 +209,9 @@ def check_output(
     lie inside another command's output either (a workflow run, a stage's shards, a training run):
     it would mix into what that command reads and rewrites, and --overwrite cannot help there (a
     workflow writes inside its own run directory, so its steps do not ask this).
-    `overwrite` None: the command has no --overwrite, so no refusal advises it.
+    `overwrite` None: the command has no --overwrite, so no refusal advises it. `only_ours` (a
+    command that writes files of fixed names into `out`: export-hf's config.json, evaluate's): an
+    existing `out` holding files of no command is refused, for it would replace a user's files.
     Returns the other command whose output `overwrite` will replace (the caller removes `out` whole
     once every other check passed), else None. Raises OutputRefused."""
     if blank(out):
@@ -234,6 +238,14 @@ def check_output(
         raise
     except Exception:  # unreachable (no bucket, no credentials): check_writable, called next, says why
         return None
+    if owner is None and only_ours:
+        theirs = sorted(n for n in _entries(out) if not n.startswith("."))
+        if theirs:
+            raise OutputRefused(
+                f"{flag} {out} holds files of no entroweight command ({', '.join(theirs[:3])}"
+                f"{', ...' if len(theirs) > 3 else ''}), which `{command}` could replace: write to a new "
+                "or empty directory"
+            )
     if owner is None or owner == command or owner in owners:
         return None
     if overwrite:
@@ -242,6 +254,14 @@ def check_output(
     raise OutputRefused(
         f"{flag} {out} holds the output of {_named(owner)}, not of `{command}`; write elsewhere{advice}"
     )
+
+
+def _entries(directory) -> list[str]:
+    """The names directly in `directory`, files and directories ([] when it does not exist)."""
+    d = path(directory)
+    if is_local(d):
+        return [e.name for e in Path(d).iterdir()] if Path(d).is_dir() else []
+    return list(listing(d))
 
 
 def _named(owner: str) -> str:

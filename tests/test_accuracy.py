@@ -390,3 +390,25 @@ def test_the_reference_is_placed_against_chance_with_its_interval():
     assert above_chance(row(0.26, 0.01), 0.25)[0]["verdict"] == "not distinguishable from chance"
     assert above_chance(row(0.20, 0.01), 0.25)[0]["verdict"] == "below chance"
     assert above_chance(None, 0.25) == [] and above_chance(row(0.3, 0.01), None) == []
+
+
+@pytest.mark.parametrize("command", ["export-hf", "evaluate"])
+def test_an_out_of_a_users_files_is_refused_untouched(tiny_ckpt, c4_path, tmp_path, command):
+    """export-hf and evaluate write files of fixed names (config.json, items.jsonl, ...) into --out: a
+    directory of a user's files (no command's output) is refused, where a user's config.json was
+    replaced, exit 0. Their own output, and a stopped evaluate's items.jsonl, are still rewritten."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": 1}')
+    (out / "notes.txt").write_text("hi")
+    extra = ["--documents", c4_path, "--items", 4, "--device", "cpu"] if command == "evaluate" else []
+    r = _cli(command, tiny_ckpt, *extra, "--out", out)
+    assert r.exit_code == 2 and "holds files of no entroweight command (config.json, notes.txt)" in r.output
+    assert (out / "config.json").read_text() == '{"mine": 1}' and sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "notes.txt",
+    ]
+    fresh = tmp_path / "fresh"
+    for _ in range(2):  # a new directory, then the same again over its own output
+        r = _cli(command, tiny_ckpt, *extra, "--out", fresh)
+        assert r.exit_code == 0, r.output

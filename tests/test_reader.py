@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from test_trainer_fixtures import make_weighted, one_thread, weighted_dir  # noqa: F401 - fixtures
+from test_weighted_inputs import model, scored, tokens  # noqa: F401 - fixtures
 
 from entroweight.data import DataError, WeightedTokens
 
@@ -230,3 +231,20 @@ def test_a_saved_position_is_refused_under_another_seed(weighted_dir):
     ds = WeightedTokens(weighted_dir, batch_size=2, seed=1)
     with pytest.raises(DataError, match="for seed 0, not 1"):
         ds.load_state_dict(WeightedTokens(weighted_dir, batch_size=2).state_dict())
+
+
+def test_data_rewritten_while_it_is_read_is_refused(scored, tmp_path):  # noqa: F811
+    """A stage rewriting the directory while a reader iterates it (`weigh --overwrite`) gave rows of two
+    weightings and no error: each file is checked against what the reader planned as it is opened."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(scored, data)  # a stage's output: its parts have manifests to check against
+    ds = WeightedTokens(data, batch_size=4, shuffle=False)
+    it = iter(ds)
+    next(it)
+    for f in sorted(data.glob("part-*.parquet"))[1:]:  # the same rows, written otherwise
+        pq.write_table(pq.read_table(f), f, compression="none")
+    with pytest.raises(DataError, match="changed since the reader planned it"):
+        for _ in it:
+            pass

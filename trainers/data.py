@@ -364,9 +364,22 @@ class WeightedTokens(IterableDataset):
         parts = []
         for u in block:
             with storage.open_input(u.path) as fh:
+                self._check_unchanged(u.path, fh)
                 t = pq.ParquetFile(fh).read_row_group(u.row_group, columns=cols)
             parts.append(self._to_numpy(t.slice(u.start, u.rows), u))
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def _check_unchanged(self, location: str, fh) -> None:
+        """The file is the one its manifest recorded when the reader planned (its size): a stage that
+        rewrote the directory meanwhile (`weigh --overwrite`) gave rows of two weightings, no error."""
+        part = self.info.parts.get(location)
+        want = part.size if part is not None else None  # as listed when planned (the manifest's)
+        if want is not None and fh.seek(0, os.SEEK_END) != want:
+            raise DataError(
+                f"{location} changed since the reader planned it ({fh.tell()} bytes, its manifest {want}): "
+                "a stage rewrote the data while it was read; start the reader again"
+            )
+        fh.seek(0)
 
     def _to_numpy(self, table: pa.Table, u: Unit) -> dict[str, np.ndarray]:
         where = f"{u.path} (row group {u.row_group}, rows {u.start}..{u.stop})"

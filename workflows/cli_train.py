@@ -187,7 +187,7 @@ def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle):
     from entroweight.models.checkpoint import CheckpointError
     from entroweight.trainers.export import export_hf
 
-    check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf")
+    check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf", only_ours=True)
     try:
         with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
             export_hf(ckpt_dir, local, tokenizer, allow_pickle=allow_pickle)
