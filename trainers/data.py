@@ -51,6 +51,9 @@ class Unit:
         return self.stop - self.start
 
 
+COLUMNS = ("weight", "entropy")  # what an item carries beside input_ids and mask, where the data has it
+
+
 def parquet_files(paths) -> list[str]:
     """The parquet files to read for `paths` (local paths or URLs): a file itself; a stage's output
     directory through its committed parts (schemas/datadir.py: refused while incomplete); a directory
@@ -129,7 +132,7 @@ def inspect_data(
             if col not in names:
                 hint = (
                     "score it first (`entroweight score`) or train with --loss ce"
-                    if col in ("weight", "entropy")
+                    if col in COLUMNS
                     else "give data that has it"
                 )
                 raise DataError(f"{f} has no {col!r} column, which the loss needs; {hint}")
@@ -270,9 +273,6 @@ def _dist() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-COLUMNS = ("weight", "entropy")  # what an item carries beside input_ids and mask, where the data has it
 
 
 class WeightedTokens(IterableDataset):

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 
 from entroweight import storage
-from entroweight.models import build_model, model_class
+from entroweight.models import build_model, config_of, model_class
 from entroweight.models.checkpoint import WEIGHTS, a_model_of, load_weights, read_checkpoint_config
 from entroweight.options import device_here
 from entroweight.schemas.datadir import DataDir
@@ -118,13 +118,11 @@ def _check_out_apart(cfg: TrainConfig) -> str | None:
 def _model_config(cfg: TrainConfig, info, base: dict) -> dict:
     """The model's config dict: the user's, with vocab_size / n_ctx taken from the data when unset."""
     mc = {**base, **cfg.model_cfg}
+    try:  # the one check of a model config (keys, types, the Config's own), as a workflow asks it
+        config_of(cfg.model, mc)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     fields = {f.name for f in dataclasses.fields(model_class(cfg.model).Config)}
-    unknown = sorted(set(mc) - fields)
-    if unknown:
-        raise TrainError(
-            f"the model config has {', '.join(unknown)}, which {cfg.model} does not take; its fields: "
-            f"{', '.join(sorted(fields))}"
-        )
     if "vocab_size" in fields and info.vocab_size:
         if mc.setdefault("vocab_size", info.vocab_size) != info.vocab_size:
             raise TrainError(
