@@ -10,8 +10,10 @@ What it checks:
   failed or was never run: a hole); every manifest is of this stage and config and registered;
 - files: each output and rejects file exists with its recorded sha256 and row counts; no stray
   non-hidden file, no unreferenced rejects file, no temp file left by a killed run;
-- accounting: per shard and over the run, documents in = documents out + rejected; token and
-  byte totals equal the manifests'; a scored shard has as many rows as its input shard's manifest;
+- accounting: per shard and over the run, documents in = documents out + rejected; a shard's rows
+  hold the documents its manifest puts out (`schemas.document_count`: packed rows too); token and
+  byte totals equal the manifests'; a scored shard has as many rows as its input shard's manifest
+  and, reading all of it, as many documents in as that one put out;
 - contracts: the schema the metadata implies; one tokenizer and one config (scorer) per directory;
   list lengths of input_ids / entropy / weight equal n_ctx; left pads hold pad_id; weights finite,
   in [0, 1], 0 on pads; entropy finite; `excluded` positions lie within their row's real tokens and
@@ -30,12 +32,15 @@ import pyarrow.parquet as pq
 
 from entroweight import storage
 from entroweight.schemas import (
+    ROW_IN_DOC,
     ShardManifest,
     StageRecord,
+    document_count,
     read_file_metadata,
     sequence_schema,
     weighted_sequence_schema,
 )
+from entroweight.schemas.arrow import DOC_IDS
 from entroweight.schemas.datadir import STAGE_KINDS, DataDir
 from entroweight.schemas.manifest import ShardInput, is_manifest
 from entroweight.schemas.tokenizer import CARRIED_TOKENIZER
@@ -303,7 +308,9 @@ def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, 
     names = pf.schema_arrow.names
     lists = [c for c in ("input_ids", ENTROPY, WEIGHT) if c in names]
     columns = [*lists, "n_pad", "n_bytes", *([EXCLUDED] if EXCLUDED in names else [])]
-    real = n_bytes = 0
+    documents = ROW_IN_DOC in names  # rows written before `row_in_doc` cannot say where documents start
+    columns += [ROW_IN_DOC, *([DOC_IDS] if DOC_IDS in names else [])] if documents else []
+    real = n_bytes = docs = 0
     bad: dict[str, int] = {}  # over the whole file: any problem also skips the totals check below
 
     def flag(kind: str, n: int) -> None:
@@ -311,6 +318,7 @@ def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, 
             bad[kind] = bad.get(kind, 0) + int(n)
 
     for batch in pf.iter_batches(batch_size=_ROWS, columns=columns):
+        docs += document_count(batch) if documents else 0
         n_pad = batch.column("n_pad").to_numpy().astype(np.int64)
         layout = {"n_pad outside [0, n_ctx]": ((n_pad < 0) | (n_pad > n_ctx)).sum()}
         for c in lists:
@@ -349,6 +357,11 @@ def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, 
             flag("entropy NaN or infinite", (~np.isfinite(e)).sum())
     for kind, n in bad.items():
         problems.append(f"{where}: {n} {kind}")
+    if documents and docs != m.docs_out:
+        problems.append(
+            f"{where}: its rows hold {docs} documents, its manifest says {m.docs_out} out; rerun the stage "
+            "with --overwrite (an older entroweight counted packed rows as documents)"
+        )
     if not bad:
         if real != m.n_real_tokens:
             problems.append(f"{where}: {real} real tokens, its manifest says {m.n_real_tokens}")
@@ -357,18 +370,25 @@ def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, 
 
 
 def _check_score_input(m: ShardManifest, where: str, problems: list[str]) -> None:
-    """A scored shard scores every row of its input shard's range (when the input directory is still there)."""
+    """A scored shard scores every row of its input shard's range, and of a whole input shard the
+    documents its manifest put out (when the input directory is still there): the counts chain."""
     for inp in m.inputs:
         src = storage.path(inp.uri)
         manifest = manifest_path(src.parent, src.stem)
         try:
-            rows = ShardManifest.model_validate_json(manifest.read_bytes()).rows_out
+            theirs = ShardManifest.model_validate_json(manifest.read_bytes())
         except (ValueError, OSError):  # the input directory is gone or was edited: nothing to compare
             continue
         read = m.rows_in if m.rows_in is not None else m.docs_in  # manifests before rows_in: rows = docs
-        rows = min(rows, inp.stop if inp.stop is not None else rows) - inp.start  # a sample: its range
-        if rows != read:
+        rows = min(theirs.rows_out, inp.stop if inp.stop is not None else theirs.rows_out) - inp.start
+        if rows != read:  # a sample: its range
             problems.append(f"{where}: scored {read} rows, its input {src} has {rows}")
+        elif rows == theirs.rows_out and m.docs_in != theirs.docs_out:
+            problems.append(
+                f"{where}: {m.docs_in} documents in, its input {src} put out {theirs.docs_out}; rerun the "
+                "stage that wrote the wrong count with --overwrite (an older entroweight counted packed rows "
+                "as documents)"
+            )
 
 
 def _check_carried_tokenizer(out: Path, meta: dict, problems: list[str]) -> None:

@@ -22,11 +22,11 @@ import pyarrow.parquet as pq
 
 from entroweight import __version__, storage
 from entroweight.schemas import REJECT_SCHEMA, ShardManifest
-from entroweight.schemas.arrow import ROW_IN_DOC, weighted_sequence_schema, with_file_metadata
+from entroweight.schemas.arrow import document_count, weighted_sequence_schema, with_file_metadata
 from entroweight.schemas.datadir import DataDir, read_checked
 from entroweight.schemas.manifest import REJECTS_DIR, ShardInput
 from entroweight.schemas.weighted import real_mask
-from entroweight.transforms.select import DocumentStep, StepError, document_count
+from entroweight.transforms.select import DocumentStep, StepError
 from entroweight.transforms.weigh import NonFiniteScores, WeighConfig, weighted_batch
 from entroweight.transforms.writer import PARQUET_OPTIONS, AtomicParquetWriter, write_table_atomic
 
@@ -110,7 +110,6 @@ class WeightedShardWriter:
         )
         self.schema = with_file_metadata(schema, meta)
         self.n_ctx = int(meta["n_ctx"])
-        self.packed = bool(meta.get("packed"))
         self.output = self.input.uri.rsplit("/", 1)[-1]  # the input's part name
         self.out = storage.path(task.out_dir)
         self.counts = collections.Counter()
@@ -149,16 +148,12 @@ class WeightedShardWriter:
         except NonFiniteScores as e:
             raise NonFiniteScores(f"{self.input.uri}: {e}") from None
         self.counts["rows_in"] += batch.num_rows
-        self.counts["docs_in"] += self._documents(batch)
+        self.counts["docs_in"] += document_count(batch)  # as tokenize counted them: packed rows too
         kept: pa.Table | pa.RecordBatch = batch
         for step in self.steps:
             kept, rejects = step.feed(_batch(kept), self.input.uri)
             self._reject(rejects)
         self._emit(kept)
-
-    def _documents(self, batch) -> int:
-        # packed rows share documents across rows: a row is the unit there
-        return batch.num_rows if self.packed else document_count(batch.column(ROW_IN_DOC).to_numpy())
 
     def _reject(self, rejects: list[dict]) -> None:
         self.rejects += rejects

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from entroweight import storage
@@ -88,6 +89,24 @@ def document_starts(row_in_doc) -> np.ndarray:
     return np.flatnonzero(np.asarray(row_in_doc) == 0)
 
 
+# Of a packed row: the documents it holds a part of, in order (its first is `doc_id`).
+DOC_IDS = "doc_ids"
+
+
+def document_count(rows: pa.RecordBatch | pa.Table) -> int:
+    """Documents that start among these rows: the unit of every manifest's `docs_in` / `docs_out`,
+    so that over a shard's rows it is the count tokenize recorded while writing them, and the counts
+    chain from stage to stage. A row of one document starts it where its `row_in_doc` is 0; a packed
+    row starts every document of its `doc_ids` but the first when that one goes on from the row
+    before (`row_in_doc` > 0). Rows are not documents there: a row holds several, and a document
+    spans rows."""
+    starts_here = rows.column(ROW_IN_DOC).to_numpy() == 0
+    if DOC_IDS not in rows.schema.names:
+        return int(starts_here.sum())
+    held = pc.list_value_length(rows.column(DOC_IDS)).to_numpy(zero_copy_only=False)
+    return int(held.sum() - (~starts_here).sum())
+
+
 def sequence_schema(vocab_size: int, packed: bool = False) -> pa.Schema:
     fields = [
         pa.field("seq_id", pa.string(), nullable=False),
@@ -98,7 +117,7 @@ def sequence_schema(vocab_size: int, packed: bool = False) -> pa.Schema:
         pa.field("n_bytes", pa.int64(), nullable=False),
     ]
     if packed:
-        fields.append(pa.field("doc_ids", pa.list_(pa.string()), nullable=False))
+        fields.append(pa.field(DOC_IDS, pa.list_(pa.string()), nullable=False))
     return pa.schema(fields)
 
 

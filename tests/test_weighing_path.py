@@ -23,12 +23,15 @@ from entroweight.models.checkpoint import save_checkpoint
 from entroweight.models.estimator import EntropyEstimator
 from entroweight.models.llama import Llama
 from entroweight.pipelines import StageError, run_stage
+from entroweight.pipelines import score as score_module
+from entroweight.pipelines import weigh as weigh_module
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
 from entroweight.pipelines.weigh import WeighStage
 from entroweight.schemas import read_file_metadata
-from entroweight.schemas.datadir import DataDir
+from entroweight.schemas.datadir import STAGE_KINDS, DataDir
+from entroweight.schemas.manifest import manifest_name
 from entroweight.schemas.weighted import excluded_mask, weights_matrix
 from entroweight.scorers.registry import BUILTIN
 from entroweight.transforms.select import MinMeanWeight
@@ -373,3 +376,61 @@ def test_min_mean_weight_tells_documents_apart_by_row_in_doc_not_by_id():
     assert kept.column("doc_id").to_pylist() == ["a", "b", "b", "b"]
     assert kept.column("row_in_doc").to_pylist() == [0, 0, 1, 2]
     assert [r["id"] for r in rej1 + rej2 + rej3] == ["a", "c"]
+
+
+# -- documents are counted as tokenize counts them, by every stage that writes weighted data
+WEIGHTED_STAGES = sorted(name for name, kind in STAGE_KINDS.items() if kind == "weighted")
+
+
+def _chain(layout_dir, models, tmp_path, monkeypatch) -> dict[str, DataDir]:
+    """Each weighted stage run over `layout_dir` (weigh over score's output), in segments of 2 rows,
+    so documents go on across segment edges as they do across a real shard's."""
+    monkeypatch.setattr(score_module, "SEGMENT_TOKENS", 0)
+    monkeypatch.setattr(score_module, "MIN_SEGMENT_ROWS", 2)
+    monkeypatch.setattr(weigh_module, "READ_ROWS", 2)
+    run = {
+        "score": lambda out: _score(layout_dir, "causal_loss", models, out),
+        "weigh": lambda out: run_stage(WeighStage(tmp_path / "score", WeighConfig()), out, progress=False),
+    }
+    assert sorted(run) == WEIGHTED_STAGES  # a new weighted stage is added here
+    for name in WEIGHTED_STAGES:
+        run[name](tmp_path / name)
+    return {name: DataDir(tmp_path / name) for name in WEIGHTED_STAGES}
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "packed-shards"])
+def test_weighted_stages_count_documents_as_tokenize_does(
+    layout, layouts, models, tokenizer_dir, tmp_path, monkeypatch
+):
+    """score and weigh record, per shard, the documents tokenize put out (not their rows: a packed row
+    holds several documents and a document several rows), and verify checks that the counts chain."""
+    if layout == "packed-shards":  # packed, 12 documents over 3 shards
+        src = DataDir(layouts["packed"]).parts[0].manifest.inputs[0].uri
+        data = tmp_path / "tok"
+        stage = TokenizeStage([src], str(tokenizer_dir), n_ctx=N_CTX, pack=True, shard_docs=5)
+        run_stage(stage, data, progress=False)
+    else:
+        data = layouts[layout]
+    tokenized = {p.name: p.manifest for p in DataDir(data).parts}
+    assert sum(m.docs_out for m in tokenized.values()) == 12
+    if layout.startswith("packed"):  # the case where rows are not documents
+        assert sum(m.rows_out for m in tokenized.values()) > 12
+    for name, out in _chain(data, models, tmp_path, monkeypatch).items():
+        got = {p.name: (p.manifest.docs_in, p.manifest.docs_out) for p in out.parts}
+        assert got == {k: (m.docs_out, m.docs_out) for k, m in tokenized.items()}, name
+        assert verify_dir(out.root) == [], name
+
+
+def test_verify_refuses_packed_rows_counted_as_documents(layouts, models, tmp_path):
+    """A weighted shard whose manifest counts packed rows as documents (as score and weigh once did)
+    fails verify twice: its rows hold other documents, and its input put out other documents."""
+    out = _score(layouts["packed"], "causal_loss", models, tmp_path / "score")
+    (part,) = DataDir(out).parts
+    manifest = out / manifest_name(part.manifest.shard)
+    m = json.loads(manifest.read_text())
+    assert m["docs_in"] == 12 < m["rows_in"]
+    manifest.write_text(json.dumps({**m, "docs_in": m["rows_in"], "docs_out": m["rows_in"]}))
+    problems = verify_dir(out)
+    assert len(problems) == 2, problems
+    assert f"its rows hold 12 documents, its manifest says {m['rows_in']} out" in problems[0]
+    assert f"{m['rows_in']} documents in, its input" in problems[1] and "put out 12" in problems[1]

@@ -113,8 +113,3 @@ class MinMeanWeight(DocumentStep):
             if not k
         ]
         return table.filter(pa.array(np.repeat(keep_doc, rows))), rejects
-
-
-def document_count(row_in_doc) -> int:
-    """Documents starting among these rows (their `row_in_doc` is 0)."""
-    return len(document_starts(row_in_doc))
