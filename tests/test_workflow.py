@@ -496,3 +496,98 @@ def test_a_device_that_is_not_here_is_refused_before_the_first_step(small_run, t
     assert not (tmp_path / "new").exists()
     code, out = run_cli("run", wf, "--dry-run")  # a plan of a GPU run may be made on a laptop
     assert code == 0 and "would run" in out, out
+
+
+# -- a checkpoint whose weights changed after its training
+def _damage(weights: Path, how: str) -> None:
+    data = weights.read_bytes()
+    if how == "cut short":
+        weights.write_bytes(data[: len(data) // 2])
+    elif how == "edited":  # one bit of a tensor, the size kept
+        weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        weights.unlink()
+
+
+DAMAGE = {
+    "cut short": " as trained (cut short or edited)",
+    "edited": "its sha256 is not the one trainer_state.json records",
+    "gone": "model.safetensors is gone",
+}
+
+
+@pytest.fixture
+def trained_run(tmp_path, tokenizer_dir) -> dict:
+    """A finished run with a trained step of each kind: a model (its scores read it) and an experiment run."""
+    spec = {
+        "run_dir": str(tmp_path / "run"),
+        "sources": [str(c4_subset(tmp_path / "c4.json.gz", 0, 30))],
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "tokenize": {"n_ctx": 32},
+        "models": [{"name": "causal", **{k: _TRAIN[k] for k in ("kind", "config", "steps", "batch_size")}}],
+        "scores": [
+            {
+                "name": "causal_loss",
+                "scorer": "causal_loss",
+                "checkpoint_from": "causal",
+                "options": {"dtype": "fp32"},
+            }
+        ],
+        "train": _TRAIN,
+        "report": None,
+    }
+    wf = write_yaml(tmp_path / "wf.yaml", spec)
+    code, out = run_cli("run", wf)
+    assert code == 0, out
+    return {
+        "yaml": wf,
+        "root": tmp_path / "run",
+        "checkpoints": {"model": "models/causal", "train": "train/reference/seed-0"},
+    }
+
+
+def test_every_trained_step_kind_is_covered(trained_run):
+    from entroweight.workflows.runner import Runner
+    from entroweight.workflows.steps import TrainStep
+
+    steps = Runner(load_workflow(trained_run["yaml"]), dry_run=True, echo=lambda _: None).run()
+    assert {s.kind for s in steps if isinstance(s, TrainStep)} == set(trained_run["checkpoints"])
+
+
+@pytest.mark.parametrize("how", list(DAMAGE))
+def test_a_checkpoint_whose_weights_changed_is_trained_again(trained_run, how, monkeypatch):
+    """A finished checkpoint whose model.safetensors was cut short, edited or removed is not up to date
+    (it was, until a step loaded it and refused its sha256): the dry run says why it would train again,
+    the run trains it again; a model whose scores hold shards is refused first (they would be made
+    again, exit 2, nothing touched) unless --overwrite. A checkpoint untouched since its training is
+    up to date without its weights being read."""
+    from entroweight.models.checkpoint import load_checkpoint
+    from entroweight.workflows import steps
+
+    root, wf = trained_run["root"], trained_run["yaml"]
+    ckpt = {kind: root / d for kind, d in trained_run["checkpoints"].items()}
+    # the experiment run: nothing reads it but its evaluations, so it is trained again
+    _damage(ckpt["train"] / "model.safetensors", how)
+    code, out = run_cli("run", wf, "--dry-run")
+    assert code == 0 and "train reference/seed-0: would run" in out and DAMAGE[how] in out, out
+    code, out = run_cli("run", wf)
+    assert code == 0 and "train reference/seed-0: ran" in out and "model causal: up to date" in out, out
+    load_checkpoint(ckpt["train"])  # the loader's sha256 check passes again
+    # the model: its scores would be made again, which needs --overwrite
+    _damage(ckpt["model"] / "model.safetensors", how)
+    before = _files(root)
+    for dry in ([], ["--dry-run"]):
+        code, out = run_cli("run", wf, *dry)
+        assert code == 2 and "holds output made with the causal this run would train again" in out, out
+        assert DAMAGE[how] in out and "--overwrite" in out and "Traceback" not in out, out
+        assert _files(root) == before
+    code, out = run_cli("run", wf, "--overwrite")
+    # (its scores are kept where it trains the same weights again)
+    assert code == 0 and "model causal: ran" in out, out
+    load_checkpoint(ckpt["model"])
+    # untouched since: up to date, and no weights file is hashed to say so
+    hashed = []
+    monkeypatch.setattr(steps, "sha256_file", lambda p: hashed.append(p) or "")
+    code, out = run_cli("run", wf)
+    assert code == 0 and "nothing to do" in out, out
+    assert not [p for p in hashed if p.name == "model.safetensors"]

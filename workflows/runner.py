@@ -198,14 +198,15 @@ class Runner:
         """A data step whose output holds shards, downstream of a model or tokenizer this run will
         (re)train, would be made again from the new one: its stage would refuse the old shards after
         the training it waited for. Refused now instead, unless --overwrite (which redoes it)."""
-        kinds = {s.name: s.kind for s in self.steps}
-        replaced = [u for u in waiting if kinds.get(u) in ("model", "tokenizer")]
+        steps = {s.name: s for s in self.steps}
+        replaced = [u for u in waiting if u in steps and steps[u].kind in ("model", "tokenizer")]
         if not replaced or self.overwrite or not isinstance(step, DataStep) or not has_shards(step.out):
             return
+        damaged = [f"{u}: {steps[u].damage}" for u in replaced if getattr(steps[u], "damage", None)]
         raise WorkflowError(
             f"{step.kind} {step.name}: {step.out} holds output made with the {' and '.join(replaced)} this run "
-            "would train again (its settings or data changed), so it would be made again; pass --overwrite "
-            "to redo it, or use another run_dir"
+            f"would train again ({'; '.join(damaged) or 'its settings or data changed'}), so it would be made "
+            "again; pass --overwrite to redo it, or use another run_dir"
         )
 
     def _say(self, step: Step, status: str, detail: str) -> None:

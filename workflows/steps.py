@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from entroweight.models.checkpoint import WEIGHTS
 from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.stage import preview_run, read_manifests
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas.tokenizer import TOKENIZER_FILE
+from entroweight.trainers.checkpoint import STATE
 from entroweight.transforms.writer import sha256_file, write_json_atomic
 
 from .report import read_metrics, write_report
@@ -263,11 +265,13 @@ class DataStep(Step):
 
 class TrainStep(Step):
     """A model trained on a data step's output (an estimator, a causal scorer, an experiment run); up
-    to date when its finished checkpoint was trained with this config on this data."""
+    to date when its finished checkpoint was trained with this config on this data and its weights
+    are the file it wrote (`damage`)."""
 
     def __init__(self, *args, make_config, nproc: int, **kw):
         super().__init__(*args, **kw)
         self.make_config, self.nproc = make_config, nproc
+        self.damage: str | None = None  # why a finished checkpoint is trained again: its weights changed
 
     def prepare(self):
         from entroweight.models import config_of
@@ -288,15 +292,16 @@ class TrainStep(Step):
         return _key({"train": hashed, "data": data_fingerprint(data), "nproc": self.nproc})
 
     def done(self):
-        marker, state = self.out / STEP_FILE, self.out / "trainer_state.json"
-        finished = (
-            _record(marker).get("key") == self.key() and _record(state).get("step") == self.config.steps
-        )
-        return f"finished checkpoint {self.out}" if finished else None
+        made, state = _record(self.out / STEP_FILE), _record(self.out / STATE)
+        if made.get("key") != self.key() or state.get("step") != self.config.steps:
+            return None
+        self.damage = weights_damage(self.out, made, state)
+        return None if self.damage else f"finished checkpoint {self.out}"
 
     def plan(self):
         cfg = self.config
-        return f"{cfg.steps} steps of {cfg.model}, loss {cfg.loss}, seed {cfg.seed}"
+        again = f"; again: {self.damage}" if self.damage else ""
+        return f"{cfg.steps} steps of {cfg.model}, loss {cfg.loss}, seed {cfg.seed}{again}"
 
     def run(self):
         cfg, key = self.config, self.key()
@@ -308,9 +313,39 @@ class TrainStep(Step):
             from entroweight.trainers import train
 
             train(cfg)  # a refusal (TrainError, DataError, CheckpointError) is reported by the runner
-        write_json_atomic({"key": key, "steps": cfg.steps}, self.out / STEP_FILE)
+        size, mtime = _stat(self.out / WEIGHTS)
+        made = {"key": key, "steps": cfg.steps, "weights_bytes": size, "weights_mtime_ns": mtime}
+        write_json_atomic(made, self.out / STEP_FILE)
         ce = (read_metrics(self.out) or [{}])[-1].get("ce", float("nan"))
         return "ran", f"{cfg.steps} steps, ce {ce:.4f}"
+
+
+def _stat(path: Path) -> tuple[int, int] | tuple[None, None]:
+    try:
+        st = path.stat()
+    except OSError:
+        return None, None
+    return st.st_size, st.st_mtime_ns
+
+
+def weights_damage(ckpt: Path, made: dict, state: dict) -> str | None:
+    """Why a finished checkpoint's weights are not the file its training wrote (None: they are). Each
+    step that loads them checks their sha256 only then, so a file cut short or edited would stay "up to
+    date" and fail every later run. The size recorded when it was trained (`made`) is checked always;
+    the sha256 its trainer_state.json records, whenever the file's size or mtime is not what it was
+    then (a marker written before they were recorded: every time). Hashing reads the whole file, about
+    a second for a few hundred MB, and a file untouched since its training is not read at all."""
+    weights = ckpt / WEIGHTS
+    size, mtime = _stat(weights)
+    if size is None:
+        return f"{WEIGHTS} is gone"
+    if made.get("weights_bytes") not in (None, size):
+        return f"{WEIGHTS} is {size} bytes, {made['weights_bytes']} as trained (cut short or edited)"
+    if (size, mtime) == (made.get("weights_bytes"), made.get("weights_mtime_ns")):
+        return None  # untouched since its training wrote it
+    if sha256_file(weights) != state.get("weights_sha256"):
+        return f"{WEIGHTS} is not the file trained (its sha256 is not the one {STATE} records): edited or damaged"
+    return None
 
 
 def torchrun(cfg, nproc: int) -> None:
@@ -345,11 +380,11 @@ class EvalStep(Step):
         settings = wf.eval.model_dump(mode="json", exclude={"out", "batch_size", "device"})
         if self.text != "main":
             settings |= {"text": self.text, "max_bytes": wf.holdout.max_bytes, "holdout": wf.holdout.docs}
-        weights = _record(self.ckpt / "trainer_state.json").get("weights_sha256")
+        weights = _record(self.ckpt / STATE).get("weights_sha256")
         return _key({"weights": weights, **settings})
 
     def done(self):
-        if not (self.ckpt / "trainer_state.json").exists():
+        if not (self.ckpt / STATE).exists():
             if self.run_ctx.dry_run:
                 return None
             raise WorkflowError(f"eval {self.name}: no checkpoint at {self.ckpt}")
@@ -613,7 +648,7 @@ class AccuracyStep(Step):
         from importlib.metadata import version
 
         a = self.wf.accuracy
-        weights = _record(self.ckpt / "trainer_state.json").get("weights_sha256")
+        weights = _record(self.ckpt / STATE).get("weights_sha256")
         items = self.items.items_file()
         settings = a.model_dump(mode="json", include={"tasks", "num_fewshot", "limit"})
         return _key(
@@ -626,7 +661,7 @@ class AccuracyStep(Step):
         )
 
     def done(self):
-        if not (self.ckpt / "trainer_state.json").exists():
+        if not (self.ckpt / STATE).exists():
             if self.run_ctx.dry_run:
                 return None
             raise WorkflowError(f"accuracy {self.name}: no checkpoint at {self.ckpt}")
