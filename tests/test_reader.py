@@ -114,6 +114,75 @@ def test_resume_position_in_process(weighted_dir):
         WeightedTokens(weighted_dir, rank=0, world_size=2, seed=2).load_state_dict(state)
 
 
+@pytest.mark.parametrize(
+    "workers, loader_batch, before",
+    [
+        (2, None, 7),  # the reader makes the batches; an odd count: the workers' turn mid-cycle
+        (2, 4, 5),  # the loader collates the reader's rows: each worker's place counts rows
+        (2, None, 131),  # past each worker's first epoch (~63 batches each)
+        (0, None, 7),
+    ],
+    ids=lambda v: str(v),
+)
+def test_stateful_dataloader_resumes_exactly_under_workers(weighted_dir, workers, loader_batch, before):
+    """A plain DataLoader's workers iterate copies of the reader, so its state_dict counted nothing;
+    torchdata's StatefulDataLoader saves each worker's own place (its stream, items made) and gives
+    it back to that worker: a resumed loader yields exactly the batches a never-stopped one would."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader():
+        ds = WeightedTokens(
+            weighted_dir, batch_size=None if loader_batch else 4, epochs=None, seed=3, shuffle_buffer=64
+        )
+        return StatefulDataLoader(ds, batch_size=loader_batch, num_workers=workers)
+
+    after = 6
+    it = iter(loader())
+    never_stopped = [next(it)["input_ids"] for _ in range(before + after)]
+    del it
+    first = loader()
+    it = iter(first)
+    for _ in range(before):
+        next(it)
+    state = first.state_dict()
+    del it
+    resumed = loader()
+    resumed.load_state_dict(state)
+    got = [b["input_ids"] for _, b in zip(range(after), resumed, strict=False)]
+    assert len(got) == after
+    for want, batch in zip(never_stopped[before:], got, strict=True):
+        assert torch.equal(batch, want)
+
+
+def test_a_worker_place_is_refused_outside_its_worker_and_under_other_workers(weighted_dir):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader(workers, **kw):
+        ds = WeightedTokens(weighted_dir, batch_size=4, epochs=None, seed=3, **kw)
+        return StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+
+    first = loader(2)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = first.state_dict()
+    del it
+    worker_state = next(iter(state["_snapshot"]["_worker_snapshots"].values()))["dataset_state"]
+    assert {"workers": 2, "consumed": 2}.items() <= worker_state.items()
+    with pytest.raises(DataError, match="a DataLoader worker's: give the loader's state_dict to"):
+        WeightedTokens(weighted_dir, batch_size=4, seed=3).load_state_dict(worker_state)
+    wider = loader(3)
+    wider.load_state_dict(state)
+    with pytest.raises(DataError, match="for 2 DataLoader workers, not 3; resume with the same num_workers"):
+        next(iter(wider))
+    other = loader(2, shuffle_buffer=64)
+    other.load_state_dict(state)
+    with pytest.raises(
+        DataError, match="for shuffle_buffer 4096, not 64; resume with the same shuffle_buffer"
+    ):
+        next(iter(other))
+
+
 # -- refusals, each with a message that says what to do
 
 
@@ -231,6 +300,20 @@ def test_a_saved_position_is_refused_under_another_seed(weighted_dir):
     ds = WeightedTokens(weighted_dir, batch_size=2, seed=1)
     with pytest.raises(DataError, match="for seed 0, not 1"):
         ds.load_state_dict(WeightedTokens(weighted_dir, batch_size=2).state_dict())
+
+
+def test_a_saved_position_is_refused_on_other_data(weighted_dir):
+    """The position counts items of a plan dealt from the files' row groups: on other files it
+    resumed somewhere else, no error."""
+    one = sorted(weighted_dir.glob("*.parquet"))[0]
+    with pytest.raises(DataError, match="resume on the same data"):
+        WeightedTokens(one, batch_size=2).load_state_dict(
+            WeightedTokens(weighted_dir, batch_size=2).state_dict()
+        )
+    with pytest.raises(DataError, match="for batch_size 2, not 4"):
+        WeightedTokens(weighted_dir, batch_size=4).load_state_dict(
+            WeightedTokens(weighted_dir, batch_size=2).state_dict()
+        )
 
 
 def test_data_rewritten_while_it_is_read_is_refused(scored, tmp_path):  # noqa: F811

@@ -16,6 +16,8 @@ then reads one block and drops its first rows.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import numbers
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -269,6 +271,17 @@ def make_units(files: list[Path], n_streams: int, row_groups: list | None = None
     return units
 
 
+# what a saved position depends on (WeightedTokens._plan), as a refusal names it and what to do
+PLAN = {
+    "seed": ("seed {}", "resume with the same seed"),
+    "world_size": ("{} ranks", "resume with the same number of processes"),
+    "shuffle": ("shuffle={}", "resume with the same shuffle"),
+    "shuffle_buffer": ("shuffle_buffer {}", "resume with the same shuffle_buffer"),
+    "batch_size": ("batch_size {}", "resume with the same batch_size"),
+    "data": ("data {}", "resume on the same data (its files and their row groups)"),
+}
+
+
 def _dist() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -285,7 +298,8 @@ class WeightedTokens(IterableDataset):
 
     rank/world_size default to torch.distributed (or RANK/WORLD_SIZE); DataLoader workers split a
     rank's share further. `start`: items this rank already consumed (resume). With DataLoader
-    workers, set `batch_size` here and use `DataLoader(ds, batch_size=None)` so resume is exact.
+    workers, resume through torchdata's StatefulDataLoader (it saves each worker's state_dict); with
+    a plain DataLoader, set `batch_size` here, use `DataLoader(ds, batch_size=None)` and `start=`.
     `epochs=None` loops forever (each epoch reshuffled).
     """
 
@@ -336,7 +350,10 @@ class WeightedTokens(IterableDataset):
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         self.pad_id = self.info.pad_id if self.info.pad_id is not None else -1
         self._units_cache: dict[int, list[Unit]] = {}
-        self.position = start  # items consumed, when iterated in this process
+        # where this process's iteration stands: (workers, role, items of that role's stream consumed);
+        # None until it iterates. A worker's own saved place, restored in that worker, is `_resume`.
+        self._at: tuple[int, int, int] | None = None
+        self._resume: tuple[int, int, int] | None = None
 
     # -- the deterministic plan
     def _units(self, n_streams: int) -> list[Unit]:
@@ -416,19 +433,42 @@ class WeightedTokens(IterableDataset):
         return out
 
     # -- iteration
+    @property
+    def position(self) -> int:
+        """Items this rank consumed, counted where they are made: by an iteration in this process
+        (without DataLoader workers; with them the main process never iterates and stays at `start`)."""
+        return self._at[2] if self._at is not None and self._at[0] == 1 else self.start
+
     def __iter__(self):
+        # not a generator itself: the place is fixed when iter() is called, so a state_dict taken
+        # before the first item (StatefulDataLoader snapshots every worker at start) already says it
         info = get_worker_info()
         n_workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        n_streams = self.world_size * n_workers
+        role, consumed = self._origin(n_workers, worker)
+        self._at = (n_workers, role, consumed)
+        return self._stream(n_workers, role, consumed)
+
+    def _origin(self, n_workers: int, worker: int) -> tuple[int, int]:
+        """(the stream role this worker plays, how many of that stream's items are consumed)."""
+        if self._resume is not None:  # StatefulDataLoader gives each worker back its own saved place
+            workers, role, consumed = self._resume
+            if workers != n_workers:
+                raise DataError(
+                    f"the saved data position is for {workers} DataLoader workers, not {n_workers}; "
+                    "resume with the same num_workers"
+                )
+            return role, consumed
         # DataLoader hands out workers' items round robin, always starting at worker 0: after `start`
         # items, the next item is stream (start % n_workers)'s, so a resumed worker takes that role
         role = (worker + self.start) % n_workers
-        stream = self.rank * n_workers + role
-        skip_items = self.start // n_workers + (1 if role < self.start % n_workers else 0)
+        return role, self.start // n_workers + (1 if role < self.start % n_workers else 0)
+
+    def _stream(self, n_workers: int, role: int, consumed: int):
         per_item = self.batch_size or 1
-        for item in self._items(stream, n_streams, skip_items * per_item):
-            if info is None:
-                self.position += 1
+        stream = self.rank * n_workers + role
+        for item in self._items(stream, self.world_size * n_workers, consumed * per_item):
+            consumed += 1
+            self._at = (n_workers, role, consumed)
             yield item
 
     def _items(self, stream: int, n_streams: int, skip: int):
@@ -463,15 +503,46 @@ class WeightedTokens(IterableDataset):
     def _tensors(self, row: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in row.items()}
 
+    def _plan(self) -> dict:
+        """What orders the rows besides the position (PLAN): a saved place means nothing under others."""
+        groups = [
+            [str(f).rsplit("/", 1)[-1], g] for f, g in zip(self.info.files, self.info.row_groups, strict=True)
+        ]
+        return {
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "shuffle": self.shuffle,
+            "shuffle_buffer": self.shuffle_buffer,
+            "batch_size": self.batch_size,
+            "data": hashlib.sha256(json.dumps(groups).encode()).hexdigest()[:16],
+        }
+
     def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.seed, "world_size": self.world_size}
+        """Where this rank's reading stands. In the main process: `position`, the items it consumed.
+        In a DataLoader worker (torchdata's StatefulDataLoader saves each worker's): that worker's
+        place, `workers`, `role` (the stream it reads) and `consumed` (that stream's items made)."""
+        info = get_worker_info()
+        if info is None:
+            return {"position": self.position, **self._plan()}
+        workers, role, consumed = self._at or (info.num_workers, *self._origin(info.num_workers, info.id))
+        return {"workers": workers, "role": role, "consumed": consumed, **self._plan()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("seed", self.seed) != self.seed:  # another seed orders the rows otherwise
-            raise DataError(f"the saved data position is for seed {state['seed']}, not {self.seed}")
-        if state.get("world_size", self.world_size) != self.world_size:
-            raise DataError(
-                f"the saved data position is for {state['world_size']} ranks, not {self.world_size}; "
-                "resume with the same number of processes"
-            )
-        self.start = self.position = int(state["position"])
+        """Continue from `state_dict()`'s place, exactly; a place saved under another plan is refused."""
+        for key, value in self._plan().items():
+            if key in state and state[key] != value:  # a key a state lacks: saved before it was recorded
+                said, hint = PLAN[key]
+                raise DataError(
+                    f"the saved data position is for {said.format(state[key])}, not {value}; {hint}"
+                )
+        self._at = None
+        if "workers" in state:  # one worker's place: it belongs in that worker
+            if get_worker_info() is None:
+                raise DataError(
+                    "this state is a DataLoader worker's: give the loader's state_dict to "
+                    "torchdata's StatefulDataLoader.load_state_dict, which hands each worker its own"
+                )
+            self._resume = (int(state["workers"]), int(state["role"]), int(state["consumed"]))
+        else:
+            self._resume = None
+            self.start = int(state["position"])
