@@ -16,6 +16,7 @@ from entroweight.transforms.sources import (
     Cut,
     DocumentReader,
     check_text_column,
+    is_glob,
     plan_inputs,
     rejects_table,
     resolve_hub,
@@ -111,7 +112,7 @@ class TokenizeStage(Stage):
 
     def input_paths(self) -> list[str]:
         # the sources as named (a directory, not only its files: --out may not lie inside it)
-        named = [s for s in self.sources if not s.startswith("hf:") and not any(c in s for c in "*?[")]
+        named = [s for s in self.sources if not s.startswith("hf:") and not is_glob(s)]
         globbed = [s for s in self._files() if not s.startswith("hf:")]
         return [*named, *globbed]
 

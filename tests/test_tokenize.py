@@ -104,6 +104,56 @@ def test_directory_and_glob_sources(c4_formats):
         assert sources.expand_sources([f"file://{spec}"]) == sources.expand_sources([str(spec)])
 
 
+def _named_like_a_glob(root, fs_open, rows) -> str:
+    """`a[0:5].jsonl` holding `rows`, beside `a0.jsonl` and `a5.jsonl`, which the name read as a glob
+    matches: JSON arrays, not JSON lines, so reading them fails instead of passing unnoticed."""
+    for name in ("a0.jsonl", "a5.jsonl"):
+        with fs_open(f"{root}/{name}") as f:
+            f.write(b"[1, 2]\n")
+    with fs_open(f"{root}/a[0:5].jsonl") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+    return f"{root}/a[0:5].jsonl"
+
+
+@pytest.mark.parametrize("where", ["local", "memory://"])
+def test_a_source_named_like_a_glob_is_read_as_itself(tmp_path, c4_path, where):
+    """A path that exists as written is read as itself, whatever characters its name holds; a name
+    that exists nowhere is still a glob."""
+    if where == "local":
+        root = str(tmp_path)
+        spec = _named_like_a_glob(root, lambda p: open(p, "wb"), c4_rows(c4_path, 7))
+    else:
+        import fsspec
+
+        root = f"memory://glob-names-{tmp_path.name}"
+        spec = _named_like_a_glob(root, lambda p: fsspec.open(p, "wb"), c4_rows(c4_path, 7))
+    (found,) = sources.expand_sources([spec])
+    assert found.endswith(f"{tmp_path.name}/a[0:5].jsonl")
+    docs = [d for shard in plan_inputs([spec]) for b in DocumentReader(shard) for d in b.to_pylist()]
+    assert [d["text"] for d in docs] == [r["text"] for r in c4_rows(c4_path, 7)]
+    assert len(sources.expand_sources([f"{root}/a[05].jsonl"])) == 2  # no such file: a glob
+
+
+def test_every_command_reading_sources_reads_a_glob_named_file_as_itself(tmp_path, c4_path, tokenizer_dir):
+    """The commands that take SOURCES (enumerated from the CLI) read `a[0:5].jsonl` as that file."""
+    from click.testing import CliRunner
+
+    from entroweight.workflows.cli import main
+
+    spec = _named_like_a_glob(str(tmp_path), lambda p: open(p, "wb"), c4_rows(c4_path, 7))
+    args = {
+        "tokenize": ["--tokenizer", str(tokenizer_dir), "--n-ctx", "32", "--out", str(tmp_path / "tok")],
+        "train-tokenizer": ["--vocab-size", "300", "--out", str(tmp_path / "tokenizer")],
+    }
+    readers = {n for n, c in main.commands.items() if any(p.name == "sources" for p in c.params)}
+    assert readers == set(args)
+    for name in sorted(readers):
+        res = CliRunner().invoke(main, [name, spec, *args[name]])
+        assert res.exit_code == 0, (name, res.output)
+    manifest = json.loads(next((tmp_path / "tok").glob(".part-*.manifest.json")).read_text())
+    assert manifest["docs_in"] == 7 and manifest["inputs"][0]["uri"].endswith("a[0:5].jsonl")
+
+
 def test_fineweb_columns_map_onto_documents(tmp_path):
     rows = [
         {

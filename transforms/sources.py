@@ -1,7 +1,8 @@
 """Sources -> documents: find input files (or hub shards), split them into shards, read them as Arrow.
 
 A SOURCE is a file, a directory, a glob of `.parquet`, `.jsonl`, `.json.gz`/`.jsonl.gz`,
-`.jsonl.zst` (local or a URL: s3://, gs://), or a hub dataset `hf:REPO[:CONFIG[:SPLIT]]`, whose
+`.jsonl.zst` (local or a URL: s3://, gs://; a name holding `*?[` is a glob only where no file or
+directory of that name exists: `is_glob`), or a hub dataset `hf:REPO[:CONFIG[:SPLIT]]`, whose
 revision is resolved once at planning and whose parquet files are sharded by row group.
 Reading yields DOCUMENT_SCHEMA batches and, separately, the rows rejected with a reason.
 """
@@ -16,7 +17,7 @@ import io
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,13 @@ HUB_RE = re.compile(
 
 class SourceError(ValueError):
     """An input that cannot be read; the message names the file and says what to do."""
+
+
+def is_glob(spec: str, exists: Callable[[str], bool] = os.path.exists) -> bool:
+    """Whether a SOURCE is read as a glob pattern: it holds a glob character and names nothing as
+    written (`exists`: the check of its filesystem). A file or directory whose name holds one
+    (`a[0:5].jsonl`) is read as itself: as a pattern it would name other files (`a0.jsonl`) or none."""
+    return any(ch in spec for ch in "*?[") and not exists(spec)
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,7 @@ def _expand_url(spec: str) -> dict[str, int]:
     fs, inner = storage.filesystem(spec)
     proto = spec.split("://", 1)[0]
     walked = False  # a directory's walk skips stage outputs already
-    if any(ch in spec for ch in "*?["):
+    if is_glob(inner, fs.exists):
         found = fs.glob(inner, detail=True)
         if not found:
             raise SourceError(f"the glob {spec!r} matches no file")
@@ -176,7 +184,7 @@ def source_files(specs: list[str]) -> dict[str, tuple[int, int | None] | None]:
             out.update((f, (size, None)) for f, size in _expand_url(spec).items())
             continue
         spec = str(storage.path(spec)) if spec.startswith("file://") else spec  # a local path, as elsewhere
-        if any(ch in spec for ch in "*?["):
+        if is_glob(spec):
             matches = sorted(glob.glob(spec, recursive=True))
             if not matches:
                 raise SourceError(f"the glob {spec!r} matches no file")
