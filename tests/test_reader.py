@@ -4,8 +4,10 @@ documented downstream examples (plain torch loop, Hugging Face Trainer)."""
 
 from __future__ import annotations
 
+import base64
 import collections
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from test_trainer_fixtures import make_weighted, one_thread, weighted_dir  # noq
 from test_weighted_inputs import model, scored, tokens  # noqa: F401 - fixtures
 
 from entroweight.data import DataError, WeightedTokens
+from entroweight.schemas import METADATA_KEY
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -329,5 +332,55 @@ def test_data_rewritten_while_it_is_read_is_refused(scored, tmp_path):  # noqa: 
     for f in sorted(data.glob("part-*.parquet"))[1:]:  # the same rows, written otherwise
         pq.write_table(pq.read_table(f), f, compression="none")
     with pytest.raises(DataError, match="changed since the reader planned it"):
+        for _ in it:
+            pass
+
+
+def _another_config_same_size(f: Path) -> None:
+    """Rewrite a stage's shard as one of another configuration with the very same bytes but its config
+    hash, in both places its footer holds it (the key-value metadata and the Arrow schema's copy)."""
+    raw = f.read_bytes()
+    meta = pq.read_metadata(f).metadata
+    old = json.loads(meta[METADATA_KEY])["config_hash"].encode()
+    new = old[::-1] if old[::-1] != old else b"0" * len(old)
+    arrow = meta[b"ARROW:schema"]  # base64: a same-length edit keeps its length
+    patched = base64.b64encode(base64.b64decode(arrow).replace(old, new))
+    f.write_bytes(raw.replace(arrow, patched).replace(old, new))
+    assert f.stat().st_size == len(raw)
+    assert pq.ParquetFile(f).schema_arrow.metadata[METADATA_KEY] != meta[METADATA_KEY]
+
+
+def test_a_same_size_rewrite_under_another_config_is_refused(scored, tmp_path):  # noqa: F811
+    """The size alone let a rewrite of exactly the same size through (`weigh --overwrite` with
+    another config): the footer's config hash must be the one the planned manifest records."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(scored, data)
+    ds = WeightedTokens(data, batch_size=4, shuffle=False)
+    it = iter(ds)
+    next(it)
+    for f in sorted(data.glob("part-*.parquet"))[1:]:
+        _another_config_same_size(f)
+    with pytest.raises(
+        DataError, match=r"changed since the reader planned it \(.*config hash.*start the reader again"
+    ):
+        for _ in it:
+            pass
+
+
+def test_another_tools_file_rewritten_with_other_row_groups_is_refused(weighted_dir, tmp_path):
+    """A file no stage wrote has no manifest to check against: its row groups are the ones planned
+    (the reader would otherwise read row group i of another layout)."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(weighted_dir, data)
+    ds = WeightedTokens(data, batch_size=4, shuffle=False)
+    it = iter(ds)
+    next(it)
+    for f in sorted(data.glob("*.parquet"))[1:]:
+        pq.write_table(pq.read_table(f), f, row_group_size=50)
+    with pytest.raises(DataError, match=r"changed since the reader planned it \(rows per row group \[50, "):
         for _ in it:
             pass

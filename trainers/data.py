@@ -350,6 +350,7 @@ class WeightedTokens(IterableDataset):
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         self.pad_id = self.info.pad_id if self.info.pad_id is not None else -1
         self._units_cache: dict[int, list[Unit]] = {}
+        self._file_index = {str(f): i for i, f in enumerate(self.info.files)}
         # where this process's iteration stands: (workers, role, items of that role's stream consumed);
         # None until it iterates. A worker's own saved place, restored in that worker, is `_resume`.
         self._at: tuple[int, int, int] | None = None
@@ -381,22 +382,38 @@ class WeightedTokens(IterableDataset):
         parts = []
         for u in block:
             with storage.open_input(u.path) as fh:
-                self._check_unchanged(u.path, fh)
-                t = pq.ParquetFile(fh).read_row_group(u.row_group, columns=cols)
+                pf = self._unchanged(u.path, fh)
+                t = pf.read_row_group(u.row_group, columns=cols)
             parts.append(self._to_numpy(t.slice(u.start, u.rows), u))
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
-    def _check_unchanged(self, location: str, fh) -> None:
-        """The file is the one its manifest recorded when the reader planned (its size): a stage that
-        rewrote the directory meanwhile (`weigh --overwrite`) gave rows of two weightings, no error."""
+    def _unchanged(self, location: str, fh) -> pq.ParquetFile:
+        """The file opened, if it is the one the reader planned: a stage that rewrote the directory
+        meanwhile (`weigh --overwrite`) gave rows of two weightings, no error. Its size and its row
+        groups are the ones planned, and a stage's shard holds its manifest's configuration (the config
+        hash its footer records: a rewrite under another config may have the very same size)."""
         part = self.info.parts.get(location)
-        want = part.size if part is not None else None  # as listed when planned (the manifest's)
-        if want is not None and fh.seek(0, os.SEEK_END) != want:
-            raise DataError(
-                f"{location} changed since the reader planned it ({fh.tell()} bytes, its manifest {want}): "
-                "a stage rewrote the data while it was read; start the reader again"
-            )
+        size = fh.seek(0, os.SEEK_END)
         fh.seek(0)
+        pf = pq.ParquetFile(fh)
+        groups = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
+        planned = self.info.row_groups[self._file_index[location]]
+        what = None
+        if part is not None and size != part.size:  # as listed when planned (the manifest's)
+            what = f"{size} bytes, its manifest {part.size}"
+        elif groups != planned:
+            what = f"rows per row group {groups}, planned {planned}"
+        elif part is not None:
+            try:
+                check_part_config(part, pf.schema_arrow)
+            except Incompatible as e:
+                what = e.fact
+        if what is not None:
+            raise DataError(
+                f"{location} changed since the reader planned it ({what}): a stage rewrote the data "
+                "while it was read; start the reader again"
+            )
+        return pf
 
     def _to_numpy(self, table: pa.Table, u: Unit) -> dict[str, np.ndarray]:
         where = f"{u.path} (row group {u.row_group}, rows {u.start}..{u.stop})"
