@@ -591,3 +591,76 @@ def test_a_checkpoint_whose_weights_changed_is_trained_again(trained_run, how, m
     code, out = run_cli("run", wf)
     assert code == 0 and "nothing to do" in out, out
     assert not [p for p in hashed if p.name == "model.safetensors"]
+
+
+# -- sources apart from run_dir
+def _src_inside(tmp: Path) -> tuple[str, Path]:  # a file in a run_dir that held nothing else
+    return str(c4_subset(_mkdir(tmp / "run" / "data") / "c4.json.gz", 0, 20)), tmp / "run"
+
+
+def _src_of_a_run(tmp: Path) -> tuple[str, Path]:  # a file of an earlier run: its held-out split's
+    (_mkdir(tmp / "run") / "run.json").write_text("{}")
+    return str(c4_subset(_mkdir(tmp / "run" / "holdout") / "train.jsonl.gz", 0, 20)), tmp / "run"
+
+
+def _src_is(tmp: Path) -> tuple[str, Path]:  # a directory of documents, given as run_dir too
+    c4_subset(_mkdir(tmp / "data") / "c4.json.gz", 0, 20)
+    return str(tmp / "data"), tmp / "data"
+
+
+def _src_holds(tmp: Path) -> tuple[str, Path]:  # run_dir inside a directory of documents
+    c4_subset(_mkdir(tmp / "data") / "c4.json.gz", 0, 20)
+    return str(tmp / "data"), tmp / "data" / "run"
+
+
+def _src_glob(tmp: Path) -> tuple[str, Path]:  # a glob that matches a file in run_dir
+    c4_subset(_mkdir(tmp / "run" / "data") / "c4.json.gz", 0, 20)
+    return str(tmp / "*" / "data" / "*.json.gz"), tmp / "run"
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (_src_inside, "holds it"),
+        (_src_of_a_run, "holds it"),
+        (_src_is, "is it"),
+        (_src_holds, "lies inside it"),
+        (_src_glob, "holds files it may match"),
+    ],
+    ids=["inside", "a-runs-file", "is", "run-dir-inside", "glob"],
+)
+def test_a_source_in_the_run_dir_is_refused_up_front(tmp_path, tokenizer_dir, make, says):
+    """A source that is, holds, lies inside run_dir or is a glob that may match a file in it is refused
+    before anything (the run writes and removes files there), dry run or not: exit 2, one line,
+    nothing written or removed."""
+    src, run_dir = make(tmp_path)
+    spec = {
+        "run_dir": str(run_dir),
+        "sources": [src],
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "report": None,
+    }
+    wf = write_yaml(tmp_path / "wf.yaml", spec)
+    before = _files(tmp_path)
+    for dry in (["--dry-run"], []):
+        code, out = run_cli("run", wf, *dry)
+        assert code == 2 and f"sources[0] {src}: run_dir {run_dir} {says}" in out, out
+        assert "keep the sources outside run_dir" in out and "Traceback" not in out, out
+        assert len(out.strip().splitlines()) == 1, out
+        assert _files(tmp_path) == before
+
+
+def test_sources_beside_the_run_dir_are_accepted(tmp_path, tokenizer_dir):
+    """A glob whose directory holds run_dir but that cannot match a file in it, and a source whose name
+    starts as run_dir's does, are apart."""
+    c4_subset(tmp_path / "c4.json.gz", 0, 20)
+    c4_subset(_mkdir(tmp_path / "run-data") / "c4.json.gz", 0, 20)
+    sources = [str(tmp_path / "*.json.gz"), str(tmp_path / "run-data"), str(tmp_path / "run-*" / "*.gz")]
+    spec = {"run_dir": str(tmp_path / "run"), "sources": sources, "tokenizer": {"path": str(tokenizer_dir)}}
+    code, out = run_cli("run", write_yaml(tmp_path / "wf.yaml", spec | {"report": None}), "--dry-run")
+    assert code == 0 and "would run" in out, out

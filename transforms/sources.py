@@ -10,6 +10,7 @@ Reading yields DOCUMENT_SCHEMA batches and, separately, the rows rejected with a
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import glob
 import gzip
 import hashlib
@@ -84,6 +85,31 @@ def file_format(path: str | Path) -> str | None:
 
 # What marks a directory as a stage's output: its files are data this project wrote, never documents.
 STAGE_MARKER = STAGE_FILE
+
+
+def relation_to(directory: str | Path, spec: str) -> str:
+    """How `directory` stands to what SOURCE `spec` reads, as `storage.relation` words it ("is", "lies
+    inside", "holds"; "" when apart): for a glob, "holds" where it may match a file inside `directory`
+    (each of its components, up to `directory`'s depth, matches `directory`'s, or one is `**`), so a
+    glob beside `directory` (`*.jsonl` beside `runs/`) stays apart. A hub id reads no path."""
+    if spec.startswith("hf:") or storage.blank(spec):
+        return ""
+    spec = str(storage.path(spec)) if spec.startswith("file://") else spec
+    if storage.is_url(spec) or not is_glob(spec):
+        return storage.relation(directory, spec)
+    pattern = Path(os.path.abspath(spec)).parts
+    for form in {os.path.abspath(directory), os.path.realpath(directory)}:
+        parts = Path(form).parts
+        for i, part in enumerate(parts):
+            if i >= len(pattern) or pattern[i] == "**":
+                break
+            if not fnmatch.fnmatchcase(part, pattern[i]):
+                break
+        else:
+            i = len(parts)
+        if i < len(pattern) and (i == len(parts) or pattern[i] == "**"):
+            return "holds files it may match"
+    return ""
 
 
 def is_stage_output(path: str | Path) -> bool:

@@ -26,6 +26,7 @@ from entroweight.pipelines.stage import LOCK_FILE, has_shards, run_lock
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.weigh import WeighStage
 from entroweight.trainers.config import LossSettings, TrainSettings
+from entroweight.transforms.sources import relation_to
 from entroweight.transforms.writer import write_json_atomic
 
 from .spec import TOKENS, ModelSpec, TrainSpec, Workflow
@@ -106,6 +107,7 @@ class Runner:
     # -- the whole run
     def run(self) -> list[Step]:
         root = self.wf.root
+        self._check_sources_apart()
         if self.wf.train is not None and self.wf.accuracy is not None:
             check_accuracy(self.wf.accuracy)  # before any step writes (its step would, after hours)
         self._check_run_dir()
@@ -146,6 +148,19 @@ class Runner:
         else:
             self.echo(f"done: {len(ran)} step(s) ran in {time.perf_counter() - start:.1f} s -> {root}")
         return self.steps
+
+    def _check_sources_apart(self) -> None:
+        """No source is, holds, lies inside run_dir or may match a file in it: the run writes there (a
+        held-out split's train.jsonl.gz, a tokenizer) and removes what it made (--overwrite, a run that
+        could not start), so it would read its own output as documents or delete the documents."""
+        for i, src in enumerate(self.wf.sources):
+            how = relation_to(self.wf.root, src)
+            if how:
+                how += "" if how.endswith("match") else " it"  # a glob: "holds files it may match"
+                raise WorkflowError(
+                    f"sources[{i}] {src}: run_dir {self.wf.root} {how}, and a run writes and removes files "
+                    "in run_dir: keep the sources outside run_dir, or give another run_dir"
+                )
 
     def _check_run_dir(self) -> None:
         """run_dir is new, empty, or a workflow run's (run.json, or the lock of one killed before its
