@@ -38,10 +38,16 @@ def test_train_and_resume_on_s3_match_local_disk(weighted_dir, tokenizer_dir, tm
     out = f"{s3_bucket}/runs/tiny"
     first = train(cfg(data, out, log_every=3, shuffle_buffer=100, stop_at=6, tokenizer=str(tokenizer_dir)))
     assert first.out == out and first.step == 6
+    # config.json records the --out given, not the local folder the run staged its files in
+    recorded = json.loads(storage.path(f"{out}/config.json").read_bytes())["train"]
+    assert recorded["out"] == out and recorded["data"] == [data]
     assert json.loads(storage.path(f"{out}/trainer_state.json").read_bytes())["step"] == 6
     with pytest.raises(TrainError, match="already holds a checkpoint"):
         train(cfg(data, out, log_every=3, shuffle_buffer=100))
+    with pytest.raises(TrainError, match=f"^{out} holds a llama model, not mixer"):  # named as given
+        train(cfg(data, out, log_every=3, shuffle_buffer=100, resume=True, model="mixer"))
     train(cfg(data, out, log_every=3, shuffle_buffer=100, resume=True))
+    assert json.loads(storage.path(f"{out}/config.json").read_bytes())["train"]["out"] == out
 
     strip = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed_s")} for r in metrics(local)]
     assert [

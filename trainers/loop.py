@@ -180,10 +180,8 @@ def _train_to_store(cfg: TrainConfig, device: torch.device, allow_config_change:
             raise TrainError(f"nothing to resume in {url} (no {STATE}); drop --resume to start a new run")
         rank, world, device, own_group = _setup_dist(device)
         publish = (lambda: storage.upload_dir(Path(local), url, last=(STATE,))) if rank == 0 else None
-        try:
-            result = _train(
-                cfg.model_copy(update={"out": local}), rank, world, device, allow_config_change, publish
-            )
+        try:  # cfg keeps the URL: config.json records the --out the user gave, not this staging folder
+            result = _train(cfg, rank, world, device, allow_config_change, publish, workdir=Path(local))
         finally:
             if own_group:
                 torch.distributed.destroy_process_group()
@@ -270,10 +268,14 @@ class _Run:
     optimizer: dict | None = None  # ... and its optimizer state
 
 
-def _resolve(cfg: TrainConfig, loss: Loss, rank: int, world: int, device, allow_config_change: bool) -> _Run:
+def _resolve(
+    cfg: TrainConfig, loss: Loss, rank: int, world: int, device, allow_config_change: bool, workdir=None
+) -> _Run:
     """Resume or start: the tokenizer, the data, the model config, each checked against the others
-    (and against the checkpoint on resume). Refusals are TrainErrors naming what to do."""
-    out = Path(cfg.out)
+    (and against the checkpoint on resume). Refusals are TrainErrors naming what to do, and the
+    --out the user gave (not `workdir`, the local folder a run to an object store works in)."""
+    out = Path(workdir) if workdir is not None else Path(cfg.out)
+    shown = cfg.out.rstrip("/") if workdir is not None else out
     try:  # --tokenizer, else the copy the data carries (checked against the data's sha256 below)
         tok_path = resolve_tokenizer_path(cfg.tokenizer, cfg.data, required=False)
     except TokenizerError as e:
@@ -283,16 +285,16 @@ def _resolve(cfg: TrainConfig, loss: Loss, rank: int, world: int, device, allow_
     state, optim_sd, prev, base_model_cfg = None, None, None, {}
     if cfg.resume:
         if not (out / STATE).is_file():
-            raise TrainError(f"nothing to resume in {out} (no {STATE}); drop --resume to start a new run")
+            raise TrainError(f"nothing to resume in {shown} (no {STATE}); drop --resume to start a new run")
         prev = read_checkpoint_config(out)
         state, optim_sd = load_training_state(out)
         if prev["kind"] != cfg.model:
             raise TrainError(
-                f"{out} holds {a_model_of(prev['kind'])}, not {cfg.model}; pass --model {prev['kind']}"
+                f"{shown} holds {a_model_of(prev['kind'])}, not {cfg.model}; pass --model {prev['kind']}"
             )
         if state["world_size"] != world:
             raise TrainError(
-                f"{out} was trained on {state['world_size']} processes; resume with the same number "
+                f"{shown} was trained on {state['world_size']} processes; resume with the same number "
                 f"(not {world}) so the data order stays the same"
             )
         base_model_cfg = prev["model"]
@@ -304,10 +306,12 @@ def _resolve(cfg: TrainConfig, loss: Loss, rank: int, world: int, device, allow_
     elif (out / "config.json").exists() and not cfg.overwrite:
         if not (out / STATE).exists():  # nothing --resume could continue: say what is there
             raise TrainError(
-                f"{out} holds a config.json but no checkpoint ({STATE}): a run stopped before its first "
+                f"{shown} holds a config.json but no checkpoint ({STATE}): a run stopped before its first "
                 "save, or another program's file; write to another --out, or pass --overwrite to start over there"
             )
-        raise TrainError(f"{out} already holds a checkpoint; pass --resume to continue it, or another --out")
+        raise TrainError(
+            f"{shown} already holds a checkpoint; pass --resume to continue it, or another --out"
+        )
 
     try:
         info = inspect_data(cfg.data, loss.columns, tok_sha)
@@ -397,11 +401,18 @@ def _build(cfg: TrainConfig, run: _Run, world: int, device):
 
 
 def _train(
-    cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool, publish=None
+    cfg: TrainConfig,
+    rank: int,
+    world: int,
+    device,
+    allow_config_change: bool,
+    publish=None,
+    workdir: Path | None = None,
 ) -> TrainResult:
-    """`publish`: called on rank 0 after each checkpoint is saved (the upload of an object-store --out)."""
+    """`publish`: called on rank 0 after each checkpoint is saved (the upload of an object-store --out);
+    `workdir`: the local folder the run writes in, where it is not cfg.out (an object store's)."""
     loss_def = LOSSES[cfg.loss]
-    run = _resolve(cfg, loss_def, rank, world, device, allow_config_change)
+    run = _resolve(cfg, loss_def, rank, world, device, allow_config_change, workdir)
     out, state = run.out, run.state
     log = (lambda *a: None) if (cfg.quiet or rank) else (lambda *a: print(*a, flush=True))
 
