@@ -157,6 +157,14 @@ def test_stateful_dataloader_resumes_exactly_under_workers(weighted_dir, workers
         assert torch.equal(batch, want)
 
 
+def test_the_reader_does_not_import_torchdata():
+    """torchdata is the user's choice (the dev extra only): the reader works without it."""
+    import subprocess
+
+    code = "import sys, entroweight.data; sys.exit('torchdata' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
 def test_a_worker_place_is_refused_outside_its_worker_and_under_other_workers(weighted_dir):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
