@@ -231,6 +231,42 @@ def test_report_never_writes_over_what_it_reads(tiny_run, out, says):  # noqa: F
 
 
 @pytest.mark.parametrize(
+    "name, taken",
+    [
+        ("r.html", True),
+        ("R.HTML", True),
+        ("sub/r.html", True),
+        (".html", False),
+        ("sub/.html", False),
+        ("r.htm", False),
+        ("run.json", False),
+        ("r.html.j2", False),
+    ],
+)
+def test_the_workflow_and_report_out_take_the_same_report_names(tmp_path, name, taken):
+    """One rule of what the report may be called (spec.is_report_name): a workflow's `report.out` is
+    accepted exactly where `report --out` is (`.html`, a hidden file's name without a suffix, was
+    taken by the one and refused by the other)."""
+    from entroweight.workflows.report import check_report_out
+    from entroweight.workflows.spec import REPORT_SUFFIX, SpecError, parse_workflow
+
+    base = {"run_dir": str(tmp_path / "run"), "sources": ["a.jsonl"], "tokenizer": {"path": "t.json"}}
+    try:
+        parse_workflow(base | {"report": {"out": name}})
+        spec_takes = True
+    except SpecError as e:
+        assert f"ending in {REPORT_SUFFIX}" in str(e)
+        spec_takes = False
+    try:
+        check_report_out(tmp_path / name)
+        report_takes = True
+    except ReportError as e:
+        assert f"ending in {REPORT_SUFFIX}" in str(e)
+        report_takes = False
+    assert spec_takes == report_takes == taken
+
+
+@pytest.mark.parametrize(
     "damage",
     [
         ("run.json", b"{not json"),

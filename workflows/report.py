@@ -41,6 +41,7 @@ from .report_data import (  # noqa: F401 - re-exported: the report's public name
     verdict,
     verdict_sentence,
 )
+from .spec import REPORT_FILE, REPORT_SUFFIX, is_report_name
 
 E = html.escape
 
@@ -172,7 +173,7 @@ def build_report(run_dir: str | Path, samples: int = 3, max_tokens: int = 2_000_
 def write_report(
     run_dir: str | Path, out: str | Path | None = None, samples: int = 3, max_tokens: int = 2_000_000
 ) -> Path:
-    out = storage.path(out) if out else Path(run_dir) / "report.html"  # a URL stays one (s3://...)
+    out = storage.path(out) if out else Path(run_dir) / REPORT_FILE  # a URL stays one (s3://...)
     check_report_out(out)
     try:
         html = build_report(run_dir, samples, max_tokens)
@@ -188,12 +189,14 @@ def write_report(
 
 
 def check_report_out(out: str | Path) -> None:
-    """The report is one HTML file: --out names a .html file, never a directory, nor a file the report
-    reads (every record of a run is JSON, parquet or a checkpoint; none ends in .html)."""
+    """The report is one HTML file: --out names a file as `spec.is_report_name` says, never a directory,
+    nor a file the report reads (every record of a run is JSON, parquet or a checkpoint)."""
     if storage.blank(out):
         raise ReportError("--out is empty (an unset variable?): name the HTML file to write")
     out = storage.path(out)
     if out.is_dir():
-        raise ReportError(f"--out {out} is a directory; name the HTML file to write (e.g. {out}/report.html)")
-    if out.suffix.lower() != ".html":
-        raise ReportError(f"--out {out}: the report is one HTML file; name a file ending in .html")
+        raise ReportError(
+            f"--out {out} is a directory; name the HTML file to write (e.g. {out}/{REPORT_FILE})"
+        )
+    if not is_report_name(out):
+        raise ReportError(f"--out {out}: the report is one HTML file; name a file ending in {REPORT_SUFFIX}")

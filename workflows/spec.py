@@ -37,6 +37,16 @@ from entroweight.transforms.weigh import GLOBAL_SCALE, WeighOptions
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 TOKENS = "tokens"  # the data name of the tokenized (unweighted) dataset
+# The report is one HTML file, named so: no record of a run (JSON, parquet, a checkpoint) ends in it,
+# so a report can never be written over what it reads. The spec's `report.out` and `report --out`
+# (workflows/report.py, which imports this: report -> report_data -> spec) both ask `is_report_name`.
+REPORT_SUFFIX = ".html"
+REPORT_FILE = f"report{REPORT_SUFFIX}"  # its name when none is given
+
+
+def is_report_name(path: str | os.PathLike) -> bool:
+    """Whether `path` (a file name, a path or a URL) is named as the report must be."""
+    return PurePosixPath(str(path)).suffix.lower() == REPORT_SUFFIX
 
 
 class SpecError(ValueError):
@@ -345,7 +355,7 @@ PRIMARY = "weighted-occlusion"  # the write-up's weighting: the comparison named
 
 
 class ReportSpec(_Strict):
-    out: str = "report.html"
+    out: str = REPORT_FILE
     # The one comparison with the reference read without correction (workflows/stats.py); the
     # others are Holm-corrected. Given: it must name a run. Left out: weighted-occlusion where the
     # workflow has that run, else none (every comparison corrected; Workflow._resolve_primary).
@@ -356,8 +366,8 @@ class ReportSpec(_Strict):
     @field_validator("out")
     @classmethod
     def _o(cls, v):
-        if not str(v).lower().endswith(".html"):  # one HTML file, never one of the run's records
-            raise ValueError(f"the report is one HTML file: name a file ending in .html, not {v!r}")
+        if not is_report_name(v):  # one HTML file, never one of the run's records
+            raise ValueError(f"the report is one HTML file: name a file ending in {REPORT_SUFFIX}, not {v!r}")
         return _inside(v)
 
 
