@@ -28,6 +28,7 @@ import yaml
 
 from entroweight import __version__, storage
 from entroweight.schemas import ROW_IN_DOC, document_starts
+from entroweight.schemas.arrow import documents_starting
 from entroweight.schemas.datadir import DataDir, DataDirError, Part
 from entroweight.schemas.exports import EXPORT_RECORD, MEGATRON_PREFIX, megatron_weight_prefix
 from entroweight.schemas.weighted import WEIGHT, describe_encoding, matrix, real_mask, row_lengths
@@ -145,8 +146,7 @@ def document_bounds(rows: Rows, eos_id: int | None) -> np.ndarray:
     bounds = np.r_[0, np.flatnonzero(rows.ids == eos_id) + 1]
     if bounds[-1] != len(rows.ids):
         bounds = np.r_[bounds, len(rows.ids)]
-    # a row's first document is the previous row's last one when it continues it (row_in_doc > 0)
-    n_docs = sum(len(d) for d in rows.window_docs) - int(np.count_nonzero(rows.row_in_doc > 0))
+    n_docs = documents_starting(rows.row_in_doc, [len(d) for d in rows.window_docs])
     if n_docs != len(bounds) - 1:
         raise ExportError(
             f"packed shard {rows.shard}: {len(bounds) - 1} eos-separated runs but {n_docs} documents; "

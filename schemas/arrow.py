@@ -96,15 +96,22 @@ DOC_IDS = "doc_ids"
 def document_count(rows: pa.RecordBatch | pa.Table) -> int:
     """Documents that start among these rows: the unit of every manifest's `docs_in` / `docs_out`,
     so that over a shard's rows it is the count tokenize recorded while writing them, and the counts
-    chain from stage to stage. A row of one document starts it where its `row_in_doc` is 0; a packed
-    row starts every document of its `doc_ids` but the first when that one goes on from the row
-    before (`row_in_doc` > 0). Rows are not documents there: a row holds several, and a document
-    spans rows."""
-    starts_here = rows.column(ROW_IN_DOC).to_numpy() == 0
-    if DOC_IDS not in rows.schema.names:
+    chain from stage to stage (`documents_starting` says how)."""
+    held = None
+    if DOC_IDS in rows.schema.names:
+        held = pc.list_value_length(rows.column(DOC_IDS)).to_numpy(zero_copy_only=False)
+    return documents_starting(rows.column(ROW_IN_DOC).to_numpy(), held)
+
+
+def documents_starting(row_in_doc, held=None) -> int:
+    """Documents that start among rows of these `row_in_doc` values. A row of one document starts it
+    where its `row_in_doc` is 0. A packed row (`held`: how many documents each one's `doc_ids` holds)
+    starts every document it holds but the first when that one goes on from the row before
+    (`row_in_doc` > 0). Rows are not documents there: a row holds several, and a document spans rows."""
+    starts_here = np.asarray(row_in_doc) == 0
+    if held is None:
         return int(starts_here.sum())
-    held = pc.list_value_length(rows.column(DOC_IDS)).to_numpy(zero_copy_only=False)
-    return int(held.sum() - (~starts_here).sum())
+    return int(np.sum(held) - (~starts_here).sum())
 
 
 def sequence_schema(vocab_size: int, packed: bool = False) -> pa.Schema:
