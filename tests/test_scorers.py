@@ -95,6 +95,28 @@ def test_chunked_ce_equals_full_ce():
             torch.testing.assert_close(chunked_ce(hidden, targets, head, chunk_rows=chunk), full)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head", ["none", "identity", "linear"])
+def test_chunked_ce_overwrites_only_logits_of_its_own(dtype, head):
+    """On a CPU the CE runs log_softmax in place on fp32 logits it owns (a copy of low-precision
+    ones, or those the head made); the caller's rows, logits or hidden states, are never written,
+    and the values are F.cross_entropy's in fp32."""
+    torch.manual_seed(3)
+    rows = (torch.randn(29, 40) * 5).to(dtype)
+    targets = torch.randint(0, 40, (29,))
+    layer = {"none": None, "identity": torch.nn.Identity(), "linear": torch.nn.Linear(40, 40, bias=False)}[head]
+    if layer is not None:
+        layer.to(dtype)
+    before = rows.clone()
+    with torch.inference_mode():
+        logits = rows if layer is None else layer(rows)
+        want = torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
+        for chunk in (1, 7, 29):
+            got = chunked_ce(rows, targets, layer, chunk_rows=chunk)  # (a chunked GEMM may round apart)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    assert torch.equal(rows, before)
+
 def _logits(dtype):
     torch.manual_seed(2)
     x = torch.randn(41, 300) * torch.linspace(0.1, 30.0, 41)[:, None]  # flat to peaked rows
