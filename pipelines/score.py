@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from entroweight import __version__, storage
+from entroweight.allocator import keep_freed_memory
 from entroweight.options import device_here
 from entroweight.schemas import ROW_IN_DOC, FileMetadata, ShardManifest, document_starts
 from entroweight.schemas.arrow import WEIGHTED_COLUMNS
@@ -263,6 +264,7 @@ class ScoreStage(Stage):
     def setup(self) -> None:
         self.prepare()  # done on the driver when it planned the run: the pickled stage carries it
         check_device(self.scorer.device)
+        keep_freed_memory()  # a worker's batches reuse freed memory, not fresh pages (allocator.py)
         if getattr(self, "_tok", None) is None:
             self._tok = None
         if self._tok is None and self.tokenizer_json is not None:

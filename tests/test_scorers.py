@@ -95,7 +95,6 @@ def test_chunked_ce_equals_full_ce():
             torch.testing.assert_close(chunked_ce(hidden, targets, head, chunk_rows=chunk), full)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head", ["none", "identity", "linear"])
 def test_chunked_ce_overwrites_only_logits_of_its_own(dtype, head):
@@ -105,7 +104,9 @@ def test_chunked_ce_overwrites_only_logits_of_its_own(dtype, head):
     torch.manual_seed(3)
     rows = (torch.randn(29, 40) * 5).to(dtype)
     targets = torch.randint(0, 40, (29,))
-    layer = {"none": None, "identity": torch.nn.Identity(), "linear": torch.nn.Linear(40, 40, bias=False)}[head]
+    layer = {"none": None, "identity": torch.nn.Identity(), "linear": torch.nn.Linear(40, 40, bias=False)}[
+        head
+    ]
     if layer is not None:
         layer.to(dtype)
     before = rows.clone()
@@ -116,6 +117,7 @@ def test_chunked_ce_overwrites_only_logits_of_its_own(dtype, head):
             got = chunked_ce(rows, targets, layer, chunk_rows=chunk)  # (a chunked GEMM may round apart)
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
     assert torch.equal(rows, before)
+
 
 def _logits(dtype):
     torch.manual_seed(2)
