@@ -4,11 +4,13 @@ glibc's malloc hands a large freed block back to the kernel (blocks above a thre
 between 128 KiB and 32 MiB are mapped one by one, and the heap's top is trimmed past 128 KiB), so
 the next batch's tensors of that size arrive as fresh pages, each zero-filled by the kernel on its
 first touch. A forward on a CPU frees and allocates such blocks every batch. On the bench's d256x4
-llama (fp32, 2 threads, causal_loss over one C4 shard) that was 4-5 M page faults and 9-12 s of
-kernel time a run; kept, 0.2 M and 1.2 s: the score path 6-10 % faster, a bare forward 15 %
-(docs/scoring.md). PyTorch's CPU tuning guide gets the same through jemalloc or tcmalloc
-(LD_PRELOAD); glibc's own `mallopt` needs nothing installed. The price: the process keeps its peak
-heap until it exits, which a batch worker does anyway.
+llama (causal_loss over one C4 shard, 2 threads) that was 4-5 M page faults and 9-12 s of kernel
+time a run; kept, 0.2 M and 1.2 s: in fp32 the score path 5-10 % faster and a bare forward 15 %, in
+bf16 the path unchanged and a bare forward 5 % (alternated processes, docs/scoring.md). A training
+step measured no faster (d256x4, fp32), so the trainer leaves its allocator alone. PyTorch's CPU
+tuning guide gets the same through jemalloc or tcmalloc (LD_PRELOAD); glibc's own `mallopt` needs
+nothing installed. The price: the process keeps its peak heap until it exits, as a batch worker
+does anyway.
 """
 
 from __future__ import annotations
