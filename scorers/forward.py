@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 
 # fp32 logits per chunk: 256 MiB on an accelerator (Llama's 128k vocabulary -> 512 rows per chunk);
-# on a CPU a cache-sized 16 MiB, which makes the head + CE of a 8k vocabulary ~25 % faster than one
-# chunk of 4096 rows (the logits are read back while still in cache)
+# on a CPU 64 MiB. (16 MiB was chosen when every chunk's fresh pages were faulted in; with the worker
+# keeping freed memory, entroweight/allocator.py, head + CE of 4,096 rows of an 8k vocabulary took
+# 104 ms at 64 MiB against 120 ms at 16, and causal_loss's fp32 path ran 1-18 % faster, ours, HF and
+# cross_tokenizer, two alternated pairs of processes. bf16 read both ways at 64: kept at 6, below.)
 CHUNK_BYTES = 256 << 20
-CPU_CHUNK_BYTES = 16 << 20
+CPU_CHUNK_BYTES = 64 << 20
 # ... and 6 MiB for bf16/fp16 logits on a CPU, whose CE also makes an fp32 copy: head + CE of 8k
 # logits took 155 ms a 8k-row batch at 6 MiB against 305 ms at 8-16 MiB here (a cache cliff), and
 # causal_loss's whole path 0.93-0.96x the time (ours, HF; alternated x4); fp32 is 5 % slower at 6
