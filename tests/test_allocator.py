@@ -6,11 +6,10 @@ import platform
 import subprocess
 import sys
 
-import numpy as np
 import pytest
+from test_verify import IdParity  # a model-free scorer (the stage's worker setup is under test)
 
 from entroweight.pipelines import run_stage
-from entroweight.scorers import Scorer, register
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -57,29 +56,11 @@ def test_it_is_set_once_and_says_whether_it_was():
     assert keep_freed_memory() is GLIBC
 
 
-class _Ids(Scorer):
-    """A model-free scorer (the stage's worker setup is what is under test)."""
-
-    name = "test_allocator_ids"
-
-    def config(self):
-        return {"scorer": self.name}
-
-    def setup(self, data_tokenizer=None):
-        pass
-
-    def score_batch(self, input_ids, n_pad):
-        return (input_ids % 7).astype(np.float32)
-
-
-register(_Ids)
-
-
 def test_the_score_stage_sets_it_in_each_worker(tokenized_dir, tmp_path, monkeypatch):
     """Every engine calls the stage's setup once in each worker process: that is where it is set."""
     import entroweight.pipelines.score as score
 
     calls = []
     monkeypatch.setattr(score, "keep_freed_memory", lambda: calls.append(1) or True)
-    run_stage(score.ScoreStage(tokenized_dir, _Ids.name), tmp_path / "scored", progress=False)
+    run_stage(score.ScoreStage(tokenized_dir, IdParity.name), tmp_path / "scored", progress=False)
     assert calls == [1]
