@@ -718,7 +718,7 @@ def _dtype_layout(r: dict) -> str:
 
 @contextlib.contextmanager
 def planned(layout: str):
-    """Inside, with layout "cut", rows a model packs are planned as off CUDA whatever the device (the
+    """Inside, with layout "cut", rows a model packs are cut into batches whatever its attention (the
     one rule, `base.packs_shard_wide`, answered False where the score path asks it)."""
     if layout != "cut":
         yield
@@ -727,7 +727,7 @@ def planned(layout: str):
     import entroweight.scorers.cross_tokenizer as cross
 
     saved = base.packs_shard_wide, cross.packs_shard_wide
-    base.packs_shard_wide = cross.packs_shard_wide = lambda device: False
+    base.packs_shard_wide = cross.packs_shard_wide = lambda scorer: False
     try:
         yield
     finally:
@@ -997,8 +997,8 @@ def main(argv=None) -> int:
         default=["packed"],
         choices=["packed", "cut", "rows"],
         help="packed: rows laid out without pads (scorers/packing.py), planned as on this device; cut: "
-        "the same, planned as off CUDA (length-sorted rows cut into batches, each packed at its "
-        "longest row: `base.packs_shard_wide` False), the A/B for the CUDA plan; rows: one row per "
+        "the same, length-sorted rows cut into batches, each packed at its longest row "
+        "(`base.packs_shard_wide` False), the A/B for a model planned over the shard; rows: one row per "
         "batch row, pads computed (Scorer.pack = False), the layout before packing; several: each per case",
     )
     ap.add_argument("--peak-bf16", type=float, default=None, help="TFLOP/s, for a device not in the table")

@@ -214,6 +214,11 @@ class Scorer(ABC):
         then counts the batch's real tokens, not rows × width."""
         return False
 
+    def attention_skips_fill(self) -> bool:
+        """Whether the model's attention over packed rows skips what lies outside each row (after
+        setup): FlexAttention's block mask, a varlen kernel. `packs_shard_wide` asks it."""
+        return False
+
     def batch_columns(self, width: int, T: int) -> int:
         """Columns of the input rows a batch of `width` is handed (the last ones): as many as it
         computes, or more (a scorer that reads its rows after a shared pad prefix needs their width)."""
@@ -255,7 +260,7 @@ def score_rows(
     batch_size = batching.batch_size or scorer.batch_size
     # packed over the whole shard in sequences as wide as the data's rows, or cut batches (each batch's
     # rows packed by the scorer where two fit one sequence)
-    packed = scorer.packs_rows() and packs_shard_wide(scorer.device)
+    packed = scorer.packs_rows() and packs_shard_wide(scorer)
     plan = plan_batches(
         lengths,
         lambda n: scorer.batch_width(n, T),
@@ -363,18 +368,19 @@ def plan_batches(
     return cut_batches(lengths, widths, batch_tokens)
 
 
-def packs_shard_wide(device: str) -> bool:
+def packs_shard_wide(scorer: Scorer) -> bool:
     """Where a model reads packed rows, whether the planner packs them over the whole shard
     (`pack_groups`: sequences as wide as the data's rows, 0.2-0.5 % fill) or cuts length-sorted rows
-    into batches as wide as their longest (`cut_batches`; the scorer still packs a batch's rows where
-    two fit one sequence). On CUDA, over the shard: at 64k tokens a forward, batches cut to their
-    widest left 2.5-12 % fill on C4 at 512, and the H100 ran 0.49 -> 0.70 of its limit (HF, bf16)
-    when packing went shard-wide. Elsewhere, cut: SDPA computes a sequence's whole causal square
-    under a block mask, so rows packed beside others into wide sequences cost more attention than
-    fill costs at 4k tokens a forward (0.46 % on 1,640 C4 rows at 512). On 2 CPU cores, alternated
-    ×6 in one process, the cut batches took 0.89x the time of the shard-wide packing (HF, bf16),
-    0.96x (HF, fp32) and 0.96-0.97x (our `mask_pads` llama); docs/scoring.md."""
-    return str(device).split(":")[0] == "cuda"
+    into batches as wide as their longest (`cut_batches`: 3-4 % fill; the scorer still packs a
+    batch's rows where two fit one sequence, and a batch of one row a sequence takes plain causal
+    attention). Shard-wide where the attention skips what lies outside each row
+    (`Scorer.attention_skips_fill`: our models' FlexAttention on CUDA), cut where it computes each
+    sequence's whole causal square under a block mask (SDPA: every device off CUDA, and transformers'
+    models, loaded with SDPA, on CUDA too). Measured (docs/scaling.md, docs/scoring.md): on an H200
+    in bf16, our `mask_pads` llama ran at 0.85 of its limit shard-wide against 0.81 cut, an HF llama
+    at 0.84 against 0.86 and cross_tokenizer at 0.57 against 0.64 (its attention 0.41 against 0.13 s);
+    on 2 CPU cores, cut took 0.89-0.97x the time of shard-wide."""
+    return scorer.attention_skips_fill()
 
 
 # what a batch costs beyond its positions, as a share of the budget: a batch is split where that saves

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
-from entroweight.models.packing import after_prefix
+from entroweight.models.packing import after_prefix, flex_available
 from entroweight.transforms.tokenizer import load_tokenizer
 
 from . import hf
@@ -91,6 +91,10 @@ class ModelSource(ABC):
         """Whether `token_losses` packs several rows into one sequence (known once loaded)."""
         return False
 
+    def attention_skips_fill(self, model, device: str) -> bool:
+        """Whether its attention over packed rows skips what lies outside each row (`Scorer`'s)."""
+        return False
+
     @abstractmethod
     def has_context(self, n_pad: np.ndarray) -> np.ndarray:
         """Per row: whether its first real token was predicted from something."""
@@ -158,6 +162,9 @@ class OurCheckpoint(ModelSource):
 
     def packs_rows(self, model) -> bool:
         return self.mask_pads
+
+    def attention_skips_fill(self, model, device: str) -> bool:
+        return flex_available(device)  # the mask `Packed.layout` builds
 
     @staticmethod
     def _window_ce(model, h: torch.Tensor, x: torch.Tensor, lengths: np.ndarray) -> torch.Tensor:
@@ -319,6 +326,9 @@ class HFModel(ModelSource):
     def packs_rows(self, model) -> bool:
         return hf.packs(model)
 
+    def attention_skips_fill(self, model, device: str) -> bool:
+        return hf.attention_skips_fill(model)
+
     def has_context(self, n_pad: np.ndarray) -> np.ndarray:
         return np.full(len(n_pad), self.start is not None)
 
@@ -404,6 +414,9 @@ class CausalLossScorer(Scorer):
 
     def packs_rows(self) -> bool:
         return self.pack and self.source.packs_rows(self._model)
+
+    def attention_skips_fill(self) -> bool:
+        return self.source.attention_skips_fill(self._model, self.device)
 
     def score_batch(self, input_ids: np.ndarray, n_pad: np.ndarray) -> Scored:
         ids = input_ids.astype(np.int64)

@@ -124,6 +124,9 @@ class CrossTokenizerScorer(Scorer):
     def metadata(self) -> dict[str, Any]:
         return {**super().metadata(), **self.source.metadata()}
 
+    def attention_skips_fill(self) -> bool:
+        return hf.attention_skips_fill(self._model)
+
     def score(
         self,
         input_ids: np.ndarray,
@@ -223,7 +226,7 @@ class CrossTokenizerScorer(Scorer):
         # each batch as wide as its longest window, so the forward computes (almost) no pads
         batch_size = batching.batch_size or self.batch_size
         packed = self.pack and hf.packs(self._model)  # several windows per sequence (block-diagonal)
-        wide = packed and packs_shard_wide(self.device)  # else a batch's windows cut to its longest
+        wide = packed and packs_shard_wide(self)  # else a batch's windows cut to its longest
         plan = plan_batches(lengths, lambda n: n, batch_size, batching.batch_tokens, wide)
         computed = 0
 

@@ -362,3 +362,11 @@ def packs(model) -> bool:
         return False
     own = type(model).__module__.startswith("transformers.models.")
     return own and getattr(model.config, "model_type", None) in PACKING_MODEL_TYPES
+
+
+def attention_skips_fill(model) -> bool:
+    """Whether `model`'s attention over packed rows skips what lies outside each row: a varlen flash
+    kernel or FlexAttention's block mask. SDPA, which `load_causal_lm` asks for, computes a sequence's
+    whole causal square under transformers' block-diagonal mask (`base.packs_shard_wide`)."""
+    impl = getattr(model.config, "_attn_implementation", None) or ""
+    return "flash" in impl or impl == "flex_attention"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -87,8 +88,9 @@ def test_the_cut_layout_plans_as_off_cuda_and_restores_the_rule():
     import entroweight.scorers.base as base
     import entroweight.scorers.cross_tokenizer as cross
 
+    skips = SimpleNamespace(attention_skips_fill=lambda: True)  # a scorer planned over the shard
     with gpu.planned("cut"):
-        assert not base.packs_shard_wide("cuda") and not cross.packs_shard_wide("cuda")
+        assert not base.packs_shard_wide(skips) and not cross.packs_shard_wide(skips)
     with gpu.planned("packed"):
-        assert base.packs_shard_wide("cuda") and cross.packs_shard_wide("cuda")
-    assert base.packs_shard_wide("cuda") and cross.packs_shard_wide("cuda")
+        assert base.packs_shard_wide(skips) and cross.packs_shard_wide(skips)
+    assert base.packs_shard_wide(skips) and cross.packs_shard_wide(skips)

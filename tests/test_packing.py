@@ -7,6 +7,8 @@ baseline decoders), decomposition's windows. Real C4 rows of mixed lengths, some
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,7 @@ from entroweight.models.estimator import EntropyEstimator
 from entroweight.models.llama import Llama
 from entroweight.models.mixer import MaskedMixer
 from entroweight.models.packing import Layout, block_causal, flex_block_causal
-from entroweight.scorers import Batching, make_scorer
+from entroweight.scorers import Batching, hf, make_scorer
 from entroweight.scorers.base import packs_shard_wide
 from entroweight.scorers.forward import next_token_ce
 from entroweight.scorers.packing import Packed, pack_rows
@@ -144,14 +146,15 @@ def test_both_plans_and_one_row_batches_give_the_per_row_values(
     name, options, wide, checkpoints, rows, tokenizer_dir, monkeypatch
 ):
     """The rows a model packs, planned either way (`base.packs_shard_wide`: over the whole shard, as
-    on CUDA, or cut to each batch's longest, as elsewhere), give the per-row values. Shard-wide, the
+    where the attention skips what lies outside each row, or cut to each batch's longest), give the
+    per-row values. Shard-wide, the
     full rows come first and make batches of one row a sequence, read with plain causal attention (no
     layout, no `position_ids`), and the other batches are packed: both kinds occur."""
     import entroweight.scorers.base as base
     import entroweight.scorers.cross_tokenizer as cross
 
     for module in (base, cross):
-        monkeypatch.setattr(module, "packs_shard_wide", lambda device: wide)
+        monkeypatch.setattr(module, "packs_shard_wide", lambda scorer: wide)
     ids, n_pad = rows
     kinds = []
     real = Packed.one_row_each
@@ -166,9 +169,29 @@ def test_both_plans_and_one_row_batches_give_the_per_row_values(
     np.testing.assert_allclose(got.values, want.values, rtol=1e-5, atol=1e-5)
 
 
-def test_rows_are_packed_over_the_shard_on_cuda_alone():
-    assert packs_shard_wide("cuda") and packs_shard_wide("cuda:1")
-    assert not packs_shard_wide("cpu") and not packs_shard_wide("mps")
+@pytest.mark.parametrize(("name", "options"), PACKING, ids=["hf", "mask_pads", "cross"])
+def test_rows_are_packed_over_the_shard_where_the_attention_skips_the_fill(
+    name, options, checkpoints, tokenizer_dir
+):
+    """`base.packs_shard_wide`: over the shard where the model's attention over packed rows skips what
+    lies outside each row (our models' FlexAttention on CUDA; an HF model's flash or flex attention),
+    cut where it computes each sequence's whole causal square under a mask (SDPA: off CUDA, and the
+    HF models as `hf.load_causal_lm` loads them, on every device)."""
+    s = scorer(name, options, checkpoints, tokenizer_dir, True)
+    assert not packs_shard_wide(s)  # this CPU
+    for device in ("cuda", "cuda:1"):  # what the rule answers there (nothing runs)
+        s.device = device
+        assert packs_shard_wide(s) == ("checkpoint" in options)
+    if "model" in options:
+        assert s._model.config._attn_implementation == "sdpa"
+        for impl, skips in [
+            ("sdpa", False),
+            ("eager", False),
+            ("flash_attention_2", True),
+            ("flex_attention", True),
+        ]:
+            model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=impl))
+            assert hf.attention_skips_fill(model) == skips
 
 
 def test_packing_computes_no_pads_for_the_models_that_allow_it(checkpoints, rows, tokenizer_dir):
