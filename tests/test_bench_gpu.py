@@ -30,11 +30,13 @@ def test_tiny_end_to_end_on_cpu(tmp_path):
         assert r["tok_s"] > 0 and r["limit_tok_s"] > 0 and r["ratio"] > 0
         assert r["flops"] > 0 and r["mfu"] is None  # no peak for a CPU
         assert r["path"]["device_busy"] is None  # no accelerator: no device split
+        assert r["ratio_in_span"] is None  # nor a device span to take the shard's fixed costs out of
         assert 0 < sum(v for k, v in r["path"]["host"].items() if k in gpu.MAIN_CATEGORIES) <= 1.01
     assert records["cross_tokenizer"]["model_tokens"] > 0
     assert 0 <= records["causal_ours"]["pad_fraction"] < 1
     md = (out / "results.md").read_text()
     assert "| causal_loss, our llama (attends to pads) | fp32 |" in md and "device busy" in md
+    assert "| ratio | ratio in span |" in md
 
 
 def test_refuses_the_1b_run_without_an_accelerator(tmp_path, monkeypatch):
