@@ -22,10 +22,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from entroweight.models.checkpoint import CheckpointError, plain_mode, save_checkpoint, sha256_file
+from entroweight.models.checkpoint import WEIGHTS, CheckpointError, plain_mode, save_checkpoint, sha256_file
 from entroweight.schemas.tokenizer import TOKENIZER_FILE
 
 STATE, OPTIM, METRICS = "trainer_state.json", "optimizer.safetensors", "metrics.jsonl"
+# the sha256 that trainer_state.json records of each file a save wrote beside it
+SHA256_KEYS = {WEIGHTS: "weights_sha256", OPTIM: "optimizer_sha256"}
+
+
+def is_the_file_saved(ckpt: Path, name: str, state: dict) -> bool:
+    """Whether `ckpt/name` is there with the sha256 its `state` (trainer_state.json) records."""
+    path = Path(ckpt) / name
+    return path.is_file() and sha256_file(path) == state.get(SHA256_KEYS[name])
 TOKENIZER = TOKENIZER_FILE  # found by schemas.tokenizer.resolve_tokenizer_path, as every tokenizer is
 
 
@@ -58,8 +66,8 @@ def load_training_state(ckpt) -> tuple[dict, dict]:
     if not path.is_file():
         raise CheckpointError(f"{ckpt} has no {STATE}: nothing to resume; drop --resume to start a new run")
     state = json.loads(path.read_text())
-    for name, key in (("model.safetensors", "weights_sha256"), (OPTIM, "optimizer_sha256")):
-        if not (ckpt / name).is_file() or sha256_file(ckpt / name) != state[key]:
+    for name in SHA256_KEYS:
+        if not is_the_file_saved(ckpt, name, state):
             raise CheckpointError(
                 f"{ckpt / name} does not match {STATE} (a save was interrupted or the files were edited); "
                 "restore the checkpoint directory from a copy or start a new run"

@@ -26,7 +26,7 @@ from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.stage import preview_run, read_manifests
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas.tokenizer import TOKENIZER_FILE
-from entroweight.trainers.checkpoint import STATE
+from entroweight.trainers.checkpoint import STATE, is_the_file_saved
 from entroweight.transforms.writer import sha256_file, write_json_atomic
 
 from .report import read_metrics, write_report
@@ -343,7 +343,7 @@ def weights_damage(ckpt: Path, made: dict, state: dict) -> str | None:
         return f"{WEIGHTS} is {size} bytes, {made['weights_bytes']} as trained (cut short or edited)"
     if (size, mtime) == (made.get("weights_bytes"), made.get("weights_mtime_ns")):
         return None  # untouched since its training wrote it
-    if sha256_file(weights) != state.get("weights_sha256"):
+    if not is_the_file_saved(ckpt, WEIGHTS, state):
         return f"{WEIGHTS} is not the file trained (its sha256 is not the one {STATE} records): edited or damaged"
     return None
 
