@@ -18,13 +18,14 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 from click.testing import CliRunner
+from model_free import IdMod
 
 from entroweight.pipelines import StageFailed, run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
-from entroweight.scorers import Scorer, register
+from entroweight.scorers import register
 from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.workflows.cli import main
 
@@ -347,19 +348,11 @@ def test_tokenizer_file_that_does_not_parse(tmp_path, tokenizer_dir, c4_path):
 # ---------------------------------------------------------------- weighted data
 
 
-class Constant(Scorer):
+class Constant(IdMod):
     """A model-free scorer: entropy = id mod 5 (cheap, deterministic)."""
 
     name = "test_mod5"
-
-    def config(self):
-        return {"scorer": self.name}
-
-    def setup(self, data_tokenizer=None):
-        pass
-
-    def score_batch(self, input_ids, n_pad):
-        return (input_ids % 5).astype(np.float32)
+    modulus = 5
 
 
 register(Constant)

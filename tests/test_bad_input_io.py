@@ -16,17 +16,17 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import zstandard
 from click.testing import CliRunner
+from model_free import IdMod
 
 from entroweight.pipelines import StageError, StageFailed, run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
-from entroweight.scorers import Scorer, register
+from entroweight.scorers import register
 from entroweight.transforms.writer import sha256_file
 from entroweight.workflows.cli import main
 
@@ -72,17 +72,9 @@ def tree(path) -> dict[str, str]:
 # ---------------------------------------------------------------- 1. --out among the inputs
 
 
-class Mod3(Scorer):
+class Mod3(IdMod):
     name = "test_io_mod3"
-
-    def config(self):
-        return {"scorer": self.name}
-
-    def setup(self, data_tokenizer=None):
-        pass
-
-    def score_batch(self, input_ids, n_pad):
-        return (input_ids % 3).astype(np.float32)
+    modulus = 3
 
 
 register(Mod3)

@@ -11,17 +11,17 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from model_free import IdMod
 
 from entroweight.pipelines import run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
-from entroweight.scorers import Scorer, register
+from entroweight.scorers import register
 from entroweight.trainers.data import WeightedTokens
 from entroweight.transforms.inspect import summarize
 from entroweight.transforms.tokenizer import load_tokenizer
@@ -135,19 +135,10 @@ def test_workflow_spec_takes_overflow():
         TokenizeSpec(overflow="drop")
 
 
-class Mod7(Scorer):
+class Mod7(IdMod):
     """A model-free scorer (entropy = id mod 7): scoring split rows needs no model to test."""
 
     name = "test_overflow_mod7"
-
-    def config(self):
-        return {"scorer": self.name}
-
-    def setup(self, data_tokenizer=None):
-        pass
-
-    def score_batch(self, input_ids, n_pad):
-        return (input_ids % 7).astype(np.float32)
 
 
 register(Mod7)

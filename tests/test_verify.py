@@ -15,32 +15,24 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from model_free import IdMod
 
 from entroweight.pipelines import run_stage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas import METADATA_KEY
-from entroweight.scorers import Scorer, register
+from entroweight.scorers import register
 from entroweight.transforms.writer import sha256_file
 from entroweight.workflows.cli import main
 
 N_CTX = 32
 
 
-class IdParity(Scorer):
+class IdParity(IdMod):
     """A cheap deterministic scorer (no model): value = id mod 7. Enough to exercise the contracts."""
 
     name = "test_id_parity"
-
-    def config(self):
-        return {"scorer": self.name}
-
-    def setup(self, data_tokenizer=None):
-        pass
-
-    def score_batch(self, input_ids, n_pad):
-        return (input_ids % 7).astype(np.float32)
 
 
 register(IdParity)
