@@ -28,13 +28,13 @@ from entroweight.schemas.tokenizer import TOKENIZER_FILE
 STATE, OPTIM, METRICS = "trainer_state.json", "optimizer.safetensors", "metrics.jsonl"
 # the sha256 that trainer_state.json records of each file a save wrote beside it
 SHA256_KEYS = {WEIGHTS: "weights_sha256", OPTIM: "optimizer_sha256"}
+TOKENIZER = TOKENIZER_FILE  # found by schemas.tokenizer.resolve_tokenizer_path, as every tokenizer is
 
 
 def is_the_file_saved(ckpt: Path, name: str, state: dict) -> bool:
     """Whether `ckpt/name` is there with the sha256 its `state` (trainer_state.json) records."""
     path = Path(ckpt) / name
     return path.is_file() and sha256_file(path) == state.get(SHA256_KEYS[name])
-TOKENIZER = TOKENIZER_FILE  # found by schemas.tokenizer.resolve_tokenizer_path, as every tokenizer is
 
 
 def save_training_checkpoint(out, model, kind: str, optimizer, state: dict, meta: dict) -> None:
