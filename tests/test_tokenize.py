@@ -267,6 +267,24 @@ def test_round_trip_is_byte_exact_on_c4_and_wikitext(tmp_path, tokenizer_dir, c4
         assert n_bytes == len(text.encode("utf-8"))
 
 
+@pytest.mark.parametrize("which", ["our BPE", "Llama 3"])
+def test_decode_bytes_is_each_tokens_bytes_end_to_end(which, tokenizer_dir, llama3_tokenizer):
+    """Whatever the length (short runs are joined, long ones gathered from one table) and whatever the
+    ids (specials, which stand for no bytes, included), as a list, an array or a slice of one."""
+    tok = load_tokenizer(tokenizer_dir if which == "our BPE" else llama3_tokenizer)
+    tb = tok.token_bytes
+    specials = [i for i in (tok.pad_id, tok.eos_id, tok.bos_id) if i is not None]
+    assert specials and all(tb[i] == b"" for i in specials)
+    rng = np.random.default_rng(0)
+    for n in [0, 1, 2, 149, 150, 151, 700, 5000]:
+        ids = rng.integers(0, tok.vocab_size, n)
+        ids[rng.random(n) < 0.1] = specials[0]
+        want = b"".join(tb[i] for i in ids.tolist())
+        assert tok.decode_bytes(ids) == want and tok.decode_bytes(ids.tolist()) == want
+        assert tok.decode_bytes(ids[::2]) == b"".join(tb[i] for i in ids[::2].tolist())
+    assert tok.decode_bytes([specials[0]] * 300) == b""
+
+
 def test_left_padding_and_truncation(tmp_path, tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir)
     short, long = "A short one.", "word " * 200

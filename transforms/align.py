@@ -109,18 +109,18 @@ def encode_exact_batch(tok: LoadedTokenizer, texts: list[str]) -> list[tuple[np.
 
     Special-token strings in the text ("<|endoftext|>") are encoded as plain text, never as specials:
     every LoadedTokenizer is set up so (schemas/tokenizer.py `text_as_data`)."""
-    tokenizer = tok.tokenizer
-    tb, nb = tok.token_bytes, tok.token_nbytes
     out = []
-    for text, enc in zip(texts, tokenizer.encode_batch_fast(texts, add_special_tokens=False), strict=True):
-        ids = enc.ids
-        if b"".join(tb[i] for i in ids) != text.encode("utf-8"):
+    for text, enc in zip(
+        texts, tok.tokenizer.encode_batch_fast(texts, add_special_tokens=False), strict=True
+    ):
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        if tok.decode_bytes(ids) != text.encode("utf-8"):
             raise AlignmentError(
                 f"the tokenizer {tok.path} does not reproduce the text byte for byte (a normalizer or a "
                 "prefix space changes it); cross-tokenizer scoring needs a byte-level tokenizer "
                 "(Llama 3, GPT-2, SmolLM2) or one without normalization"
             )
-        out.append((np.asarray(ids, dtype=np.int64), nb[ids].astype(np.int64)))
+        out.append((ids, tok.token_nbytes[ids].astype(np.int64)))
     return out
 
 

@@ -51,9 +51,25 @@ class LoadedTokenizer:
         """Bytes per token id, int32: `token_nbytes[ids].sum()` is the UTF-8 size of the decoded text."""
         return np.fromiter((len(b) for b in self.token_bytes), dtype=np.int32, count=self.vocab_size)
 
+    @cached_property
+    def _byte_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every token's bytes end to end (uint8), and where each token's begin in it."""
+        flat = np.frombuffer(b"".join(self.token_bytes), dtype=np.uint8)
+        return flat, np.cumsum(self.token_nbytes, dtype=np.int64) - self.token_nbytes
+
     def decode_bytes(self, ids) -> bytes:
-        tb = self.token_bytes
-        return b"".join(tb[i] for i in ids)
+        """The bytes `ids` stand for, end to end (specials: none). cross_tokenizer decodes every data
+        and model token on the host while the device waits: past ~150 tokens they are gathered from one
+        table (500 tokens: 14 against 23 µs; 5,000: 75 against 238), shorter runs joined token by token
+        (5 tokens: 0.6 against 7 µs)."""
+        if len(ids) < 150:
+            tb = self.token_bytes
+            return b"".join(tb[i] for i in ids)
+        ids = np.asarray(ids, dtype=np.int64)
+        n = self.token_nbytes[ids].astype(np.int64)
+        flat, begins = self._byte_table
+        # output byte j of token k comes from its begin + (j − where token k's output starts)
+        return flat[np.repeat(begins[ids] - (np.cumsum(n) - n), n) + np.arange(n.sum())].tobytes()
 
     def describe(self) -> dict:
         return {
