@@ -618,6 +618,18 @@ def _src_glob(tmp: Path) -> tuple[str, Path]:  # a glob that matches a file in r
     return str(tmp / "*" / "data" / "*.json.gz"), tmp / "run"
 
 
+def _src_glob_through_a_link(tmp: Path) -> tuple[str, Path]:  # its literal directory links to run_dir
+    c4_subset(_mkdir(tmp / "run" / "data") / "c4.json.gz", 0, 20)
+    (tmp / "link").symlink_to(tmp / "run", target_is_directory=True)
+    return str(tmp / "link" / "data" / "*.json.gz"), tmp / "run"
+
+
+def _src_glob_matching_a_link(tmp: Path) -> tuple[str, Path]:  # a wildcard matches a link into run_dir
+    c4_subset(_mkdir(tmp / "run" / "data") / "c4.json.gz", 0, 20)
+    (_mkdir(tmp / "sets") / "a").symlink_to(tmp / "run" / "data", target_is_directory=True)
+    return str(tmp / "sets" / "*" / "*.json.gz"), tmp / "run"
+
+
 def _mkdir(p: Path) -> Path:
     p.mkdir(parents=True, exist_ok=True)
     return p
@@ -631,8 +643,10 @@ def _mkdir(p: Path) -> Path:
         (_src_is, "is it"),
         (_src_holds, "lies inside it"),
         (_src_glob, "holds files it may match"),
+        (_src_glob_through_a_link, "holds files it may match"),
+        (_src_glob_matching_a_link, "holds files it may match"),
     ],
-    ids=["inside", "a-runs-file", "is", "run-dir-inside", "glob"],
+    ids=["inside", "a-runs-file", "is", "run-dir-inside", "glob", "glob-through-link", "glob-matching-link"],
 )
 def test_a_source_in_the_run_dir_is_refused_up_front(tmp_path, tokenizer_dir, make, says):
     """A source that is, holds, lies inside run_dir or is a glob that may match a file in it is refused

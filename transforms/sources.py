@@ -90,26 +90,41 @@ STAGE_MARKER = STAGE_FILE
 def relation_to(directory: str | Path, spec: str) -> str:
     """How `directory` stands to what SOURCE `spec` reads, as `storage.relation` words it ("is", "lies
     inside", "holds"; "" when apart): for a glob, "holds" where it may match a file inside `directory`
-    (each of its components, up to `directory`'s depth, matches `directory`'s, or one is `**`), so a
-    glob beside `directory` (`*.jsonl` beside `runs/`) stays apart. A hub id reads no path."""
+    (each of its components, up to `directory`'s depth, matches `directory`'s, or one is `**`; the
+    directories before its first wildcard as written and resolved), or where it matches a file there
+    now (through a link), so a glob beside `directory` (`*.jsonl` beside `runs/`) stays apart. A hub id
+    reads no path."""
     if spec.startswith("hf:") or storage.blank(spec):
         return ""
     spec = str(storage.path(spec)) if spec.startswith("file://") else spec
     if storage.is_url(spec) or not is_glob(spec):
         return storage.relation(directory, spec)
-    pattern = Path(os.path.abspath(spec)).parts
-    for form in {os.path.abspath(directory), os.path.realpath(directory)}:
-        parts = Path(form).parts
-        for i, part in enumerate(parts):
-            if i >= len(pattern) or pattern[i] == "**":
-                break
-            if not fnmatch.fnmatchcase(part, pattern[i]):
-                break
-        else:
-            i = len(parts)
-        if i < len(pattern) and (i == len(parts) or pattern[i] == "**"):
-            return "holds files it may match"
+    written = Path(os.path.abspath(spec)).parts
+    first = next(i for i, part in enumerate(written) if any(ch in part for ch in "*?["))
+    # the directories before the first wildcard also resolved: a glob through a link to `directory`
+    resolved = Path(os.path.realpath(Path(*written[:first]))).parts + written[first:]
+    for pattern in {written, resolved}:
+        for form in {os.path.abspath(directory), os.path.realpath(directory)}:
+            if _may_match_inside(Path(form).parts, pattern):
+                return "holds files it may match"
+    # and a wildcard that matches a link into `directory` now: the files it reads (`expand_sources`:
+    # a glob's matches that are files), resolved
+    if any(os.path.isfile(m) and storage.relation(directory, m) for m in glob.iglob(spec, recursive=True)):
+        return "holds files it may match"
     return ""
+
+
+def _may_match_inside(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
+    """Whether glob `pattern` (path components) may match a path below the directory `parts`: each of
+    its components, up to the directory's depth, matches the directory's, or one is `**`."""
+    for i, part in enumerate(parts):
+        if i >= len(pattern) or pattern[i] == "**":
+            break
+        if not fnmatch.fnmatchcase(part, pattern[i]):
+            break
+    else:
+        i = len(parts)
+    return i < len(pattern) and (i == len(parts) or pattern[i] == "**")
 
 
 def is_stage_output(path: str | Path) -> bool:
