@@ -110,6 +110,12 @@ def test_any_registered_model_kind_trains(weighted_dir, tmp_path):
             continue  # that model has not landed yet
         fields = {f.name for f in dataclasses.fields(cls.Config)}
         mc = {k: v for k, v in TINY.items() if k in fields}
+        # a model of parts (the estimator, the autoencoder): tiny parts too, not their full defaults
+        mc |= {
+            part: {"d_model": 64, "n_layers": 1}
+            for part in ("encoder_config", "decoder_config")
+            if part in fields
+        }
         res = train(cfg(weighted_dir, tmp_path / kind, model=kind, model_config=mc, steps=2, log_every=1))
         assert res.step == 2 and res.loss is not None
         trained.append(kind)
