@@ -373,8 +373,9 @@ def packs_shard_wide(scorer: Scorer) -> bool:
     (`pack_groups`: sequences as wide as the data's rows, 0.2-0.5 % fill) or cuts length-sorted rows
     into batches as wide as their longest (`cut_batches`: 3-4 % fill at 64k tokens a forward on the
     H200 bench's shard, 0.5 % at 4k on a CPU; the scorer still packs a batch's rows where two fit
-    one sequence, and a batch of one row a sequence takes plain causal attention). Shard-wide where the attention skips what lies outside each row
-    (`Scorer.attention_skips_fill`: our models' FlexAttention on CUDA), cut where it computes each
+    one sequence, and a batch of one row a sequence takes plain causal attention). Shard-wide where
+    the attention skips what lies outside each row (`Scorer.attention_skips_fill`: our models'
+    FlexAttention on CUDA), cut where it computes each
     sequence's whole causal square under a block mask (SDPA: every device off CUDA, and transformers'
     models, loaded with SDPA, on CUDA too). Measured (docs/scaling.md, docs/scoring.md): on an H200
     in bf16, our `mask_pads` llama ran at 0.85 of its limit shard-wide against 0.81 cut, an HF llama

@@ -55,7 +55,12 @@ def is_glob(spec: str, exists: Callable[[str], bool] = os.path.exists) -> bool:
     """Whether a SOURCE is read as a glob pattern: it holds a glob character and names nothing as
     written (`exists`: the check of its filesystem). A file or directory whose name holds one
     (`a[0:5].jsonl`) is read as itself: as a pattern it would name other files (`a0.jsonl`) or none."""
-    return any(ch in spec for ch in "*?[") and not exists(spec)
+    return has_glob_chars(spec) and not exists(spec)
+
+
+def has_glob_chars(text: str) -> bool:
+    """Whether `text` holds a character `glob` reads as a wildcard."""
+    return any(ch in text for ch in "*?[")
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,7 @@ def relation_to(directory: str | Path, spec: str) -> str:
     if storage.is_url(spec) or not is_glob(spec):
         return storage.relation(directory, spec)
     written = Path(os.path.abspath(spec)).parts
-    first = next(i for i, part in enumerate(written) if any(ch in part for ch in "*?["))
+    first = next(i for i, part in enumerate(written) if has_glob_chars(part))
     # the directories before the first wildcard also resolved: a glob through a link to `directory`
     resolved = Path(os.path.realpath(Path(*written[:first]))).parts + written[first:]
     for pattern in {written, resolved}:
