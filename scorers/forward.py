@@ -7,6 +7,7 @@ hidden states and apply the output head chunk by chunk; CE itself is always fp32
 from __future__ import annotations
 
 import contextlib
+import platform
 import warnings
 
 import numpy as np
@@ -32,9 +33,16 @@ FUSED_CHUNK_BYTES = 1 << 30
 
 
 def native_bf16(device: str) -> bool:
-    """CUDA with bf16, or a CPU with native bf16 (AVX512-BF16 / AMX); emulated bf16 is slower than fp32."""
+    """CUDA with bf16, or a CPU whose instructions compute in bf16: on x86 AVX512-BF16 or AMX; on
+    other CPUs what oneDNN reports (Arm's BF16 extension). Emulated bf16 is slower than fp32, and
+    oneDNN's own check also says yes on an x86 CPU with AVX512 alone, where it converts every
+    operand: on such a CPU (2 cores) our d256x4 llama's score path ran 3.1-3.3x slower in bf16
+    than in fp32 (`make bench`, docs/scoring.md)."""
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        checks = (getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+        return any(check() for check in checks if check is not None)
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
