@@ -41,7 +41,9 @@ def native_bf16(device: str) -> bool:
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-        checks = (getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+        checks = (
+            getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        )
         return any(check() for check in checks if check is not None)
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

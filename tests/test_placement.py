@@ -187,6 +187,7 @@ def test_auto_takes_bf16_on_a_cpu_only_where_its_instructions_compute_in_bf16():
     assert resolve_dtype("auto", "cpu") == ("bf16" if expected else "fp32")
     assert resolve_dtype("fp32", "cpu") == "fp32" and resolve_dtype("bf16", "cpu") == "bf16"  # asked: kept
 
+
 def test_a_hub_model_is_pinned_to_its_commit(tmp_path, monkeypatch):
     """Offline here: the revision comes from the local hub cache's main ref, into the stage config."""
     from huggingface_hub import constants
