@@ -260,7 +260,10 @@ def _per_position_forward(model, tokens: np.ndarray, n_ctx: int, budget: int, dt
     from entroweight.scorers.forward import autocast
 
     n = len(tokens)
-    wins = torch.as_tensor(np.lib.stride_tricks.sliding_window_view(np.resize(tokens, n + n_ctx), n_ctx)[:n])
+    # a copy: the strided view is read-only, which torch warns of (the windows exist in the scorer too)
+    wins = torch.from_numpy(
+        np.lib.stride_tricks.sliding_window_view(np.resize(tokens, n + n_ctx), n_ctx)[:n].copy()
+    )
     step = max(1, budget // n_ctx)
     start = time.perf_counter()
     with torch.inference_mode(), autocast("cpu", dtype):
