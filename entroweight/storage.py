@@ -135,6 +135,13 @@ OUTPUT_MARKS = (
 )
 #: The owner of a directory holding a stage's shards but no stage record (`.stage.json` removed).
 UNKNOWN_STAGE = "a stage whose .stage.json is gone"
+#: What a command's run stopped before its mark leaves in `out`; the command itself may go on there
+#: (train's own checks say whether to resume or start over): a training run's first save writes
+#: trainer_state.json last, and it copies the tokenizer in before its first step.
+LEFTOVERS = {
+    "train": {"tokenizer.json", "metrics.jsonl", "config.json", "model.safetensors", "optimizer.safetensors"},
+    "train-tokenizer": {"tokenizer.json"},
+}
 
 
 class OutputRefused(ValueError):
@@ -198,7 +205,7 @@ def check_output(
     owners: tuple[str, ...] = (),
     may_lie_inside: bool = False,
     apart: bool = False,
-    only_ours: bool = False,
+    file: bool = False,
 ) -> str | None:
     """The one path rule, called by every command that writes before it creates anything: `out` may
     not be, lie inside or hold anything it reads (`reads`: (flag, location) pairs; symlinks followed,
@@ -209,9 +216,11 @@ def check_output(
     lie inside another command's output either (a workflow run, a stage's shards, a training run):
     it would mix into what that command reads and rewrites, and --overwrite cannot help there (a
     workflow writes inside its own run directory, so its steps do not ask this).
-    `overwrite` None: the command has no --overwrite, so no refusal advises it. `only_ours` (a
-    command that writes files of fixed names into `out`: export-hf's config.json, evaluate's): an
-    existing `out` holding files of no command is refused, for it would replace a user's files.
+    `overwrite` None: the command has no --overwrite, so no refusal advises it. `file`: `out` is one
+    file the command writes (report's .html), not a directory to write into.
+    A user's own files are never written among nor removed, --overwrite or not (`foreign_files`): an
+    `out` holding files of no command is refused, and so is the output of a stage with files beside
+    its shards when --overwrite would replace it.
     Returns the other command whose output `overwrite` will replace (the caller removes `out` whole
     once every other check passed), else None. Raises OutputRefused."""
     if blank(out):
@@ -238,15 +247,21 @@ def check_output(
         raise
     except Exception:  # unreachable (no bucket, no credentials): check_writable, called next, says why
         return None
-    if owner is None and only_ours:
-        theirs = sorted(n for n in _entries(out) if not n.startswith("."))
+    replaced = owner is not None and owner != command and owner not in owners
+    if not file and (owner is None or (replaced and overwrite)):
+        theirs = foreign_files(out, owner, command)
+        if theirs and owner is None:
+            raise OutputRefused(
+                f"{flag} {out} holds files of no entroweight command ({_some(theirs)}), which `{command}` "
+                "would mix its own among or replace: write to a new or empty directory"
+            )
         if theirs:
             raise OutputRefused(
-                f"{flag} {out} holds files of no entroweight command ({', '.join(theirs[:3])}"
-                f"{', ...' if len(theirs) > 3 else ''}), which `{command}` could replace: write to a new "
-                "or empty directory"
+                f"{flag} {out} holds the output of {_named(owner)} and files no command wrote ("
+                f"{_some(theirs)}), which --overwrite would remove with it: move them out first, or "
+                "write elsewhere"
             )
-    if owner is None or owner == command or owner in owners:
+    if not replaced:
         return None
     if overwrite:
         return owner
@@ -256,7 +271,25 @@ def check_output(
     )
 
 
-def _entries(directory) -> list[str]:
+def foreign_files(directory, owner: str | None, command: str) -> list[str]:
+    """The entries directly in `directory` that no entroweight command wrote there, sorted: with no
+    owner, every one not hidden but what `command`'s own stopped run leaves (`LEFTOVERS`); in a
+    stage's output, every one not hidden but its shards (`part-*`, as pipelines/verify.py counts
+    them). Hidden names (a lock, a stage record, `.DS_Store`) are never a user's data. Other owners'
+    files are not told apart: []."""
+    names = [n for n in entries(directory) if not n.startswith(".")]
+    if owner is None:
+        return sorted(n for n in names if n not in LEFTOVERS.get(command, ()))
+    if owner == UNKNOWN_STAGE or ".stage.json" in listing(directory):
+        return sorted(n for n in names if not n.startswith("part-"))
+    return []
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def entries(directory) -> list[str]:
     """The names directly in `directory`, files and directories ([] when it does not exist)."""
     d = path(directory)
     if is_local(d):

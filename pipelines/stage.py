@@ -565,12 +565,7 @@ def has_shards(out: AnyPath, names: dict[str, int] | None = None) -> bool:
 
 
 def _mismatch_message(out: AnyPath, old: StageRecord, new: StageRecord) -> str:
-    keys = sorted(set(old.config) | set(new.config))
-    diff = [
-        f"{k}: {old.config.get(k)!r} -> {new.config.get(k)!r}"
-        for k in keys
-        if old.config.get(k) != new.config.get(k)
-    ]
+    diff = _changes(old.config, new.config)
     if not diff and old.stage == new.stage:  # the same settings: FORMAT_VERSION changed what they write
         diff = [f"the data format changed since entroweight {old.code_version} wrote it"]
     return (
@@ -578,6 +573,27 @@ def _mismatch_message(out: AnyPath, old: StageRecord, new: StageRecord) -> str:
         f"{new.config_hash} ({'; '.join(diff) or 'stage changed'}). Write to a new --out directory, "
         "or pass --overwrite to delete the old shards."
     )
+
+
+def _changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """`key: old -> new` of each setting that differs, nested settings by their dotted key
+    (`weighting.quantiles`), a long value cut short: the refusal stays one readable line (a weighting's
+    100 reference quantiles made it 3 KB)."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changes(a, b, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}: {_short(a)} -> {_short(b)}")
+    return out
+
+
+def _short(value, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def run_task(stage: Stage, task: ShardTask) -> ShardResult:

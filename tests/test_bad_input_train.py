@@ -100,6 +100,22 @@ def train_args(data, out, *extra):
     return ["train", data, "--model-config", mc, "--out", out, "--batch-size", 4, "--device", "cpu", *extra]
 
 
+@pytest.mark.parametrize("flag", ["--config", "--model-config"])
+def test_a_key_given_twice_in_a_config_file_is_refused(weighted_dir, tmp_path, flag):
+    """As in a workflow file: PyYAML keeps the last of two `steps:` silently, so an edit above a
+    forgotten repeat would lose. Exit 2 naming the key and both lines; nothing written."""
+    key, first, second = ("steps", 1, 2) if flag == "--config" else ("d_model", 64, 32)
+    f = tmp_path / "c.yaml"
+    f.write_text(f"{key}: {first}\n{key}: {second}\n")
+    args = train_args(weighted_dir, tmp_path / "out", "--steps", 1)
+    if flag == "--config":
+        args += ["--config", f]
+    else:
+        args[args.index("--model-config") + 1] = f
+    refused(cli(*args), f"duplicate key '{key}' (line 2; first given on line 1)")
+    assert not (tmp_path / "out").exists()
+
+
 def test_resume_with_other_settings_is_refused_naming_them(weighted_dir, tmp_path):
     out = tmp_path / "run"
     r = cli(*train_args(weighted_dir, out, "--steps", 6, "--stop-at", 3, "--lr", "1e-3"))

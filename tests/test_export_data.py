@@ -352,7 +352,7 @@ def test_hf_layout_loads_with_datasets(scored, tmp_path):
         ("out_is_src", "is SCORED"),
         ("out_inside_src", "lies inside SCORED"),
         ("out_holds_src", "holds SCORED"),
-        ("not_empty", "exists and is not empty; pass --overwrite"),
+        ("not_empty", "holds files of no entroweight command (keep.txt)"),
     ],
 )
 def test_refusals(scored, small_data, tmp_path, case, message):  # noqa: F811
@@ -388,14 +388,28 @@ def test_refusals(scored, small_data, tmp_path, case, message):  # noqa: F811
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
 
 
-def test_overwrite_replaces(scored, tmp_path):
+def test_overwrite_replaces_an_export_never_a_users_files(scored, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("x")
+    assert export(scored, out, "hf").exit_code == 0
+    (out / "stale.bin").write_text("x")  # an older export's file: --overwrite replaces the export whole
     res = export(scored, out, "litdata", "--overwrite")
     assert res.exit_code == 0, res.output
-    assert not (out / "old.txt").exists() and (out / "index.json").exists()
+    assert not (out / "stale.bin").exists() and (out / "index.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary left beside it
+    # a user's files are no export: refused, --overwrite or not, and kept
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    (mine / ".git").mkdir()
+    for extra in ([], ["--overwrite"]):
+        res = export(scored, mine, "litdata", *extra)
+        assert res.exit_code == 2 and "holds files of no entroweight command (notes.txt)" in res.output, (
+            res.output
+        )
+    (mine / "notes.txt").unlink()  # hidden files alone: the export would replace them, so refused too
+    res = export(scored, mine, "litdata", "--overwrite")
+    assert res.exit_code == 2 and "holds files of no entroweight command (.git)" in res.output, res.output
+    assert (mine / ".git").is_dir()
 
 
 # -- the worked examples run

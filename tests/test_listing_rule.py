@@ -21,11 +21,13 @@ RAW_LISTING = {
     "pipelines/beam.py": "the Beam engine's results directory (JSON results, not data)",
     "pipelines/__init__.py": "run_stage: whether --out existed before the run (a created directory is removed)",
     "transforms/sources.py": "source discovery: whether an input file lies in a stage's output (not its parts)",
-    "pipelines/export_data.py": "check_request: whether the export's --out is empty (an export, not a data directory)",
+    "pipelines/export_data.py": "check_request: whether the export's --out holds hidden files (an export, not a data directory)",
     "workflows/runner.py": "whether run_dir is a workflow run's (run.json, its lock), not a data directory",
 }
-# modules that may name part files themselves: the naming contract, DataDir, the planner's bookkeeping
-PART_NAMES = {"schemas/manifest.py", "schemas/datadir.py", "pipelines/stage.py"}
+# modules that may name part files themselves: the naming contract, DataDir, the planner's bookkeeping,
+# and the path rule (storage.output_owner, foreign_files: a stage's shards told from a user's files, in
+# the lowest layer, below the schemas that name them)
+PART_NAMES = {"schemas/manifest.py", "schemas/datadir.py", "pipelines/stage.py", "entroweight/storage.py"}
 # modules being rewritten elsewhere that still list parts themselves: remove the entry with the rewrite
 PENDING: dict[str, str] = {}
 PART_PATTERN = re.compile(r"(^|[*./])part-|\*\.parquet|\.parquet$")

@@ -13,9 +13,11 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from model_free import IdMod
 from test_trainer_fixtures import one_thread, weighted_dir  # noqa: F401 - fixtures
 
 from entroweight.models import build_model
+from entroweight.scorers import register
 from entroweight.workflows.cli import main
 
 CONFIGS = Path(__file__).resolve().parent.parent / "workflows" / "configs"
@@ -226,6 +228,60 @@ def test_data_given_twice_is_refused_not_read_twice(tiny_estimator, tokenized_di
     b = tokenized_dir if how.startswith("same") else sorted(tokenized_dir.glob("part-*.parquet"))[0]
     res = cli(*DATA_TWICE[command](tiny_estimator, tokenized_dir, b, tmp_path / "out"))
     assert res.exit_code == 2 and "would be read twice" in res.output, res.output
+    assert not (tmp_path / "out").exists()
+
+
+class IdModFive(IdMod):  # a second model-free scoring of the same tokens
+    name = "test_id_mod_five"
+    modulus = 5
+
+
+class IdModSeven(IdMod):
+    name = "test_id_mod_seven"
+
+
+register(IdModFive)
+register(IdModSeven)
+
+
+@pytest.fixture(scope="module")
+def lineage(tokenized_dir, tmp_path_factory):
+    """tokens -> two scorings of them -> the first weighed again: stage outputs whose shards record
+    what they were made from."""
+    from entroweight.pipelines import run_stage
+    from entroweight.pipelines.score import ScoreStage
+    from entroweight.pipelines.weigh import WeighStage
+    from entroweight.transforms.weigh import WeighConfig
+
+    root = tmp_path_factory.mktemp("lineage")
+    for name in ("test_id_mod_seven", "test_id_mod_five"):
+        run_stage(ScoreStage(tokenized_dir, name, {}), root / name, progress=False)
+    run_stage(
+        WeighStage(root / "test_id_mod_seven", WeighConfig(invert=True)), root / "weighed", progress=False
+    )
+    return {
+        "tokens": tokenized_dir,
+        **{k: root / k for k in ("test_id_mod_seven", "test_id_mod_five", "weighed")},
+    }
+
+
+@pytest.mark.parametrize("command", sorted(DATA_TWICE))
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("tokens", "test_id_mod_seven"),  # one made from the other
+        ("test_id_mod_seven", "weighed"),
+        ("tokens", "weighed"),  # two stages apart
+        ("test_id_mod_seven", "test_id_mod_five"),  # both from the same shards
+    ],
+)
+def test_the_same_documents_under_other_files_are_refused(tiny_estimator, lineage, tmp_path, command, a, b):
+    """Rule: every document is read once, whatever files hold it. Tokens and their scores, or two
+    scorings of the same tokens, were trained on as different data: each document twice. Refused
+    by the shards' lineage (their manifests), exit 2, nothing written."""
+    res = cli(*DATA_TWICE[command](tiny_estimator, lineage[a], lineage[b], tmp_path / "out"))
+    assert res.exit_code == 2 and "hold the same documents" in res.output, res.output
+    assert f"{lineage[a]} and {lineage[b]}" in res.output and "Traceback" not in res.output, res.output
     assert not (tmp_path / "out").exists()
 
 

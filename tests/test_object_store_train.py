@@ -109,9 +109,9 @@ def test_export_data_reads_and_writes_s3_like_local_disk(tmp_path, s3_bucket, c4
         assert (
             storage.path(f"{s3_bucket}/export/{rel}").read_bytes() == (tmp_path / "export" / rel).read_bytes()
         )
-    with pytest.raises(ExportError, match="not empty"):
+    with pytest.raises(ExportError, match="already holds an export; pass --overwrite"):
         export_data(scored, f"{s3_bucket}/export", fmt)
-    with pytest.raises(ExportError, match="inside the input"):
+    with pytest.raises(ExportError, match="lies inside SCORED"):
         export_data(scored, f"{scored}/export", fmt)
 
 

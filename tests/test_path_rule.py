@@ -247,3 +247,60 @@ def test_a_symlinked_input_seen_from_its_real_path(tmp_path):
     (tmp_path / "alias").symlink_to(real, target_is_directory=True)
     with pytest.raises(storage.OutputRefused, match="lies inside"):
         storage.check_output(real / "sub", [("DATA", tmp_path / "alias")], "train")
+
+
+# -- a user's files: never written among, never removed
+
+
+def _users_cases():
+    for command in writing_commands():
+        if command == "report":  # writes one file, never a directory
+            continue
+        has_overwrite = any(p.name == "overwrite" for p in main.commands[command].params)
+        for overwrite in (False, True) if has_overwrite else (False,):
+            yield pytest.param(command, overwrite, id=f"{command}{'-overwrite' if overwrite else ''}")
+
+
+@pytest.mark.parametrize(("command", "overwrite"), list(_users_cases()))
+def test_no_command_writes_among_or_removes_a_users_files(tmp_path, command, overwrite):
+    """--out a directory of a user's files: refused, --overwrite or not (a command would mix its
+    output among them, and a later --overwrite of that output would remove them). And the output of a
+    stage with a user's file beside its shards: --overwrite by another command, which replaces that
+    output whole, is refused too. Exit 2, one line, nothing written or removed."""
+    inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    extra = ["--overwrite"] if overwrite else []
+    line = refused(tmp_path, _argv(command, str(mine), inputs) + extra)
+    assert f"--out {mine} holds files of no entroweight command (notes.txt, sub)" in line, line
+    if not overwrite:
+        return
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    owner = "weigh" if command != "weigh" else "tokenize"
+    (stage / ".stage.json").write_text(json.dumps({"stage": owner}))
+    (stage / "part-00000.parquet").write_text("")
+    (stage / "notes.txt").write_text("mine")
+    line = refused(tmp_path, _argv(command, str(stage), inputs) + extra)
+    assert f"--out {stage} holds the output of `{owner}` and files no command wrote (notes.txt)" in line, line
+
+
+@pytest.mark.parametrize(("command", "name"), [(c, n) for c in writing_commands() for n in ROWS[c][0]])
+def test_a_file_url_is_its_path_for_every_input_and_out(tmp_path, command, name):
+    """file://PATH names PATH everywhere a command takes a location: the same refusal as the plain
+    path (here --out is the input), never a folder named `file:` in the working directory."""
+    inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
+    target = inputs[name]
+    url_inputs = {**inputs, name: f"file://{target}"}
+    out = f"file://{target}" if target.is_dir() else f"file://{target.parent}"
+    how = "is" if target.is_dir() else "holds"
+    out_flag = str(target) if target.is_dir() else str(target.parent)
+    if command == "report":  # may write inside RUN_DIR: its RUN_DIR read as the path (no run here)
+        line = refused(tmp_path, [command, f"file://{target}", "--out", f"file://{tmp_path}/r.html"])
+        assert f"error: {target} has no run.json" in line, line
+        return
+    line = refused(tmp_path, _argv(command, out, url_inputs))
+    # the input named as given (a source or --tokenizer keeps its URL) or as its path
+    assert any(f"--out {out_flag} {how} {name} {n}," in line for n in (target, f"file://{target}")), line
+    assert not any(p.name.startswith("file:") for p in tmp_path.rglob("*"))

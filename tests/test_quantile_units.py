@@ -70,6 +70,23 @@ def test_quantiles_of_another_unit_are_refused(command, scored, tokens, model, o
     assert not os.path.exists(out)
 
 
+@pytest.mark.parametrize("command", ["weigh", "score"])
+def test_quantiles_from_a_file_that_is_not_parquet_are_refused_naming_it(
+    command, scored, tokens, model, tmp_path
+):  # noqa: F811
+    """A documents file given as --quantiles-from: one line naming the flag and the file (it said
+    "Parquet magic bytes not found in footer" alone), exit 2, nothing written."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "hello"}\n')
+    out = tmp_path / "out"
+    argv = [*front_ends(scored, tokens, model)[command], "--quantiles-from", str(docs), "--out", str(out)]
+    r = CliRunner().invoke(main, argv)
+    assert r.exit_code == 2, (r.output, r.exception)
+    line = r.output.strip()
+    assert "\n" not in line and f"--quantiles-from {docs} is not scored parquet data" in line, line
+    assert not os.path.exists(out)
+
+
 def test_quantiles_of_the_same_unit_are_taken(scored, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     argv = [
@@ -125,3 +142,24 @@ def test_a_workflow_of_mixed_units_is_refused_by_its_dry_run(tmp_path):
         parse_workflow(wf)
     wf["scores"][2]["weighting"]["quantiles_from"] = "causal_loss"  # nats for nats: taken
     parse_workflow(wf)
+
+
+def test_a_weighing_of_another_config_is_refused_in_a_readable_line(scored, tmp_path):  # noqa: F811
+    """The refusal names the setting that changed by its dotted key, long values cut: the 100
+    reference quantiles it printed whole made it one 3-KB line."""
+    out = tmp_path / "out"
+    argv = [
+        "weigh",
+        str(scored),
+        "--weighting",
+        "quantile",
+        "--quantiles-from",
+        str(scored),
+        "--out",
+        str(out),
+    ]
+    assert CliRunner().invoke(main, argv).exit_code == 0
+    r = CliRunner().invoke(main, [*argv, "--floor", "0.25"])
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert "\n" not in line and len(line) < 400 and "weighting.floor: 0.0 -> 0.25" in line, line

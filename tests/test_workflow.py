@@ -6,6 +6,7 @@ import copy
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -664,8 +665,38 @@ def test_a_source_in_the_run_dir_is_refused_up_front(tmp_path, tokenizer_dir, ma
     for dry in (["--dry-run"], []):
         code, out = run_cli("run", wf, *dry)
         assert code == 2 and f"sources[0] {src}: run_dir {run_dir} {says}" in out, out
-        assert "keep the sources outside run_dir" in out and "Traceback" not in out, out
+        assert "keep what the run reads outside run_dir" in out and "Traceback" not in out, out
         assert len(out.strip().splitlines()) == 1, out
+        assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize("key", ["tokenizer.path", "models[0].model_config", "scores[0].options.model"])
+def test_every_local_input_in_the_run_dir_is_refused_up_front(tmp_path, tokenizer_dir, c4_path, key):
+    """Not the sources alone: a tokenizer, a model config or a scorer's model the run reads, in (or
+    around) run_dir, is refused before anything, dry run or not: exit 2, one line, nothing written."""
+    run_dir = tmp_path / "run"
+    inside = _mkdir(run_dir / "mine")
+    spec = {"run_dir": str(run_dir), "sources": [str(c4_path)], "tokenizer": {"path": str(tokenizer_dir)}}
+    if key == "tokenizer.path":  # run_dir inside the tokenizer's directory
+        shutil.copytree(tokenizer_dir, tmp_path / "tok")
+        spec["run_dir"] = str(tmp_path / "tok" / "run")
+        spec["tokenizer"] = {"path": str(tmp_path / "tok")}
+        where, says = tmp_path / "tok", "lies inside it"
+    elif key == "models[0].model_config":
+        (where := inside / "cfg.yaml").write_text("d_model: 32\n")
+        spec["models"] = [{"name": "m", "model_config": str(where), "steps": 1}]
+        says = "holds it"
+    else:
+        where = inside / "model"
+        shutil.copytree(tokenizer_dir, where)
+        spec["scores"] = [{"name": "s", "scorer": "causal_loss", "options": {"model": str(where)}}]
+        says = "holds it"
+    wf = write_yaml(tmp_path / "wf.yaml", {**spec, "report": None})
+    before = _files(tmp_path)
+    for dry in (["--dry-run"], []):
+        code, out = run_cli("run", wf, *dry)
+        assert code == 2 and f"{key} {where}: run_dir {spec['run_dir']} {says}" in out, out
+        assert len(out.strip().splitlines()) == 1 and "Traceback" not in out, out
         assert _files(tmp_path) == before
 
 

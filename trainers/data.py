@@ -90,7 +90,59 @@ def _data(paths, parts: dict[str, Part] | None = None) -> tuple[list[str], list[
         parts.update((f, by_location[f]) for f in found if f in by_location)
     if not files:
         raise DataError(f"no parquet files in {', '.join(map(str, paths))}; tokenize (and score) data first")
+    _no_documents_twice(paths, given, parts)
     return files, groups
+
+
+def _no_documents_twice(paths, given: dict[str, int], parts: dict[str, Part]) -> None:
+    """Two inputs that hold the same documents under other files (one made from the other: tokens and
+    their scores, scores and their weighing; or both from the same shards: two scorings of the same
+    tokens) are refused as one file given twice is: each stage shard's lineage, its own sha256 and
+    those of the shards it was made from (`ShardInput.sha256`, followed through their manifests where
+    they still are), may meet no other input's."""
+    seen: dict[str, tuple[int, str]] = {}  # a shard's sha256 -> (the input, the file) whose lineage holds it
+    directories: dict[str, dict[str, Part]] = {}
+    for f, part in parts.items():
+        i = given[storage.key(f)]
+        for sha in _lineage(part, directories):
+            j, g = seen.setdefault(sha, (i, f))
+            if j != i:
+                raise DataError(
+                    f"{paths[j]} and {paths[i]} hold the same documents ({g} and {f} were made from one "
+                    "shard): give one of them; to weigh some data more, weigh it (`entroweight weigh`) "
+                    "rather than repeat it"
+                )
+
+
+def _lineage(part: Part, directories: dict[str, dict[str, Part]], depth: int = 8) -> set[str]:
+    """The sha256 of `part` and of every stage shard it was made from, as far as their manifests are
+    found (`directories`: each directory's committed parts by location, read once)."""
+    found, frontier = {part.manifest.output_sha256}, [part]
+    for _ in range(depth):
+        parents = []
+        for p in frontier:
+            for inp in p.manifest.inputs:
+                if inp.sha256 is None or inp.sha256 in found:
+                    continue  # a source file (no sha256), or a shard already followed
+                found.add(inp.sha256)
+                parent = _part_at(inp.uri, directories)
+                if parent is not None and parent.manifest.output_sha256 == inp.sha256:
+                    parents.append(parent)
+        if not parents:
+            break
+        frontier = parents
+    return found - {None}
+
+
+def _part_at(uri: str, directories: dict[str, dict[str, Part]]) -> Part | None:
+    """The committed part whose file is `uri`, or None where its directory is gone or no stage's."""
+    directory = uri.rsplit("/", 1)[0] if "/" in uri else "."
+    if directory not in directories:
+        try:
+            directories[directory] = {p.location: p for p in data_files(directory)[0].parts}
+        except Exception:  # moved, deleted, unreadable: the lineage stops here
+            directories[directory] = {}
+    return directories[directory].get(uri)
 
 
 @dataclass

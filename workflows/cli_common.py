@@ -40,19 +40,27 @@ class Commands(click.Group):
 
 class Location(click.ParamType):
     """A local path (checked as click.Path checks it) or a URL (s3://, gs://, hf://, memory://) reached
-    through entroweight.storage; `exists=True` checks that the object or prefix is there."""
+    through entroweight.storage; `exists=True` checks that the object or prefix is there. A file://
+    URL is its local path, as storage.path reads it, for every path a command takes. `local`: the
+    command reads it from this machine only (a workflow file, a run directory): other URLs are refused."""
 
     name = "path"
 
-    def __init__(self, exists: bool = False, file_okay: bool = True, dir_okay: bool = True):
-        self.exists = exists
+    def __init__(
+        self, exists: bool = False, file_okay: bool = True, dir_okay: bool = True, local: bool = False
+    ):
+        self.exists, self.local_only = exists, local
         self.local = click.Path(exists=exists, file_okay=file_okay, dir_okay=dir_okay)
 
     def convert(self, value, param, ctx):
         from entroweight import storage
 
+        if str(value).startswith("file://"):
+            value = str(storage.path(value))
         if not storage.is_url(value):
             return self.local.convert(value, param, ctx)
+        if self.local_only:
+            self.fail(f"{value} is a URL; give a path on this machine", param, ctx)
         if self.exists:
             try:
                 found = storage.path(value).exists()

@@ -75,7 +75,7 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
     )
 
     reads = [("CKPT_DIR", ckpt_dir)] + [("--documents", d) for d in documents]
-    foreign = check_output(out, reads, "evaluate", overwrite=overwrite, only_ours=True)
+    foreign = check_output(out, reads, "evaluate", overwrite=overwrite)
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         _fail("--tasks names no task")

@@ -32,15 +32,18 @@ ALLOW_PICKLE_HELP = (
 
 
 def _read_mapping(path: str | None, what: str) -> dict:
-    """A YAML (or JSON) file holding a mapping; {} without a path."""
+    """A YAML (or JSON) file holding a mapping; {} without a path. Read as a workflow file is (a key
+    given twice is refused, not the last one kept)."""
     if path is None:
         return {}
     import yaml
 
+    from .spec import load_yaml
+
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        _fail(f"cannot read {what} {path}: {e}")
+        data = load_yaml(Path(path))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:  # on one line (YAML's mark spans two)
+        _fail(f"cannot read {what} {path}: {' '.join(str(e).split())}")
     if not isinstance(data, dict):
         _fail(
             f"{what} {path} must hold a mapping ({'d_model: 512' if 'model' in what else 'steps: 1000'}, ...)"
@@ -54,12 +57,16 @@ def _read_mapping(path: str | None, what: str) -> dict:
     "--config",
     "config_file",
     default=None,
-    type=click.Path(exists=True, dir_okay=False),
+    type=Location(exists=True, dir_okay=False, local=True),
     help="YAML/JSON file of training options (the keys are these options' names, and data); "
     "options given here override it.",
 )
 @click.option(
-    "--model-config", "model_config_file", default=None, help="YAML/JSON file of the model's config fields."
+    "--model-config",
+    "model_config_file",
+    default=None,
+    type=Location(dir_okay=False, local=True),
+    help="YAML/JSON file of the model's config fields.",
 )
 @config_options(TrainConfig, skip=("data", "model_cfg"), out={"type": Location(file_okay=False)})
 @click.option(
@@ -187,7 +194,7 @@ def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle):
     from entroweight.models.checkpoint import CheckpointError
     from entroweight.trainers.export import export_hf
 
-    check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf", only_ours=True)
+    check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf")
     try:
         with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
             export_hf(ckpt_dir, local, tokenizer, allow_pickle=allow_pickle)

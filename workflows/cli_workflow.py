@@ -16,6 +16,7 @@ from .cli_common import (
     EXIT_LOCKED,
     SECONDS,
     GeneratedOptions,
+    Location,
     _fail,
     engine_kwargs,
     engine_options,
@@ -23,7 +24,7 @@ from .cli_common import (
 
 
 @click.command("run", cls=GeneratedOptions, generated=[engine_options])
-@click.argument("workflow", type=click.Path(exists=True, dir_okay=False))
+@click.argument("workflow", type=Location(exists=True, dir_okay=False, local=True))
 @click.option("--dry-run", is_flag=True, help="Print which steps and shards are done and which would run.")
 @click.option("--overwrite", is_flag=True, help="Redo steps whose config changed instead of refusing.")
 @click.option(
@@ -65,8 +66,13 @@ def run_cmd(workflow, dry_run, overwrite, wait, **params):
 
 
 @click.command("report")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--out", default=None, help="HTML file to write (default: RUN_DIR/report.html).")
+@click.argument("run_dir", type=Location(exists=True, file_okay=False, local=True))
+@click.option(
+    "--out",
+    default=None,
+    type=Location(),
+    help="HTML file to write (default: RUN_DIR/report.html).",
+)
 @click.option(
     "--samples", type=click.IntRange(0, 50), default=3, show_default=True, help="Sample texts per scorer."
 )
@@ -77,7 +83,7 @@ def report_cmd(run_dir, out, samples):
 
     try:
         if out is not None:  # RUN_DIR/report.html, its default, lies inside what it reads by design
-            check_output(out, [("RUN_DIR", run_dir)], "report", may_lie_inside=True)
+            check_output(out, [("RUN_DIR", run_dir)], "report", may_lie_inside=True, file=True)
             check_report_out(out)
         path = write_report(run_dir, out, samples=samples)
     except ReportError as e:

@@ -43,10 +43,15 @@ def check_units(theirs: str | None, unit: str | None, field: str, location) -> N
 def reference_quantiles(location, unit: str | None, field: str = "--quantiles-from") -> tuple[float, ...]:
     """The quantiles of `location`'s values, refused (`check_units`) when they are in another unit
     than the values they will weigh (`unit`)."""
+    import pyarrow as pa
+
     from entroweight.transforms.weigh import entropy_quantiles
 
-    check_units(values_unit(location), unit, field, location)
-    return entropy_quantiles(location)
+    try:
+        check_units(values_unit(location), unit, field, location)
+        return entropy_quantiles(location)
+    except pa.ArrowException as e:  # not parquet at all (a .jsonl.gz): say which flag and file
+        raise ValueError(f"{field} {location} is not scored parquet data ({e})") from None
 
 
 def step_unit(scores: list, name: str, _seen: frozenset = frozenset()) -> str | None:

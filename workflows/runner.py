@@ -29,7 +29,7 @@ from entroweight.trainers.config import LossSettings, TrainSettings
 from entroweight.transforms.sources import relation_to
 from entroweight.transforms.writer import write_json_atomic
 
-from .spec import TOKENS, ModelSpec, TrainSpec, Workflow
+from .spec import TOKENS, ModelSpec, TrainSpec, Workflow, load_yaml
 from .steps import (
     RUN_FILE,
     STEP_FILE,
@@ -153,14 +153,32 @@ class Runner:
         """No source is, holds, lies inside run_dir or may match a file in it: the run writes there (a
         held-out split's train.jsonl.gz, a tokenizer) and removes what it made (--overwrite, a run that
         could not start), so it would read its own output as documents or delete the documents."""
-        for i, src in enumerate(self.wf.sources):
+        for where, src in [
+            (f"sources[{i}]", s) for i, s in enumerate(self.wf.sources)
+        ] + self._local_inputs():
             how = relation_to(self.wf.root, src)
             if how:
                 how += "" if how.endswith("match") else " it"  # a glob: "holds files it may match"
                 raise WorkflowError(
-                    f"sources[{i}] {src}: run_dir {self.wf.root} {how}, and a run writes and removes files "
-                    "in run_dir: keep the sources outside run_dir, or give another run_dir"
+                    f"{where} {src}: run_dir {self.wf.root} {how}, and a run writes and removes files "
+                    "in run_dir: keep what the run reads outside run_dir, or give another run_dir"
                 )
+
+    def _local_inputs(self) -> list[tuple[str, str]]:
+        """(key, path) of every other file or directory on this machine the run reads: a tokenizer, a
+        model config, a scorer's model or reference given as a path (a hub id is none: only paths
+        that exist are taken)."""
+        wf, found = self.wf, []
+        if wf.tokenizer.path:
+            found.append(("tokenizer.path", wf.tokenizer.path))
+        for i, m in enumerate(wf.models):
+            found.append((f"models[{i}].model_config", m.model_config_file))
+        if wf.train is not None:
+            found.append(("train.model_config", wf.train.model_config_file))
+        for i, sc in enumerate(wf.scores):
+            for k in ("model", "reference", "checkpoint"):
+                found.append((f"scores[{i}].options.{k}", sc.options.get(k)))
+        return [(k, str(p)) for k, p in found if isinstance(p, str) and p and Path(p).exists()]
 
     def _check_run_dir(self) -> None:
         """run_dir is new, empty, or a workflow run's (run.json, or the lock of one killed before its
@@ -377,9 +395,11 @@ class Runner:
         model_config, cfg_file = {}, spec.model_config_file
         if cfg_file:
             try:
-                model_config = yaml.safe_load(Path(cfg_file).read_text()) or {}
-            except (OSError, yaml.YAMLError) as e:
-                raise WorkflowError(f"cannot read model config {cfg_file}: {e}") from None
+                model_config = load_yaml(Path(cfg_file)) or {}  # as the workflow: duplicate keys refused
+            except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+                raise WorkflowError(
+                    f"cannot read model config {cfg_file}: {' '.join(str(e).split())}"
+                ) from None
             if not isinstance(model_config, dict):
                 raise WorkflowError(f"model config {cfg_file} must hold a mapping of model fields")
         return TrainConfig(

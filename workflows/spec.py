@@ -84,6 +84,16 @@ class TrainTokenizer(_Strict):
     base: str | None = None  # tokenizer whose pre-tokenizer BPE reuses (default: bundled Llama 3)
 
 
+def _local(v: str | None) -> str | None:
+    """A path the run reads or writes on this machine (a file:// URL: its path, as storage.path reads
+    it); another URL is refused: the run's directory, its lock and these files are local."""
+    if v is not None and str(v).startswith("file://"):
+        return str(storage.path(v))
+    if v is not None and storage.is_url(v):
+        raise ValueError(f"{v!r} is a URL; give a path on this machine (stage commands take URLs)")
+    return v
+
+
 class TokenizerSpec(_Strict):
     """Either `path` (a tokenizer.json or its directory) or `train` (a new one on the sources)."""
 
@@ -92,6 +102,7 @@ class TokenizerSpec(_Strict):
     out: str = "tokenizer"
 
     _out = field_validator("out")(_inside)
+    _path = field_validator("path")(_local)
 
     @model_validator(mode="after")
     def _one(self):
@@ -135,6 +146,7 @@ class ModelSpec(TrainSettings):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     _name = field_validator("name")(_name)
+    _model_config_file = field_validator("model_config_file")(_local)
 
 
 class Weighting(WeighOptions):
@@ -299,6 +311,7 @@ class TrainSpec(TrainSettings):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     _out = field_validator("out")(_inside)
+    _model_config_file = field_validator("model_config_file")(_local)
 
 
 class HoldoutSpec(_Strict):
@@ -390,7 +403,7 @@ class Workflow(_Strict):
     def _run_dir(cls, v):
         if storage.blank(v):
             raise ValueError("is empty: name the directory the run writes")
-        return v
+        return _local(v)
 
     @field_validator("sources")
     @classmethod
