@@ -1,3 +1,4 @@
+# ruff: noqa: F811 - pytest fixtures imported from test_weigh_stage
 """Quantiles of another unit are refused by every front end that reads them (workflows/quantiles.py):
 L1-occlusion quantiles applied to values in nats put every weight at 0 with exit 0 before.
 
@@ -73,7 +74,7 @@ def test_quantiles_of_another_unit_are_refused(command, scored, tokens, model, o
 @pytest.mark.parametrize("command", ["weigh", "score"])
 def test_quantiles_from_a_file_that_is_not_parquet_are_refused_naming_it(
     command, scored, tokens, model, tmp_path
-):  # noqa: F811
+):
     """A documents file given as --quantiles-from: one line naming the flag and the file (it said
     "Parquet magic bytes not found in footer" alone), exit 2, nothing written."""
     docs = tmp_path / "docs.jsonl"
