@@ -63,15 +63,18 @@ def parquet_files(paths) -> list[str]:
     return _data(paths)[0]
 
 
-def _data(paths, parts: dict[str, Part] | None = None) -> tuple[list[str], list[list[int] | None]]:
+def _data(
+    paths, parts: dict[str, Part] | None = None, given: dict[str, int] | None = None
+) -> tuple[list[str], list[list[int] | None]]:
     """(files, each file's rows per row group as its manifest records them, or None); `parts`, when
-    given, gains the committed part (with its manifest) of each file that is a stage's output."""
+    given, gains the committed part (with its manifest) of each file that is a stage's output, and
+    `given` each file's input (the index into `paths`)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[str] = []
     groups: list[list[int] | None] = []
     parts = {} if parts is None else parts
-    given: dict[str, int] = {}  # each file (canonical key) -> the input it came through
+    given = {} if given is None else given  # each file (canonical key) -> the input it came through
     for i, p in enumerate(paths):
         try:
             d, found = data_files(p, hint="tokenize (and score) data first", foreign=True)
@@ -90,7 +93,6 @@ def _data(paths, parts: dict[str, Part] | None = None) -> tuple[list[str], list[
         parts.update((f, by_location[f]) for f in found if f in by_location)
     if not files:
         raise DataError(f"no parquet files in {', '.join(map(str, paths))}; tokenize (and score) data first")
-    _no_documents_twice(paths, given, parts)
     return files, groups
 
 
@@ -165,7 +167,8 @@ def inspect_data(
 ) -> DataInfo:
     """Check every file's schema and provenance before any training; raise DataError saying what to do."""
     parts: dict[str, Part] = {}
-    files, recorded = _data(paths, parts)
+    given: dict[str, int] = {}
+    files, recorded = _data(paths, parts, given)
     metas, common = [], None
     groups = recorded if all(g is not None for g in recorded) else None
     if groups is None:  # not all of them stage output with manifests: every file's footer
@@ -220,6 +223,8 @@ def inspect_data(
             f"the data's vocabulary has {data_vocab} tokens but the model's has {vocab_size}; set the model's "
             f"vocab_size to {data_vocab} (or leave it out of --model-config to take it from the data)"
         )
+    # after what makes the inputs incompatible: the same documents in two inputs is refused either way
+    _no_documents_twice([paths] if isinstance(paths, (str, os.PathLike)) else paths, given, parts)
     n_ctxs = [m["n_ctx"] for m in metas if m.get("n_ctx")]
     pads = {m.get("pad_id") for m in metas}
     return DataInfo(
