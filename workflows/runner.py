@@ -184,12 +184,15 @@ class Runner:
         """run_dir is new, empty, or a workflow run's (run.json, or the lock of one killed before its
         record): the steps would write among another directory's files, and its stages would then
         refuse them (a data step's output holding a user's file) on every rerun."""
-        root = storage.path(self.wf.root)
-        names = [p.name for p in root.iterdir() if not p.name.startswith(".")] if root.is_dir() else []
-        marks = storage.listing(root)
-        if names and RUN_FILE not in marks and LOCK_FILE not in marks:
+        marks = storage.listing(self.wf.root)
+        names = (
+            []
+            if RUN_FILE in marks or LOCK_FILE in marks
+            else storage.foreign_files(self.wf.root, None, "run")
+        )
+        if names:
             raise WorkflowError(
-                f"run_dir {self.wf.root} holds files that are not a workflow run's ({', '.join(sorted(names)[:3])}"
+                f"run_dir {self.wf.root} holds files that are not a workflow run's ({', '.join(names[:3])}"
                 f"{', ...' if len(names) > 3 else ''}): give a new or empty run_dir"
             )
 
