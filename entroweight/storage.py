@@ -275,8 +275,9 @@ def foreign_files(directory, owner: str | None, command: str) -> list[str]:
     """The entries directly in `directory` that no entroweight command wrote there, sorted: with no
     owner, every one not hidden but what `command`'s own stopped run leaves (`LEFTOVERS`); in a
     stage's output, every one not hidden but its shards (`part-*`, as pipelines/verify.py counts
-    them). Hidden names (a lock, a stage record, `.DS_Store`) are never a user's data. Other owners'
-    files are not told apart: []."""
+    them). Hidden names are not counted: the commands keep their bookkeeping there (a lock, a stage
+    record, manifests); export-data, which replaces `out` whole, refuses hidden files of no command
+    itself. Other owners' files are not told apart: []."""
     names = [n for n in entries(directory) if not n.startswith(".")]
     if owner is None:
         return sorted(n for n in names if n not in LEFTOVERS.get(command, ()))
