@@ -102,6 +102,12 @@ def test_quantiles_of_the_same_unit_are_taken(scored, tmp_path):  # noqa: F811
     ]
     r = CliRunner().invoke(main, argv)
     assert r.exit_code == 0, r.output
+    # the same --out under another setting: the refusal names it by its dotted key, long values cut
+    # (the 100 reference quantiles it printed whole made it one 3-KB line)
+    r = CliRunner().invoke(main, [*argv, "--floor", "0.25"])
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert "\n" not in line and len(line) < 400 and "weighting.floor: 0.0 -> 0.25" in line, line
 
 
 def test_the_workflow_field_is_named(other_unit):
@@ -143,24 +149,3 @@ def test_a_workflow_of_mixed_units_is_refused_by_its_dry_run(tmp_path):
         parse_workflow(wf)
     wf["scores"][2]["weighting"]["quantiles_from"] = "causal_loss"  # nats for nats: taken
     parse_workflow(wf)
-
-
-def test_a_weighing_of_another_config_is_refused_in_a_readable_line(scored, tmp_path):  # noqa: F811
-    """The refusal names the setting that changed by its dotted key, long values cut: the 100
-    reference quantiles it printed whole made it one 3-KB line."""
-    out = tmp_path / "out"
-    argv = [
-        "weigh",
-        str(scored),
-        "--weighting",
-        "quantile",
-        "--quantiles-from",
-        str(scored),
-        "--out",
-        str(out),
-    ]
-    assert CliRunner().invoke(main, argv).exit_code == 0
-    r = CliRunner().invoke(main, [*argv, "--floor", "0.25"])
-    assert r.exit_code == 2, r.output
-    line = r.output.strip()
-    assert "\n" not in line and len(line) < 400 and "weighting.floor: 0.0 -> 0.25" in line, line
