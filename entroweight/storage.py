@@ -206,6 +206,7 @@ def check_output(
     may_lie_inside: bool = False,
     apart: bool = False,
     file: bool = False,
+    whole: bool = False,
 ) -> str | None:
     """The one path rule, called by every command that writes before it creates anything: `out` may
     not be, lie inside or hold anything it reads (`reads`: (flag, location) pairs; symlinks followed,
@@ -217,7 +218,8 @@ def check_output(
     it would mix into what that command reads and rewrites, and --overwrite cannot help there (a
     workflow writes inside its own run directory, so its steps do not ask this).
     `overwrite` None: the command has no --overwrite, so no refusal advises it. `file`: `out` is one
-    file the command writes (report's .html), not a directory to write into.
+    file the command writes (report's .html), not a directory to write into. `whole`: the command
+    replaces `out` whole (export-data), so hidden files of no command count too.
     A user's own files are never written among nor removed, --overwrite or not (`foreign_files`): an
     `out` holding files of no command is refused, and so is the output of a stage with files beside
     its shards when --overwrite would replace it.
@@ -249,7 +251,7 @@ def check_output(
         return None
     replaced = owner is not None and owner != command and owner not in owners
     if not file and (owner is None or (replaced and overwrite)):
-        theirs = foreign_files(out, owner, command)
+        theirs = foreign_files(out, owner, command, hidden=whole)
         if theirs and owner is None:
             raise OutputRefused(
                 f"{flag} {out} holds files of no entroweight command ({_some(theirs)}), which `{command}` "
@@ -271,16 +273,18 @@ def check_output(
     )
 
 
-def foreign_files(directory, owner: str | None, command: str) -> list[str]:
+def foreign_files(directory, owner: str | None, command: str, hidden: bool = False) -> list[str]:
     """The entries directly in `directory` that no entroweight command wrote there, sorted: with no
     owner, every one not hidden but what `command`'s own stopped run leaves (`LEFTOVERS`); in a
     stage's output, every one not hidden but its shards (`part-*`, as pipelines/verify.py counts
-    them). Hidden names are not counted: the commands keep their bookkeeping there (a lock, a stage
-    record, manifests); export-data, which replaces `out` whole, refuses hidden files of no command
-    itself. Other owners' files are not told apart: []."""
-    names = [n for n in entries(directory) if not n.startswith(".")]
+    them). Hidden names are not counted (the commands keep their bookkeeping there: a lock, a stage
+    record, manifests) but with `hidden`, for a command that replaces `out` whole, in a directory of
+    no owner and nothing else. Other owners' files are not told apart: []."""
+    every = _entries(directory)
+    names = [n for n in every if not n.startswith(".")]
     if owner is None:
-        return sorted(n for n in names if n not in LEFTOVERS.get(command, ()))
+        theirs = sorted(n for n in names if n not in LEFTOVERS.get(command, ()))
+        return theirs or (sorted(every) if hidden else [])
     if owner == UNKNOWN_STAGE or ".stage.json" in listing(directory):
         return sorted(n for n in names if not n.startswith("part-"))
     return []
@@ -290,7 +294,7 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
-def entries(directory) -> list[str]:
+def _entries(directory) -> list[str]:
     """The names directly in `directory`, files and directories ([] when it does not exist)."""
     d = path(directory)
     if is_local(d):

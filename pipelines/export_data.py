@@ -298,21 +298,15 @@ def check_request(src: str | Path, out: str | Path, fmt: str, overwrite: bool) -
         raise ExportError(UNSUPPORTED[fmt])
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
-    try:  # the one path rule (storage.check_output): where it reads, another command's output, a user's files
-        storage.check_output(out, [("SCORED", src)], "export-data", overwrite=overwrite)
+    try:  # the one path rule (storage.check_output): where it reads, another command's output, a user's
+        # files (hidden ones too: the export replaces `out` whole)
+        storage.check_output(out, [("SCORED", src)], "export-data", overwrite=overwrite, whole=True)
     except storage.OutputRefused as e:
         raise ExportError(str(e)) from None
     if storage.is_local(out) and Path(out).exists() and not Path(out).is_dir():
         raise ExportError(f"--out {out} is a file; name a directory for the export")
-    owner = storage.output_owner(out)
-    if not overwrite and owner == "export-data":
+    if not overwrite and storage.output_owner(out) == "export-data":
         raise ExportError(f"--out {out} already holds an export; pass --overwrite to replace it")
-    hidden = storage.entries(out) if owner is None else []  # the export replaces `out` whole
-    if hidden:
-        raise ExportError(
-            f"--out {out} holds files of no entroweight command ({', '.join(sorted(hidden)[:3])}), which "
-            "the export would replace: write to a new or empty directory"
-        )
     if EXTRAS[fmt]:
         try:
             __import__("megatron.core.datasets.indexed_dataset" if fmt == "megatron" else "litdata")

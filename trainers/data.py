@@ -166,6 +166,7 @@ def inspect_data(
     paths, require=(), tokenizer_sha256: str | None = None, vocab_size: int | None = None
 ) -> DataInfo:
     """Check every file's schema and provenance before any training; raise DataError saying what to do."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
     parts: dict[str, Part] = {}
     given: dict[str, int] = {}
     files, recorded = _data(paths, parts, given)
@@ -224,7 +225,7 @@ def inspect_data(
             f"vocab_size to {data_vocab} (or leave it out of --model-config to take it from the data)"
         )
     # after what makes the inputs incompatible: the same documents in two inputs is refused either way
-    _no_documents_twice([paths] if isinstance(paths, (str, os.PathLike)) else paths, given, parts)
+    _no_documents_twice(paths, given, parts)
     n_ctxs = [m["n_ctx"] for m in metas if m.get("n_ctx")]
     pads = {m.get("pad_id") for m in metas}
     return DataInfo(

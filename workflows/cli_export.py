@@ -26,7 +26,7 @@ def export_data_cmd(scored, fmt, out, overwrite):
     """Write the scored shards of SCORED (tokens + per-token weights) in a trainer's own format."""
     from entroweight.pipelines.export_data import ExportError, export_data
 
-    check_output(out, [("SCORED", scored)], "export-data", overwrite=overwrite)
+    check_output(out, [("SCORED", scored)], "export-data", overwrite=overwrite, whole=True)
     try:
         record = export_data(scored, out, fmt, overwrite=overwrite, bpb=workflow_bpb(scored))
     except ExportError as e:
