@@ -14,6 +14,7 @@ Locally a temp file is renamed into place; on an object store the upload is held
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import getpass
 import hashlib
 import json
@@ -135,12 +136,28 @@ OUTPUT_MARKS = (
 )
 #: The owner of a directory holding a stage's shards but no stage record (`.stage.json` removed).
 UNKNOWN_STAGE = "a stage whose .stage.json is gone"
-#: What a command's run stopped before its mark leaves in `out`; the command itself may go on there
-#: (train's own checks say whether to resume or start over): a training run's first save writes
-#: trainer_state.json last, and it copies the tokenizer in before its first step.
+#: The names (fnmatch patterns) each command writes directly in its output: any other name there is a
+#: user's file, which no --overwrite removes (`foreign_files`). A stage's output holds its shards
+#: (`part-*`); a workflow run's, the names its run.json records (`RUN_OUTPUTS`). export-hf's are
+#: what transformers' `save_pretrained` writes for a model and its tokenizer.
+OUTPUT_FILES = {
+    "train": (
+        "trainer_state.json", "tokenizer.json", "metrics.jsonl", "config.json", "model.safetensors",
+        "optimizer.safetensors",
+    ),
+    "train-tokenizer": ("tokenizer.sha256", "tokenizer.json"),
+    "export-data": ("export.json", "README.md", "data", "index.json", "*.bin", "*.idx"),
+    "export-hf": ("*.json", "*.safetensors", "*.jinja", "tokenizer.model"),
+    "evaluate": ("accuracy.json", "items.jsonl", "*.tmp"),
+}  # fmt: skip
+#: run.json's list of the names the workflow's steps write directly in its run_dir
+RUN_OUTPUTS = "outputs"
+#: What a command's run stopped before its mark leaves in `out`: its files but the mark. The command
+#: itself may go on there (train's own checks say whether to resume or start over): a training run's
+#: first save writes trainer_state.json last, and it copies the tokenizer in before its first step.
 LEFTOVERS = {
-    "train": {"tokenizer.json", "metrics.jsonl", "config.json", "model.safetensors", "optimizer.safetensors"},
-    "train-tokenizer": {"tokenizer.json"},
+    command: set(OUTPUT_FILES[command]) - {mark for mark, owner in OUTPUT_MARKS if owner == command}
+    for command in ("train", "train-tokenizer")
 }
 
 
@@ -250,7 +267,8 @@ def check_output(
     except Exception:  # unreachable (no bucket, no credentials): check_writable, called next, says why
         return None
     replaced = owner is not None and owner != command and owner not in owners
-    if not file and (owner is None or (replaced and overwrite)):
+    # `out` replaced whole: another command's output, or (`whole`) this command's own
+    if not file and (owner is None or (overwrite and (replaced or whole))):
         theirs = foreign_files(out, owner, command, hidden=whole)
         if theirs and owner is None:
             raise OutputRefused(
@@ -276,10 +294,11 @@ def check_output(
 def foreign_files(directory, owner: str | None, command: str, hidden: bool = False) -> list[str]:
     """The entries directly in `directory` that no entroweight command wrote there, sorted: with no
     owner, every one not hidden but what `command`'s own stopped run leaves (`LEFTOVERS`); in a
-    stage's output, every one not hidden but its shards (`part-*`, as pipelines/verify.py counts
-    them). Hidden names are not counted (the commands keep their bookkeeping there: a lock, a stage
-    record, manifests) but with `hidden`, for a command that replaces `out` whole, in a directory of
-    no owner and nothing else. Other owners' files are not told apart: []."""
+    command's output, every one not hidden but what that command writes there (`OUTPUT_FILES`; a
+    stage's shards, as pipelines/verify.py counts them; a workflow run's recorded outputs). Hidden
+    names are not counted (the commands keep their bookkeeping there: a lock, a stage record,
+    manifests) but with `hidden`, for a command that replaces `out` whole, in a directory of no owner
+    and nothing else."""
     every = _entries(directory)
     names = [n for n in every if not n.startswith(".")]
     if owner is None:
@@ -287,7 +306,20 @@ def foreign_files(directory, owner: str | None, command: str, hidden: bool = Fal
         return theirs or (sorted(every) if hidden else [])
     if owner == UNKNOWN_STAGE or ".stage.json" in listing(directory):
         return sorted(n for n in names if not n.startswith("part-"))
-    return []
+    if owner == "run":
+        recorded = _run_outputs(directory)
+        return [] if recorded is None else sorted(set(names) - {"run.json", *recorded})
+    ours = OUTPUT_FILES.get(owner, ("*",))
+    return sorted(n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in ours))
+
+
+def _run_outputs(directory) -> list[str] | None:
+    """The names a workflow run's steps write in its run_dir, as its run.json records them; None for a
+    record from before they were recorded (or unreadable): then no name is told apart from the run's."""
+    try:
+        return [str(n) for n in json.loads((path(directory) / "run.json").read_bytes())[RUN_OUTPUTS]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _some(names: list[str]) -> str:

@@ -57,6 +57,9 @@ class TokenizeStage(Stage):
             raise ValueError(f"--overflow is one of {', '.join(OVERFLOW)}, not {overflow!r}")
         if pack and overflow == "truncate":
             raise ValueError("--overflow truncate does not apply to --pack (packing cuts no document)")
+        if revision is not None and not any(str(s).startswith("hf:") for s in sources):
+            # a pin that pins nothing would be recorded nowhere and read as if it held
+            raise ValueError(f"--revision {revision} applies to hf: sources only; none is given")
         self.sources, self.n_ctx, self.pack, self.overflow = list(sources), n_ctx, pack, overflow
         self.shard_docs, self.reject_duplicates = shard_docs, reject_duplicates
         self.text_column = check_text_column(text_column)

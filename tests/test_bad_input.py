@@ -325,6 +325,14 @@ def test_directory_with_no_matching_files(tmp_path, tokenizer_dir):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_revision_with_no_hub_source_is_refused(tmp_path, tokenizer_dir, c4_path):
+    """--revision pins hf: sources; given with local files alone it pinned nothing and was dropped."""
+    out = tmp_path / "out"
+    res = cli("tokenize", c4_path, "--tokenizer", tokenizer_dir, "--revision", "v1", "--out", out)
+    assert res.exit_code == 2 and "--revision v1 applies to hf: sources only" in res.output, res.output
+    assert not out.exists()
+
+
 def test_glob_that_matches_nothing(tmp_path, tokenizer_dir):
     res = cli(
         "tokenize", str(tmp_path / "*.jsonl.zst"), "--tokenizer", tokenizer_dir, "--out", tmp_path / "o"

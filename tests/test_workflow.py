@@ -16,6 +16,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from entroweight import storage
 from entroweight.workflows.cli import main
 from entroweight.workflows.spec import SpecError, load_workflow, parse_workflow
 
@@ -182,6 +183,26 @@ def test_tiny_workflow_runs_end_to_end(tiny_run):
             assert (run / "train" / r / f"seed-{s}" / "metrics.jsonl").is_file()
     assert 0 < json.loads((run / "eval" / "unigram.json").read_text())["bpb"] < 10
     assert tiny_run["seconds"] < 240  # ~60-100 s on 2 shared cores
+
+
+def test_a_users_file_in_a_run_dir_is_told_from_the_runs_own(tiny_run):
+    """run.json records the names the steps write in run_dir (every one there, nothing else), so a
+    command's --overwrite, which replaces the run whole, is refused where a user's file lies beside
+    them (tests/test_output_files.py: every other command's output)."""
+    run = tiny_run["run_dir"]
+    record = json.loads((run / "run.json").read_text())
+    shown = sorted(p.name for p in run.iterdir() if not p.name.startswith("."))  # hidden: bookkeeping
+    assert record[storage.RUN_OUTPUTS] == [n for n in shown if n != "run.json"]
+    assert storage.foreign_files(run, "run", "weigh") == []
+    mine = run / "notes.txt"
+    mine.write_text("mine")
+    try:
+        with pytest.raises(
+            storage.OutputRefused, match=r"the output of `run` and files no command wrote \(notes.txt\)"
+        ):
+            storage.check_output(run, [], "weigh", overwrite=True)
+    finally:
+        mine.unlink()
 
 
 def test_second_run_does_no_work(tiny_run):

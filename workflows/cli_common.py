@@ -24,6 +24,9 @@ def _fail(message: str, code: int = EXIT_REFUSED):
     sys.exit(code)
 
 
+INTERRUPTED = 130  # a command stopped by Ctrl-C (SIGINT), as a shell reports it
+
+
 class Commands(click.Group):
     """The `entroweight` group. A value a flag's type refuses (a count of 0, a device that is not here,
     a path that does not exist) is a refusal like every other: one line, exit 2, where click printed
@@ -36,6 +39,13 @@ class Commands(click.Group):
             if isinstance(e, click.MissingParameter):
                 raise
             _fail(e.format_message())
+        except KeyboardInterrupt:  # Ctrl-C: the shell's 128 + SIGINT, where click says "Aborted!", 1
+            click.echo(
+                "interrupted: what was committed stays (finished shards, saved checkpoints); run the "
+                "command again to go on (train: with --resume)",
+                err=True,
+            )
+            ctx.exit(INTERRUPTED)
 
 
 class Location(click.ParamType):

@@ -102,6 +102,7 @@ class Runner:
         # what the steps see of this run (they never call back into the runner)
         self.ctx = RunContext(wf, engine, self.engine_options, dry_run, overwrite, [], self.write_record)
         self.steps: list[Step] = self.ctx.steps
+        self.outputs: list[str] = []  # the names the steps write directly in run_dir (run.json's)
         self.stale: set[str] = set()  # steps that would run (dry run: what reads them must wait)
 
     # -- the whole run
@@ -126,6 +127,7 @@ class Runner:
         plan = Runner(self.wf, self.engine, self.engine_options, True, self.overwrite, echo=lambda _: None)
         plan.ctx.here = True  # ... and the devices it names are on this machine
         plan._all_steps()
+        self.outputs = _names_in(root, [s.out for s in plan.steps])
         fresh = not storage.path(root).exists()
         lock = run_lock(root, self.wait)  # LockHeld -> exit 3
         start = time.perf_counter()
@@ -326,6 +328,8 @@ class Runner:
             "seconds": round(seconds, 3),
             "python": sys.version.split()[0],
             "steps": [s.record() for s in self.steps],
+            # a user's file in run_dir is told apart by these: no command's --overwrite removes it
+            storage.RUN_OUTPUTS: self.outputs,
         }
         write_json_atomic(record, self.wf.root / RUN_FILE)
 
@@ -415,3 +419,10 @@ class Runner:
             **spec.model_dump(include=set(TrainSettings.model_fields)),
             **kw,
         )
+
+
+def _names_in(root: Path, outs: list[Path]) -> list[str]:
+    """The names directly in `root` that the paths `outs` are or lie under (those outside it: none)."""
+    return sorted(
+        {p.relative_to(root).parts[0] for p in map(Path, outs) if p.is_relative_to(root) and p != root}
+    )

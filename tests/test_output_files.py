@@ -1,0 +1,95 @@
+# ruff: noqa: F811 - pytest fixtures imported from test_weighted_inputs
+"""A user's file is told apart from every command's output, not only from a stage's shards.
+
+`--overwrite` replaces another command's output whole (and export-data its own export): a file a user
+put inside it went with it. `storage.OUTPUT_FILES` names what each command writes directly in its
+output; any other name there is a user's, and the replacement is refused (exit 2, one line, nothing
+removed). The table must name every file a command really writes, or its own output would be refused:
+each command here writes its real output, which must hold nothing the table leaves out. (A workflow
+run's names are those its run.json records: tests/test_workflow.py.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import pytest
+from click.testing import CliRunner
+from test_weighted_inputs import model, scored, tokens, weighed  # noqa: F401 - fixtures
+
+from entroweight import storage
+from entroweight.workflows.cli import main
+
+HAS = {m: importlib.util.find_spec(m) is not None for m in ("megatron", "litdata")}
+
+
+def cli(*args) -> tuple[int, str]:
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r.exit_code, r.output
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory, weighed, c4_path) -> dict:
+    """owner -> a directory holding that command's real output (export-data: one per format)."""
+    root = tmp_path_factory.mktemp("outputs")
+    out = {}
+    code, text = cli("train-tokenizer", c4_path, "--vocab-size", 300, "--max-docs", 40, "--out", root / "tok")
+    assert code == 0, text
+    out["train-tokenizer"] = [root / "tok"]
+    (root / "tiny.yaml").write_text("d_model: 32\nn_layers: 1\nn_heads: 2\nd_ff: 64\n")
+    code, text = cli(
+        "train", weighed, "--out", root / "run", "--steps", 2, "--batch-size", 4,
+        "--model-config", root / "tiny.yaml", "--loss", "weighted_ce",
+    )  # fmt: skip
+    assert code == 0, text
+    out["train"] = [root / "run"]
+    code, text = cli("export-hf", root / "run", "--out", root / "hf")
+    assert code == 0, text
+    out["export-hf"] = [root / "hf"]
+    code, text = cli("evaluate", root / "run", "--documents", c4_path, "--items", 8, "--out", root / "eval")
+    assert code == 0, text
+    out["evaluate"] = [root / "eval"]
+    out["export-data"] = []
+    for fmt in ("hf", "megatron", "litdata"):
+        if fmt == "hf" or HAS[fmt]:
+            code, text = cli("export-data", weighed, "--format", fmt, "--out", root / f"export-{fmt}")
+            assert code == 0, text
+            out["export-data"].append(root / f"export-{fmt}")
+    return out
+
+
+def test_every_marked_output_has_a_case():
+    """Every command storage knows an output of (OUTPUT_MARKS) has its files named, and a case here
+    (a workflow run: tests/test_workflow.py; a stage: its shards)."""
+    owners = {owner for _, owner in storage.OUTPUT_MARKS if owner is not None}
+    assert owners - {"run"} == set(storage.OUTPUT_FILES), owners
+
+
+@pytest.mark.parametrize("owner", sorted(storage.OUTPUT_FILES))
+def test_a_commands_output_holds_only_what_it_is_known_to_write(outputs, owner):
+    for d in outputs[owner]:
+        assert storage.output_owner(d) == owner
+        assert storage.foreign_files(d, owner, "tokenize") == [], sorted(p.name for p in d.iterdir())
+
+
+@pytest.mark.parametrize("owner", sorted(storage.OUTPUT_FILES))
+def test_overwrite_keeps_a_users_file_inside_any_commands_output(outputs, owner, scored, weighed, tmp_path):
+    """Another command's --overwrite (weigh here; every command goes through the one check,
+    tests/test_path_rule.py) is refused where a user's file lies inside the output it would replace,
+    and so is export-data's --overwrite of its own export; without the file, both replace it."""
+    original = outputs[owner][0]
+    d = tmp_path / "copy"
+    shutil.copytree(original, d)
+    (d / "notes.txt").write_text("mine")
+    again = ["export-data", weighed, "--format", "hf", "--out", d, "--overwrite"]
+    for argv in (["weigh", scored, "--out", d, "--overwrite"], again):
+        code, text = cli(*argv)
+        assert code == 2 and "files no command wrote (notes.txt), which --overwrite would remove" in text, (
+            text
+        )
+        assert (d / "notes.txt").read_text() == "mine"
+    (d / "notes.txt").unlink()
+    code, text = cli(*(again if owner == "export-data" else ["weigh", scored, "--out", d, "--overwrite"]))
+    assert code == 0, text
+    assert storage.output_owner(d) == ("export-data" if owner == "export-data" else "weigh")
