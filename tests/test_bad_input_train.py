@@ -248,12 +248,21 @@ def test_disk_full_while_saving_leaves_no_staging(weighted_dir, tokenizer_dir, t
     assert np.all([math.isfinite(row["loss"]) for row in strict_json_lines(out / "metrics.jsonl")])
 
 
-def test_a_config_json_without_a_checkpoint_is_not_called_one(weighted_dir, tmp_path):
-    """--out holding a config.json but no trainer_state.json (another program's file, or a run stopped
-    before its first save): --resume could not continue it, so it is not advised."""
+def test_a_config_json_without_a_checkpoint_is_not_called_one(weighted_dir, tiny_ckpt, tmp_path):
+    """--out holding a config.json but no trainer_state.json: --resume could not continue it, so it is
+    not advised. Another program's config.json is a user's file: refused with --overwrite too, never
+    replaced. A run's own, left by a first save stopped half way, is what --overwrite starts over."""
     out = tmp_path / "run"
     out.mkdir()
-    (out / "config.json").write_text('{"mine": 1}')
-    r = cli(*train_args(weighted_dir, out, "--steps", 2))
-    line = refused(r, "holds a config.json but no checkpoint")
-    assert "--resume" not in line and (out / "config.json").read_text() == '{"mine": 1}'
+    for mine in ('{"mine": 1}', "not json", "[1, 2]"):
+        (out / "config.json").write_text(mine)
+        for extra in ((), ("--overwrite",)):
+            line = refused(cli(*train_args(weighted_dir, out, "--steps", 2, *extra)), "holds a config.json")
+            assert "no training run wrote" in line and "--resume" not in line and "--overwrite" not in line
+            assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+            assert (out / "config.json").read_text() == mine
+    (out / "config.json").write_bytes((tiny_ckpt / "config.json").read_bytes())
+    line = refused(cli(*train_args(weighted_dir, out, "--steps", 2)), "holds a config.json but no checkpoint")
+    assert "--resume" not in line and "--overwrite" in line
+    assert cli(*train_args(weighted_dir, out, "--steps", 2, "--overwrite")).exit_code == 0
+    assert (out / "trainer_state.json").is_file()

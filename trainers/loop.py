@@ -108,11 +108,33 @@ def _check_out_apart(cfg: TrainConfig) -> str | None:
         foreign = storage.check_output(cfg.out, reads, "train", overwrite=cfg.overwrite)
         if storage.is_url(cfg.out):
             storage.check_writable(cfg.out)
+        if foreign is None:
+            _check_leftover_config(cfg.out)
     except storage.OutputRefused as e:
         raise TrainError(str(e)) from None
     except OSError as e:  # no bucket, no credentials, read-only
         raise TrainError(f"cannot write to --out {cfg.out}: {e.strerror or e}") from None
     return foreign
+
+
+def _check_leftover_config(out) -> None:
+    """A config.json with no trainer_state.json beside it is the leftover of a run stopped in its first
+    save (storage.LEFTOVERS: --resume has nothing to continue, --overwrite starts over) only if a
+    training run wrote it; another program's config.json is a user's file, which no --overwrite
+    replaces."""
+    config, state = storage.path(f"{out}/config.json"), storage.path(f"{out}/{STATE}")
+    if not config.exists() or state.exists():
+        return
+    try:
+        record = json.loads(config.read_bytes())
+    except ValueError:  # not JSON (or not UTF-8)
+        record = None
+    ours = isinstance(record, dict) and {"kind", "train", "weights_sha256"} <= record.keys()
+    if not ours:
+        raise storage.OutputRefused(
+            f"--out {out} holds a config.json that no training run wrote (another program's file), which "
+            "train would replace: write to a new or empty directory"
+        )
 
 
 def _model_config(cfg: TrainConfig, info, base: dict) -> dict:
