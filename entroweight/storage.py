@@ -277,7 +277,7 @@ def check_output(
             )
         if theirs:
             raise OutputRefused(
-                f"{flag} {out} holds the output of {_named(owner)} and files no command wrote ("
+                f"{flag} {out} holds the output of {named(owner)} and files no command wrote ("
                 f"{_some(theirs)}), which --overwrite would remove with it: move them out first, or "
                 "write elsewhere"
             )
@@ -287,7 +287,7 @@ def check_output(
         return owner
     advice = "" if overwrite is None else ", or pass --overwrite to replace it whole"
     raise OutputRefused(
-        f"{flag} {out} holds the output of {_named(owner)}, not of `{command}`; write elsewhere{advice}"
+        f"{flag} {out} holds the output of {named(owner)}, not of `{command}`; write elsewhere{advice}"
     )
 
 
@@ -334,7 +334,7 @@ def _entries(directory) -> list[str]:
     return list(listing(d))
 
 
-def _named(owner: str) -> str:
+def named(owner: str) -> str:
     """A command as a refusal names it (`tokenize`); an owner told in words as it is."""
     return owner if " " in owner else f"`{owner}`"
 
@@ -353,7 +353,7 @@ def _check_apart(out, flag: str, reads) -> None:
             return
         if owner is not None:
             raise OutputRefused(
-                f"{flag} {out} lies inside {above}, the output of {_named(owner)}; a command's output never goes "
+                f"{flag} {out} lies inside {above}, the output of {named(owner)}; a command's output never goes "
                 "inside another's (it would mix into what that one reads and rewrites): write elsewhere"
             )
 

@@ -92,17 +92,20 @@ def verify_dir(path: str | Path) -> list[str]:
         return problems
     registry = _read_registry(out, problems)
     manifests: dict[str, ShardManifest] = {}
+    unreadable: set[str] = set()  # shards whose manifest is there but does not parse (said once, above)
     for name in sorted(n for n in files if "/" not in n and is_manifest(n)):
         p = out / name
         m = _read_json_model(p, ShardManifest, problems)
-        if m is not None:
+        if m is None:
+            unreadable.add(name.removeprefix(".").removesuffix(".manifest.json"))
+        else:
             manifests[m.shard] = m
             if p.name != manifest_path(out, m.shard).name:
                 problems.append(f"{p.name} holds the manifest of {m.shard}: the bookkeeping was edited")
 
     # every registered shard is done (a missing manifest is a failed or unrun shard: a hole)
     for key, shard in sorted((registry or {}).items(), key=lambda kv: kv[1]):
-        if shard not in manifests:
+        if shard not in manifests and shard not in unreadable:
             problems.append(
                 f"{shard} (input {key}) has no manifest: it failed or never ran; rerun the stage to complete it"
             )
@@ -126,7 +129,7 @@ def verify_dir(path: str | Path) -> list[str]:
             f"registered them in {SHARDS_FILE} (killed?): rerun the stage to resume after them (they are kept)"
         )
 
-    _check_files_present(files, manifests, problems)
+    _check_files_present(files, manifests, problems, unreadable)
     first_meta: tuple[str, dict] | None = None
     totals = {"docs_in": 0, "docs_out": 0, "rejected": 0}
     for shard in sorted(manifests):
@@ -180,9 +183,10 @@ def _read_registry(out: Path, problems: list[str]) -> dict[str, str] | None:
 
 
 def _check_files_present(
-    files: dict[str, int], manifests: dict[str, ShardManifest], problems: list[str]
+    files: dict[str, int], manifests: dict[str, ShardManifest], problems: list[str], unreadable: set[str]
 ) -> None:
-    """Stray files: data nobody accounts for (a shard with no manifest, a copy, a temp file)."""
+    """Stray files: data nobody accounts for (a shard with no manifest, a copy, a temp file). A shard
+    whose manifest does not parse is not one: told to move it out, a user would lose a good shard."""
     outputs = {m.output for m in manifests.values()}
     rejects = {m.rejects_file for m in manifests.values() if m.rejects_file}
     for rel in sorted(files):
@@ -194,7 +198,7 @@ def _check_files_present(
                     f"{rel} is a rejects file no manifest accounts for; delete it or rerun the stage"
                 )
         elif not any(part.startswith(".") for part in rel.split("/")):
-            if rel not in outputs:
+            if rel not in outputs and rel.split(".", 1)[0] not in unreadable:
                 problems.append(
                     f"{rel} is not a shard of this directory (no manifest names it): datasets would load it; "
                     "move it out, or rerun the stage if a shard lost its manifest"

@@ -150,6 +150,16 @@ def test_missing_manifest_is_a_hole(tokens, tmp_path):
     one(problems, "part-00002.parquet", "not a shard")  # datasets would still load it
 
 
+def test_a_manifest_that_does_not_parse_is_one_problem_and_its_shard_kept(tokens, tmp_path):
+    """Its shard is not called a stray to move out (a good shard lost) nor a hole: one line names the
+    manifest and says to rerun the stage, which rewrites it."""
+    d = copy(tokens, tmp_path)
+    (d / ".part-00002.manifest.json").write_text("{not json")
+    problems = verify_dir(d)
+    assert len(problems) == 1, problems
+    one(problems, ".part-00002.manifest.json", "does not parse", "rerun the stage")
+
+
 def test_missing_shard_file_and_rejects_file(tokens, tmp_path):
     d = copy(tokens, tmp_path)
     (d / "part-00000.parquet").unlink()

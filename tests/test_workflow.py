@@ -501,6 +501,31 @@ def test_a_run_dir_of_other_files_is_refused_untouched(small_run, tmp_path):
         assert _files(tmp_path / "mine") == before
 
 
+def _marked_outputs():
+    """Every other command's output as storage knows it: its mark (a stage's: its record, its lock)."""
+    for mark, owner in storage.OUTPUT_MARKS:
+        if owner != "run":
+            yield pytest.param(mark, owner or "tokenize", id=owner or "a-stage")
+    yield pytest.param("part-00000-00000.parquet", storage.UNKNOWN_STAGE, id="shards-without-record")
+
+
+@pytest.mark.parametrize(("mark", "owner"), list(_marked_outputs()))
+def test_a_run_dir_of_another_commands_output_is_refused_untouched(small_run, tmp_path, mark, owner):
+    """A run_dir holding a stage's shards, a checkpoint, an export...: refused before any step (a
+    stage's output holds a lock, as a run's does: it was taken for a run killed before its record,
+    and the steps wrote among its shards)."""
+    other = _mkdir(tmp_path / "other")
+    (other / mark).write_text(json.dumps({"stage": owner}) if mark == ".stage.json" else "{}")
+    (other / ".lock").write_text("")
+    spec = copy.deepcopy(small_run["spec"]) | {"run_dir": str(other)}
+    before = _files(other)
+    for dry in (["--dry-run"], []):
+        code, out = run_cli("run", write_yaml(tmp_path / "wf.yaml", spec), *dry)
+        assert code == 2 and f"run_dir {other} holds the output of " in out, out
+        assert "not a workflow run's" in out and owner in out, out
+        assert _files(other) == before
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="asks for a device this machine lacks")
 @pytest.mark.parametrize("where", ["models", "train", "eval"])
 def test_a_device_that_is_not_here_is_refused_before_the_first_step(small_run, tmp_path, where):

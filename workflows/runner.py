@@ -186,12 +186,17 @@ class Runner:
         """run_dir is new, empty, or a workflow run's (run.json, or the lock of one killed before its
         record): the steps would write among another directory's files, and its stages would then
         refuse them (a data step's output holding a user's file) on every rerun."""
+        try:
+            owner = storage.output_owner(self.wf.root)
+        except storage.OutputRefused as e:
+            raise WorkflowError(f"run_dir: {e}") from None
+        if owner not in (None, "run"):  # a stage's shards hold a lock too: not one of a run's
+            raise WorkflowError(
+                f"run_dir {self.wf.root} holds the output of {storage.named(owner)}, not a workflow run's: "
+                "give a new or empty run_dir"
+            )
         marks = storage.listing(self.wf.root)
-        names = (
-            []
-            if RUN_FILE in marks or LOCK_FILE in marks
-            else storage.foreign_files(self.wf.root, None, "run")
-        )
+        names = [] if owner or LOCK_FILE in marks else storage.foreign_files(self.wf.root, None, "run")
         if names:
             raise WorkflowError(
                 f"run_dir {self.wf.root} holds files that are not a workflow run's ({', '.join(names[:3])}"
