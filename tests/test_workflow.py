@@ -93,6 +93,62 @@ def test_unknown_key_is_refused_with_its_path():
     assert "colour: unknown key" in refusal({**BASE, "colour": "red"})
 
 
+SCORED = {"name": "a", "scorer": "causal_loss", "options": {"model": "some/model"}}
+READERS_OF_VALUES = {  # what reads a score step's values, each reading step `a`
+    "values_from": {"scores": [{"name": "w", "values_from": "a"}]},
+    "quantiles_from": {"scores": [{"name": "b", "scorer": "causal_loss", "options": {"model": "m"},
+                                   "weighting": {"method": "quantile", "quantiles_from": "a"}}]},
+    "agreement": {"scores": [{"name": "b", "scorer": "causal_loss", "options": {"model": "m"}}],
+                  "agreement": {"pairs": [{"y": "b", "x": "a"}]}},
+    "rescaled run": {"train": {"seeds": [0], "runs": [{"name": "r", "data": "a", "loss": "rescaled"}]}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("reader", sorted(READERS_OF_VALUES))
+def test_values_dropped_by_a_step_that_another_reads_are_refused_from_the_spec(reader):
+    """`with_entropy: false` on a step whose values a later step, the agreement table or a run reads:
+    refused with its key path before any step runs (the run refused it after rewriting that step)."""
+    extra = READERS_OF_VALUES[reader]
+    spec = {**BASE, **extra, "scores": [{**SCORED, "with_entropy": False}, *extra.get("scores", [])]}
+    msg = refusal(spec)
+    assert "'a' is written without its values (with_entropy: false), which this reads" in msg, msg
+    spec["scores"][0]["with_entropy"] = True
+    parse_workflow(spec)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        ["a"],
+        ["w", {"name": "w", "values_from": "a"}],
+        ["c", {"name": "c", "values_from": ["a", "b"], "op": "difference"}],
+    ],
+    ids=["the-sample", "its-reweighing", "a-combination"],
+)
+def test_a_run_on_a_sample_of_the_tokens_is_refused_from_the_spec(data):
+    """A run trained on a score step that scored limit_shards/limit_rows of the tokens (or on what
+    re-weighs or combines it) would see those rows alone, beside runs on every token: refused."""
+    name, *more = data
+    limited = {**SCORED, "limit_shards": 1, "limit_rows": 5}
+    other = {
+        "name": "b",
+        "scorer": "causal_loss",
+        "options": {"model": "m"},
+        "limit_shards": 1,
+        "limit_rows": 5,
+    }
+    runs = [
+        {"name": "ref", "data": "tokens", "loss": "ce"},
+        {"name": "r", "data": name, "loss": "weighted_ce"},
+    ]
+    spec = {**BASE, "scores": [limited, other, *more], "train": {"seeds": [0], "runs": runs}}
+    msg = refusal(spec)
+    assert (
+        f"train.runs[1].data: '{name}' holds a sample of the tokens ('a': limit_shards 1, limit_rows 5)"
+        in msg
+    )
+
+
 def test_wrong_type_is_refused_with_its_path():
     msg = refusal({**BASE, "tokenize": {"n_ctx": "long"}})
     assert msg.splitlines()[1].startswith("tokenize.n_ctx: ")

@@ -507,11 +507,20 @@ class Workflow(_Strict):
                         f"{r.data!r} shuffles the weights only; {r.loss} reads the entropy column, which is "
                         "not shuffled: the control would train on the real values",
                     )
+                scorer = sample_step(self.scores, r.data)
+                if scorer is not None:
+                    raise _At(
+                        f"train.runs[{i}].data",
+                        f"{r.data!r} holds a sample of the tokens ({scorer.name!r}: limit_shards "
+                        f"{scorer.limit_shards}, limit_rows {scorer.limit_rows}): a run on it would train on "
+                        "those rows alone, beside runs on every token; drop the limits from that score step",
+                    )
             names = [r.name for r in self.train.runs]
             if self.train.reference is not None and self.train.reference not in names:
                 raise _At("train.reference", f"{self.train.reference!r} is not a run ({', '.join(names)})")
             if len(set(self.train.seeds)) != len(self.train.seeds):
                 raise _At("train.seeds", "seeds repeat")
+        self._values_kept()
         if self.report is not None:
             self._resolve_primary()
         if self.eval is not None and self.train is None:
@@ -543,6 +552,29 @@ class Workflow(_Strict):
                     "accuracy.prefix_tokens",
                     f"prefix_tokens + continuation_tokens = {width} exceed tokenize.n_ctx "
                     f"{self.tokenize.n_ctx}, the context the models are trained on",
+                )
+
+    def _values_kept(self) -> None:
+        """A score step written without its values (`with_entropy: false`) is read for them by none:
+        a step that weighs them anew (values_from) or takes their quantiles, the agreement table, a
+        run whose loss reads them. Refused from the spec, before any step rewrites its output."""
+        dropped = {s.name for s in self.scores if not s.with_entropy}
+        readers = [(f"scores[{i}].values_from", v) for i, s in enumerate(self.scores) for v in s.sources()]
+        readers += [
+            (f"scores[{i}].weighting.quantiles_from", s.weighting.quantiles_from)
+            for i, s in enumerate(self.scores)
+        ]
+        for i, pair in enumerate(self.agreement.pairs if self.agreement else ()):
+            readers += [(f"agreement.pairs[{i}].y", pair.y), (f"agreement.pairs[{i}].x", pair.x)]
+        for i, r in enumerate(self.train.runs if self.train else ()):
+            if "entropy" in LOSSES[r.loss].columns:
+                readers.append((f"train.runs[{i}].data", r.data))
+        for where, name in readers:
+            if name in dropped:
+                raise _At(
+                    where,
+                    f"{name!r} is written without its values (with_entropy: false), which this reads: "
+                    f"keep them (with_entropy: true on {name!r})",
                 )
 
     def _combinable(self, i: int, s: ScoreSpec) -> None:
@@ -694,6 +726,15 @@ def scored_step(scores: list[ScoreSpec], name: str) -> ScoreSpec | None:
         seen.add(step.name)
         step = steps.get(step.values_from)
     return step
+
+
+def sample_step(scores: list[ScoreSpec], name: str) -> ScoreSpec | None:
+    """The score step whose limits (limit_shards, limit_rows) make the values step `name` holds a
+    sample of the tokens, if one does: itself, the step it re-weighs, or one of two it combines."""
+    step = scored_step(scores, name)
+    if step is None or step.limit_shards or step.limit_rows:
+        return step
+    return next((x for src in step.sources() if (x := sample_step(scores, src)) is not None), None)
 
 
 def _aggregate(step: ScoreSpec) -> str | None:
