@@ -266,3 +266,30 @@ def test_a_config_json_without_a_checkpoint_is_not_called_one(weighted_dir, tiny
     assert "--resume" not in line and "--overwrite" in line
     assert cli(*train_args(weighted_dir, out, "--steps", 2, "--overwrite")).exit_code == 0
     assert (out / "trainer_state.json").is_file()
+
+
+def test_data_that_records_no_vocabulary_or_context_is_not_given_the_models_defaults(
+    weighted_dir, tokenizer_dir, tmp_path
+):
+    """Rows with no stage metadata (another tool's parquet, a hub export's `data/`) record neither the
+    vocabulary nor the row width: train asks for them (the model's defaults, 8k and 1024, were taken,
+    exit 0), and takes the vocabulary from --tokenizer where given."""
+    import pyarrow.parquet as pq
+
+    rows = tmp_path / "rows"  # the rows as another tool writes them: no schema metadata
+    rows.mkdir()
+    for f in sorted(Path(weighted_dir).glob("*.parquet")):
+        pq.write_table(pq.read_table(f).replace_schema_metadata(None), rows / f.name)
+    out = tmp_path / "run"
+    line = refused(cli(*train_args(rows, out, "--steps", 1)), "records no vocab_size or n_ctx")
+    assert "set vocab_size and n_ctx in --model-config (or pass --tokenizer" in line and not out.exists()
+    line = refused(
+        cli(*train_args(rows, out, "--steps", 1, "--tokenizer", tokenizer_dir)), "records no n_ctx"
+    )
+    with_ctx = tmp_path / "tiny128.yaml"
+    with_ctx.write_text("".join(f"{k}: {v}\n" for k, v in {**TINY, "n_ctx": 128}.items()))
+    argv = ["train", rows, "--model-config", with_ctx, "--out", out, "--batch-size", 4, "--device", "cpu"]
+    r = cli(*argv, "--steps", 1, "--tokenizer", tokenizer_dir)
+    assert r.exit_code == 0, r.output
+    model = json.loads((out / "config.json").read_text())["model"]
+    assert (model["vocab_size"], model["n_ctx"]) == (1024, 128)  # the tokenizer's; the config's

@@ -137,14 +137,30 @@ def _check_leftover_config(out) -> None:
         )
 
 
-def _model_config(cfg: TrainConfig, info, base: dict) -> dict:
-    """The model's config dict: the user's, with vocab_size / n_ctx taken from the data when unset."""
+def _model_config(cfg: TrainConfig, info, base: dict, tok_path=None) -> dict:
+    """The model's config dict: the user's, with vocab_size / n_ctx taken from the data when unset.
+    Data that records neither (another tool's parquet, a hub export's rows) takes the vocabulary of
+    --tokenizer, else both are asked for: the model's defaults would fit by chance at best."""
     mc = {**base, **cfg.model_cfg}
     try:  # the one check of a model config (keys, types, the Config's own), as a workflow asks it
         config_of(cfg.model, mc)
     except ValueError as e:
         raise TrainError(str(e)) from None
     fields = {f.name for f in dataclasses.fields(model_class(cfg.model).Config)}
+    if "vocab_size" in fields and not info.vocab_size and "vocab_size" not in mc and tok_path:
+        from tokenizers import Tokenizer
+
+        text = storage.path(tok_path).read_text(encoding="utf-8")
+        mc["vocab_size"] = Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)
+    unknown = [
+        k for k, fact in (("vocab_size", info.vocab_size), ("n_ctx", info.n_ctx)) if k in fields and not fact
+    ]
+    if missing := [k for k in unknown if k not in mc]:
+        tokenizer = " (or pass --tokenizer for the vocabulary)" if "vocab_size" in missing else ""
+        raise TrainError(
+            f"the data records no {' or '.join(missing)} (not a stage's output: another tool's parquet or "
+            f"an export's rows); set {' and '.join(missing)} in --model-config{tokenizer}"
+        )
     if "vocab_size" in fields and info.vocab_size:
         if mc.setdefault("vocab_size", info.vocab_size) != info.vocab_size:
             raise TrainError(
@@ -344,7 +360,7 @@ def _resolve(
         _check_nats(info.files)
     if loss.token_bytes and tok_path is None:
         raise TrainError(f"--loss {cfg.loss} needs the tokenizer's token bytes: pass --tokenizer")
-    mc = _model_config(cfg, info, base_model_cfg)
+    mc = _model_config(cfg, info, base_model_cfg, tok_path)
     if (
         getattr(model_class(cfg.model), "wants_token_bytes", False)
         and mc.get("token_bytes") is None
