@@ -565,7 +565,7 @@ def has_shards(out: AnyPath, names: dict[str, int] | None = None) -> bool:
 
 
 def _mismatch_message(out: AnyPath, old: StageRecord, new: StageRecord) -> str:
-    diff = _changes(old.config, new.config)
+    diff = setting_changes(old.config, new.config)
     if not diff and old.stage == new.stage:  # the same settings: FORMAT_VERSION changed what they write
         diff = [f"the data format changed since entroweight {old.code_version} wrote it"]
     return (
@@ -575,7 +575,7 @@ def _mismatch_message(out: AnyPath, old: StageRecord, new: StageRecord) -> str:
     )
 
 
-def _changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+def setting_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
     """`key: old -> new` of each setting that differs, nested settings by their dotted key
     (`weighting.quantiles`), a long value cut short: the refusal stays one readable line (a weighting's
     100 reference quantiles made it 3 KB)."""
@@ -585,7 +585,7 @@ def _changes(old: dict, new: dict, prefix: str = "") -> list[str]:
         if a == b:
             continue
         if isinstance(a, dict) and isinstance(b, dict):
-            out += _changes(a, b, f"{prefix}{k}.")
+            out += setting_changes(a, b, f"{prefix}{k}.")
         else:
             out.append(f"{prefix}{k}: {_short(a)} -> {_short(b)}")
     return out

@@ -449,8 +449,11 @@ def small_run(tmp_path_factory) -> dict:
         (lambda s: s["tokenizer"]["train"].update(vocab_size=320), "tokenizer trained with other settings"),
         # the data's settings: the tokenize stage's shards are another config's
         (lambda s: s["tokenize"].update(n_ctx=48), "holds tokenize output of another config"),
-        # the model's: it would be trained again, then its scores refused
-        (lambda s: s["models"][0].update(steps=3), "holds output made with the causal this run would train"),
+        # the model's: its checkpoint would be trained again and replaced (then its scores refused)
+        (
+            lambda s: s["models"][0].update(steps=3),
+            "holds a checkpoint trained with other settings (train.steps: 2 -> 3)",
+        ),
     ],
     ids=["tokenizer", "tokenize", "model"],
 )
@@ -555,6 +558,23 @@ def test_a_run_dir_of_other_files_is_refused_untouched(small_run, tmp_path):
         code, out = run_cli("run", write_yaml(tmp_path / "wf.yaml", spec), *dry)
         assert code == 2 and "holds files that are not a workflow run's (tokens)" in out, out
         assert _files(tmp_path / "mine") == before
+
+
+def test_a_checkpoint_of_edited_settings_is_replaced_only_with_overwrite(small_run, tmp_path):
+    """A model step edited since its checkpoint was trained (steps 2 -> 3): refused without --overwrite
+    (test_a_refused_run_is_refused_before_any_step_writes), a plan with it names what it replaces, and
+    the run trains it again; then up to date."""
+    spec = copy.deepcopy(small_run["spec"]) | {"run_dir": str(tmp_path / "run"), "scores": []}
+    assert run_cli("run", write_yaml(tmp_path / "wf.yaml", spec))[0] == 0
+    spec["models"][0]["steps"] = 3
+    wf = write_yaml(tmp_path / "changed.yaml", spec)
+    code, out = run_cli("run", wf, "--overwrite", "--dry-run")
+    assert code == 0 and "model causal: would run - 3 steps of llama" in out, out
+    assert "replaces the checkpoint trained with train.steps: 2 -> 3" in out, out
+    code, out = run_cli("run", wf, "--overwrite")
+    assert code == 0 and "model causal: ran - 3 steps" in out, out
+    code, out = run_cli("run", wf)
+    assert code == 0 and "nothing to do" in out, out
 
 
 def _marked_outputs():

@@ -220,6 +220,7 @@ class Runner:
         """One step through the protocol; the dry run is decided here, once for every kind."""
         self.steps.append(step)
         step.prepare()
+        self._refuse_retraining(step)
         waiting = [u for u in step.upstream if u in self.stale]
         if self.dry_run and waiting:
             self._refuse_redoing(step, waiting)
@@ -251,6 +252,18 @@ class Runner:
             f"would train again ({'; '.join(damaged) or 'its settings or data changed'}), so it would be made "
             "again; pass --overwrite to redo it, or use another run_dir"
         )
+
+    def _refuse_retraining(self, step: Step) -> None:
+        """A finished checkpoint whose step's settings were edited since would be trained again and
+        replaced: refused unless --overwrite, as a data step's output of another config is (the plan
+        gives it, before any step runs)."""
+        changed = step.replaced_settings() if isinstance(step, TrainStep) and not self.overwrite else []
+        if changed:
+            raise WorkflowError(
+                f"{step.kind} {step.name}: {step.out} holds a checkpoint trained with other settings "
+                f"({'; '.join(changed)}); pass --overwrite to train it again (it is replaced), or use "
+                "another run_dir"
+            )
 
     def _say(self, step: Step, status: str, detail: str) -> None:
         step.status, step.detail = status, detail

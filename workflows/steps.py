@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from entroweight.models.checkpoint import WEIGHTS
 from entroweight.pipelines import StageError, run_stage
-from entroweight.pipelines.stage import preview_run, read_manifests
+from entroweight.pipelines.stage import preview_run, read_manifests, setting_changes
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas.tokenizer import TOKENIZER_FILE
 from entroweight.trainers.checkpoint import STATE, is_the_file_saved
@@ -282,14 +282,29 @@ class TrainStep(Step):
         if self.run_ctx.here:  # a CUDA workflow on a machine without one: refused before, not after
             device_here(self.config.device)
 
+    def settings(self) -> dict:
+        """What the checkpoint depends on but its data: the training settings and the processes."""
+        run_only = ("out", "quiet", "overwrite", "resume", "device", "log_every", "data")
+        return {
+            "train": {k: v for k, v in self.config.dump().items() if k not in run_only},
+            "nproc": self.nproc,
+        }
+
     def key(self) -> str:
-        cfg = self.config
-        data = Path(cfg.data[0])
+        data = Path(self.config.data[0])
         if not data.is_dir():
             raise WorkflowError(f"{self.kind} {self.name}: no data at {data}")
-        run_only = ("out", "quiet", "overwrite", "resume", "device", "log_every", "data")
-        hashed = {k: v for k, v in cfg.dump().items() if k not in run_only}
-        return _key({"train": hashed, "data": data_fingerprint(data), "nproc": self.nproc})
+        return _key({**self.settings(), "data": data_fingerprint(data)})
+
+    def replaced_settings(self) -> list[str]:
+        """What changed since the finished checkpoint in `out` was trained (`key: old -> new`): a
+        spec edited since. [] where none is finished, or its record is from before settings were
+        kept. Known from the spec alone, so the plan refuses it before any step runs."""
+        made = _record(self.out / STEP_FILE)
+        if not _record(self.out / STATE).get("step") or "settings" not in made:
+            return []
+        # through JSON, as recorded: tuples are lists there
+        return setting_changes(made["settings"], json.loads(json.dumps(self.settings(), default=str)))
 
     def done(self):
         made, state = _record(self.out / STEP_FILE), _record(self.out / STATE)
@@ -301,6 +316,8 @@ class TrainStep(Step):
     def plan(self):
         cfg = self.config
         again = f"; again: {self.damage}" if self.damage else ""
+        if changed := self.replaced_settings():  # (with --overwrite: the runner refuses it otherwise)
+            again += f"; replaces the checkpoint trained with {', '.join(changed)}"
         return f"{cfg.steps} steps of {cfg.model}, loss {cfg.loss}, seed {cfg.seed}{again}"
 
     def run(self):
@@ -315,6 +332,7 @@ class TrainStep(Step):
             train(cfg)  # a refusal (TrainError, DataError, CheckpointError) is reported by the runner
         size, mtime = _stat(self.out / WEIGHTS)
         made = {"key": key, "steps": cfg.steps, "weights_bytes": size, "weights_mtime_ns": mtime}
+        made["settings"] = self.settings()
         write_json_atomic(made, self.out / STEP_FILE)
         ce = (read_metrics(self.out) or [{}])[-1].get("ce", float("nan"))
         return "ran", f"{cfg.steps} steps, ce {ce:.4f}"
