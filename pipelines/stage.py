@@ -389,7 +389,8 @@ def _orphans_message(out: AnyPath, orphans: list[ShardManifest]) -> str:
     return (
         f"{out} holds {len(orphans)} shard(s) of inputs this run does not read ({shown}): renamed, moved "
         "or deleted since the run that wrote them; restore them, or pass --overwrite to drop those "
-        "shards (their documents then leave the output)"
+        "shards (inputs read under another name are made again from it; the others' documents leave "
+        "the output)"
     )
 
 
@@ -570,8 +571,8 @@ def _mismatch_message(out: AnyPath, old: StageRecord, new: StageRecord) -> str:
         diff = [f"the data format changed since entroweight {old.code_version} wrote it"]
     return (
         f"{out} holds {old.stage} output of another config ({old.config_hash}); this run's config is "
-        f"{new.config_hash} ({'; '.join(diff) or 'stage changed'}). Write to a new --out directory, "
-        "or pass --overwrite to delete the old shards."
+        f"{new.config_hash} ({'; '.join(diff) or 'stage changed'}). Write elsewhere (another --out; in "
+        "a workflow, another run_dir), or pass --overwrite to delete the old shards."
     )
 
 

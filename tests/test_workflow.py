@@ -278,7 +278,7 @@ def test_second_run_does_no_work(tiny_run):
 def test_dry_run_prints_the_plan_and_writes_nothing(tiny_run, tmp_path):
     code, out = run_cli("run", tiny_run["yaml"], "--dry-run")
     assert code == 0
-    assert "tokenize tokens: up to date - all 3 shard(s) done" in out
+    assert "tokenize tokens: up to date - all 3 part(s) of the input done" in out
     assert "nothing to do: all steps are up to date" in out
     # a fresh run dir: everything would run, nothing appears on disk
     fresh = write_yaml(
@@ -325,7 +325,7 @@ def test_new_input_only_processes_the_new_shard(tmp_path, tokenizer_dir):
     spec["sources"] = [str(a), str(tmp_path / "b.json.gz")]
     write_yaml(p, spec)
     code, out = run_cli("run", p, "--dry-run")
-    assert "tokenize tokens: would run - 1 shard(s) to run, 1 done" in out
+    assert "tokenize tokens: would run - 1 part(s) of the input to run, 1 done" in out
     code, out = run_cli("run", p)
     assert code == 0
     assert "1 shard(s) run, 1 already done" in out

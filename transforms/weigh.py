@@ -283,6 +283,9 @@ def entropy_quantiles(scored: str | Path, n: int = 101, max_tokens: int = 5_000_
         if total >= max_tokens:
             break
     if not chunks:
-        raise ValueError(f"{scored} holds no `entropy` column: score it without --drop-entropy first")
+        raise ValueError(
+            f"{scored} holds no `entropy` column: score it without --drop-entropy first (in a workflow, "
+            "with_entropy: true)"
+        )
     q = np.quantile(np.concatenate(chunks), np.linspace(0.0, 1.0, n))
     return tuple(float(v) for v in q)

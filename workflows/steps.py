@@ -242,8 +242,10 @@ class DataStep(Step):
             self._plan, note = preview_run(self.stage(), self.out, self.run_ctx.overwrite)
         except StageError as e:
             raise WorkflowError(f"{self.kind} {self.name}: {e}") from None
-        self._plan_detail = f"{len(self._plan.todo)} shard(s) to run, {len(self._plan.done)} done{note}"
-        return None if self._plan.todo else f"all {len(self._plan.done)} shard(s) done"
+        self._plan_detail = (
+            f"{len(self._plan.todo)} part(s) of the input to run, {len(self._plan.done)} done{note}"
+        )
+        return None if self._plan.todo else f"all {len(self._plan.done)} part(s) of the input done"
 
     def plan(self):
         return self._plan_detail
