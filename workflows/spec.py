@@ -768,7 +768,8 @@ def parse_workflow(data: Any, origin: str = "workflow") -> Workflow:
     try:
         return Workflow.model_validate(data)
     except ValidationError as e:
-        raise SpecError(f"{origin} is refused:\n{format_errors(e)}") from None
+        lines = format_errors(e)  # one problem on the refusal's line; several, one a line below it
+        raise SpecError(f"{origin} is refused:{chr(10) if chr(10) in lines else ' '}{lines}") from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
