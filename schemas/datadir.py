@@ -167,13 +167,21 @@ class DataDir:
     def foreign_files(self) -> list[str]:
         """The parquet files of a directory no stage wrote (other tools' data, which the trainer reads
         as it is): its non-hidden `*.parquet`, sorted. [] for a stage's output (read its `parts`)."""
-        if self.record is not None:
+        if self.record is not None or self.bookkeeping_without_record:
             return []
         return [
             self.child(n)
             for n in sorted(self.names)
             if n.endswith(".parquet") and not n.startswith((".", "_"))
         ]
+
+    @property
+    def bookkeeping_without_record(self) -> bool:
+        """A stage's shard bookkeeping (manifests, the registry) with its `.stage.json` gone: not other
+        tools' data, but a stage's output that cannot say what it is (every reader refuses it)."""
+        return STAGE_FILE not in self.names and any(
+            n == SHARDS_FILE or (n.startswith(".part-") and n.endswith(".manifest.json")) for n in self.names
+        )
 
     @cached_property
     def record(self) -> StageRecord | None:
@@ -375,6 +383,9 @@ class DataDir:
             )
             if storage.is_local(self.root) and not self.root.exists():
                 what = "does not exist"
+            if self.bookkeeping_without_record:
+                what = "holds a stage's shards whose record is gone"
+                hint = "; rerun the stage that made it into a new directory"
             raise DataDirError(f"{self.location} {what} (no {STAGE_FILE}){hint}")
         if kind is not None and self.kind != kind:
             wanted = {

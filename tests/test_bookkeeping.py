@@ -30,7 +30,7 @@ from test_weighted_inputs import model, scored, tokens, weighed  # noqa: F401 - 
 
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas.datadir import DataDir
-from entroweight.schemas.manifest import SHARDS_FILE, manifest_name
+from entroweight.schemas.manifest import SHARDS_FILE, STAGE_FILE, manifest_name
 from entroweight.workflows.cli import main
 
 SCORE = ["--scorer", "causal_loss", "--dtype", "fp32"]  # + --model: the config `scored` was made with
@@ -112,8 +112,14 @@ def registry_not_a_mapping(d):
     return SHARDS_FILE
 
 
+def no_stage_record(d):
+    (d / STAGE_FILE).unlink()
+    return STAGE_FILE
+
+
 DAMAGES = {
     "no registry": no_registry,
+    "no stage record": no_stage_record,  # not other tools' data, which train reads as it is
     "manifest does not parse": bad_manifest,
     "registry does not parse": bad_registry,
     "registry not a mapping": registry_not_a_mapping,
@@ -150,7 +156,14 @@ def test_every_reader_refuses_a_directory_it_cannot_show_whole(
     assert r.exit_code == 2, (r.output, r.exception)
     line = r.output.strip()
     assert "\n" not in line and "Traceback" not in line, line
-    assert f"{d}/{name}" in line or (name == SHARDS_FILE and f"{d} has no {SHARDS_FILE}" in line), line
+    assert (
+        f"{d}/{name}" in line
+        or (name == SHARDS_FILE and f"{d} has no {SHARDS_FILE}" in line)
+        or (
+            name == STAGE_FILE
+            and f"{d} holds a stage's shards whose record is gone (no {STAGE_FILE})" in line
+        )
+    ), line
     assert not out.exists() or not any(out.iterdir()), "output written before the refusal"
 
 
