@@ -149,6 +149,23 @@ def test_a_run_on_a_sample_of_the_tokens_is_refused_from_the_spec(data):
     )
 
 
+@pytest.mark.parametrize(
+    "where, step",
+    [
+        ("models[0]", {"models": [{"name": "m", "kind": "llama", "config": {"d_modle": 16}}]}),
+        ("train", {"train": {"config": {"d_modle": 16}, "runs": [{"name": "r"}]}}),
+        ("models[0]", {"models": [{"name": "m", "model_config": "m.yaml", "config": {"d_modle": 16}}]}),
+    ],
+    ids=["models", "train", "beside-a-file"],
+)
+def test_a_model_config_field_misspelt_is_refused_with_its_path(where, step):
+    """From the spec, naming the key path (it was refused while planning, as `model causal: ...`)."""
+    msg = refusal({**BASE, **step})
+    assert f"{where}.config: " in msg and "d_modle" in msg and "n_layers" in msg, msg  # the fields it takes
+    kind = {**BASE, "models": [{"name": "m", "kind": "lama"}]}
+    assert "models[0].kind: unknown model kind 'lama'; choose one of llama" in refusal(kind)
+
+
 def test_wrong_type_is_refused_with_its_path():
     msg = refusal({**BASE, "tokenize": {"n_ctx": "long"}})
     assert msg.startswith("workflow is refused: tokenize.n_ctx: ") and "\n" not in msg, msg  # one line

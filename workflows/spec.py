@@ -8,6 +8,7 @@ See docs/workflows.md for the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path, PurePosixPath
@@ -94,6 +95,32 @@ def _local(v: str | None) -> str | None:
     return v
 
 
+def _model_kind(v: str) -> str:
+    from entroweight.models import model_class
+
+    model_class(v)  # an unknown kind: ValueError naming the kinds
+    return v
+
+
+def _model_fields(v: dict, info) -> dict:
+    """A step's inline model `config`, checked as `train` checks it (models.config_of) where it is the
+    whole config; beside a `model_config` file, which it overrides, its keys alone (the rest needs the
+    file). So a misspelt field is refused with its key path, from the spec."""
+    from entroweight.models import config_of, model_class
+
+    kind = info.data.get("kind")
+    if kind is None:  # refused by its own field
+        return v
+    fields = {f.name for f in dataclasses.fields(model_class(kind).Config)}
+    if info.data.get("model_config_file") is None:
+        config_of(kind, v)
+    elif unknown := sorted(set(v) - fields):
+        raise ValueError(
+            f"{', '.join(unknown)}: not a field of {kind} (its fields: {', '.join(sorted(fields))})"
+        )
+    return v
+
+
 class TokenizerSpec(_Strict):
     """Either `path` (a tokenizer.json or its directory) or `train` (a new one on the sources)."""
 
@@ -147,6 +174,8 @@ class ModelSpec(TrainSettings):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     _name = field_validator("name")(_name)
     _model_config_file = field_validator("model_config_file")(_local)
+    _kind = field_validator("kind")(_model_kind)
+    _config = field_validator("config")(_model_fields)
 
 
 class Weighting(WeighOptions):
@@ -312,6 +341,8 @@ class TrainSpec(TrainSettings):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     _out = field_validator("out")(_inside)
     _model_config_file = field_validator("model_config_file")(_local)
+    _kind = field_validator("kind")(_model_kind)
+    _config = field_validator("config")(_model_fields)
 
 
 class HoldoutSpec(_Strict):
