@@ -594,6 +594,23 @@ def test_a_checkpoint_of_edited_settings_is_replaced_only_with_overwrite(small_r
     assert code == 0 and "nothing to do" in out, out
 
 
+def test_min_mean_weight_in_a_score_step_drops_documents_as_counted_rejects(small_run, tmp_path):
+    """`min_mean_weight` (the commands' --min-mean-weight) in a scoring step and in a re-weighing one:
+    whole documents below it leave the output, each counted as a `low_weight` reject."""
+    from entroweight.pipelines.stage import read_manifests
+
+    spec = copy.deepcopy(small_run["spec"]) | {"run_dir": str(tmp_path / "run")}
+    spec["scores"][0] |= {"min_mean_weight": 0.5}
+    spec["scores"].append({"name": "again", "values_from": "causal_loss", "min_mean_weight": 0.55})
+    code, out = run_cli("run", write_yaml(tmp_path / "wf.yaml", spec))
+    assert code == 0, out
+    for name in ("causal_loss", "again"):
+        manifests = read_manifests(tmp_path / "run" / "scores" / name)
+        dropped = sum(m.rejected.get("low_weight", 0) for m in manifests)
+        assert dropped > 0, name
+        assert sum(m.docs_in for m in manifests) == sum(m.docs_out for m in manifests) + dropped
+
+
 def _marked_outputs():
     """Every other command's output as storage knows it: its mark (a stage's: its record, its lock)."""
     for mark, owner in storage.OUTPUT_MARKS:

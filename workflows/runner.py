@@ -372,6 +372,7 @@ class Runner:
     def _score(self, s) -> DataStep:
         from entroweight.transforms.weigh import WeighConfig
 
+        from .cli_common import document_steps
         from .quantiles import reference_quantiles, scorer_unit, values_unit
 
         wf = self.wf
@@ -392,9 +393,12 @@ class Runner:
                     unit = scorer_unit(s.scorer, dict(s.options))
                 quantiles = reference_quantiles(wf.score_dir(w.quantiles_from), unit, "quantiles_from")
             weigh = WeighConfig(**w.model_dump(exclude={"quantiles_from"}), quantiles=quantiles)
+            steps = document_steps({"min_mean_weight": s.min_mean_weight})  # as the commands' flag
             if sources:  # earlier steps' values, weighed anew (or combined first): no second scoring
                 combine = (s.op, wf.score_dir(sources[1])) if len(sources) == 2 else None
-                return WeighStage(wf.score_dir(sources[0]), weigh, s.with_entropy, combine=combine)
+                return WeighStage(
+                    wf.score_dir(sources[0]), weigh, s.with_entropy, combine=combine, steps=steps
+                )
             options = dict(s.options)  # validated with the spec (the scorer's Options model)
             if s.checkpoint_from:
                 options["checkpoint"] = str(wf.model_dir(s.checkpoint_from))
@@ -407,6 +411,7 @@ class Runner:
                 self.ctx.tokenizer_file(),
                 limit=s.limit_shards,
                 rows=s.limit_rows,
+                steps=steps,
             )
 
         return DataStep("score", s.name, wf.score_dir(s.name), self.ctx, upstream, build=build)

@@ -210,6 +210,8 @@ class ScoreSpec(_Strict):
     with_entropy: bool = True
     limit_shards: int | None = Field(None, ge=1)  # score the first N shards only (slow scorers)
     limit_rows: int | None = Field(None, ge=1)  # and the first N rows of each (a sample: decomposition)
+    # drop each document whose real tokens' mean weight is below this (`--min-mean-weight`): counted
+    min_mean_weight: float | None = Field(None, ge=0.0, le=1.0)
     # instead of a scorer: an earlier score step whose stored values are weighed anew (the weigh
     # stage, as `entroweight weigh`: no second scoring), e.g. Rho-1's top-k of the excess loss; or two
     # earlier steps on the same tokens whose values `op` combines (derived values: Rho-1's excess as
@@ -621,11 +623,13 @@ class Workflow(_Strict):
         except DeriveError as e:
             raise _At(f"scores[{i}].values_from", str(e)) from None
         scored = {src: scored_step(self.scores, src) for src in (a, b)}  # both earlier steps: validated
-        rows = {src: (x.limit_shards, x.limit_rows) for src, x in scored.items()}
+        steps = {x.name: x for x in self.scores}
+        rows = {src: (x.limit_shards, x.limit_rows, steps[src].min_mean_weight) for src, x in scored.items()}
         if rows[a] != rows[b]:
             raise _At(
                 f"scores[{i}].values_from",
-                f"{a!r} and {b!r} hold different rows (limit_shards, limit_rows: {rows[a]} vs {rows[b]}): "
+                f"{a!r} and {b!r} hold different rows (limit_shards, limit_rows, min_mean_weight: {rows[a]} "
+                f"vs {rows[b]}): "
                 f"the {s.op} needs the values of the same tokens",
             )
 
