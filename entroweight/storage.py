@@ -307,13 +307,13 @@ def foreign_files(directory, owner: str | None, command: str, hidden: bool = Fal
     if owner == UNKNOWN_STAGE or ".stage.json" in listing(directory):
         return sorted(n for n in names if not n.startswith("part-"))
     if owner == "run":
-        recorded = _run_outputs(directory)
+        recorded = run_outputs(directory)
         return [] if recorded is None else sorted(set(names) - {"run.json", *recorded})
     ours = OUTPUT_FILES.get(owner, ("*",))
     return sorted(n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in ours))
 
 
-def _run_outputs(directory) -> list[str] | None:
+def run_outputs(directory) -> list[str] | None:
     """The names a workflow run's steps write in its run_dir, as its run.json records them; None for a
     record from before they were recorded (or unreadable): then no name is told apart from the run's."""
     try:

@@ -278,6 +278,18 @@ def test_a_users_file_in_a_run_dir_is_told_from_the_runs_own(tiny_run):
         mine.unlink()
 
 
+def test_a_step_removed_from_the_workflow_leaves_its_output_the_runs(small_run, tmp_path):
+    """run.json's outputs keep what earlier runs in run_dir wrote: a step since removed from the
+    workflow left its output, which is the run's, not a user's file."""
+    spec = copy.deepcopy(small_run["spec"]) | {"run_dir": str(tmp_path / "run"), "scores": []}
+    assert run_cli("run", write_yaml(tmp_path / "wf.yaml", spec))[0] == 0
+    spec["models"] = []
+    code, out = run_cli("run", write_yaml(tmp_path / "wf.yaml", spec))
+    assert code == 0, out
+    assert "models" in json.loads((tmp_path / "run" / "run.json").read_text())[storage.RUN_OUTPUTS]
+    assert storage.foreign_files(tmp_path / "run", "run", "weigh") == []
+
+
 def test_second_run_does_no_work(tiny_run):
     run = tiny_run["run_dir"]
     # every output, manifest, stage record and shard registry stays untouched: run.json records the run

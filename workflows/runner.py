@@ -127,7 +127,10 @@ class Runner:
         plan = Runner(self.wf, self.engine, self.engine_options, True, self.overwrite, echo=lambda _: None)
         plan.ctx.here = True  # ... and the devices it names are on this machine
         plan._all_steps()
-        self.outputs = _names_in(root, [s.out for s in plan.steps])
+        # what earlier runs here wrote too (a step since removed from the workflow left its output)
+        self.outputs = sorted(
+            set(_names_in(root, [s.out for s in plan.steps])) | set(storage.run_outputs(root) or [])
+        )
         fresh = not storage.path(root).exists()
         lock = run_lock(root, self.wait)  # LockHeld -> exit 3
         start = time.perf_counter()
