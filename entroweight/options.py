@@ -77,6 +77,8 @@ def device_name(value: str, auto: bool = True) -> str:
         raise ValueError(f"{value!r} is not a torch device ({choices})") from None
     if kind not in DEVICE_TYPES:
         raise ValueError(f"{value!r} is a torch device entroweight does not run on ({choices})")
+    if kind != "cuda" and torch.device(value).index is not None:  # cpu:7: torch takes it, tensors fail
+        raise ValueError(f"{value!r} names a {kind} index; {kind} has none: use {kind} ({choices})")
     return value
 
 

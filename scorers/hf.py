@@ -186,7 +186,9 @@ def hub_revision(repo_id: str) -> str | None:
 
     try:
         return HfApi().model_info(repo_id).sha
-    except (OSError, ValueError):  # offline, or not reachable: what this machine's cache holds
+    # offline, or not reachable (the hub client's HTTP errors are its own, not OSError): what this
+    # machine's cache holds; with nothing cached, loading the model says so
+    except Exception:
         ref = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "refs" / "main"
         return ref.read_text().strip() if ref.is_file() else None
 
@@ -239,8 +241,9 @@ def load_causal_lm(
         except ValueError:  # a model without SDPA support: its default attention
             model = AutoModelForCausalLM.from_pretrained(str(resolved), **kw)
     except OSError as e:
+        why = " ".join(str(e).split())  # transformers' reasons run over several lines: the refusal is one
         raise ModelLoadError(
-            f"cannot load {resolved} ({e}); for a hub id, log in and download it first "
+            f"cannot load {resolved} ({why}); for a hub id, log in and download it first "
             "(e.g. `hf download meta-llama/Llama-3.2-1B`), or pass a local directory or .gguf file"
         ) from e
     return model.to(device).eval()

@@ -202,6 +202,18 @@ def test_a_hub_model_is_pinned_to_its_commit(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     s = make_scorer("causal_loss", model="meta-llama/Llama-3.2-1B", dtype="fp32")
     assert s.config()["model_revision"] == sha and s.revision == sha
+    # a network that fails with the hub client's own error (its HTTP library's, not an OSError): the
+    # cache's ref too, where it was a traceback (a machine with no DNS, not told it is offline)
+    import huggingface_hub
+
+    class ConnectError(Exception):
+        pass
+
+    def unreachable(*a, **kw):
+        raise ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    assert make_scorer("causal_loss", model="meta-llama/Llama-3.2-1B", dtype="fp32").revision == sha
     # cross_tokenizer (whose default model is this hub id) pins it the same way
     x = make_scorer("cross_tokenizer", dtype="fp32")
     assert x.config()["model_revision"] == sha and x.source.revision == sha
