@@ -218,6 +218,52 @@ def test_a_loss_that_turns_nan_stops_the_run_with_exit_1(weighted_dir, tmp_path)
     assert json.loads((out / "trainer_state.json").read_text())["step"] == last < 20
 
 
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--steps", 3, "--warmup-steps", 10], "warmup_steps (--warmup-steps) 10 is past steps (--steps) 3"),
+        (["--steps", 4, "--stop-at", 5], "stop_at (--stop-at) 5 is past steps (--steps) 4"),
+    ],
+    ids=["warmup", "stop-at"],
+)
+def test_a_step_count_past_the_runs_steps_is_refused(weighted_dir, tmp_path, flags, says):
+    """A warmup longer than the run (its peak lr never reached) or a stop after its last step (it
+    stops nothing) was accepted without a word."""
+    out = tmp_path / "run"
+    refused(cli(*train_args(weighted_dir, out, *flags)), says)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("error", ["cpu", "cuda"])
+def test_out_of_memory_stops_the_run_on_one_line(weighted_dir, tmp_path, monkeypatch, error):
+    """A batch that does not fit (the CPU allocator's RuntimeError; CUDA's OutOfMemoryError): exit 1,
+    one line naming --batch-size and what to do, no traceback (it was one)."""
+    import torch
+
+    from entroweight.trainers import loop
+
+    raised = {
+        "cpu": RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"),
+        "cuda": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    }[error]
+    real = loop.build_model
+
+    def too_big(*a, **kw):
+        model = real(*a, **kw)
+
+        def forward(*a, **kw):
+            raise raised
+
+        model.forward = forward
+        return model
+
+    monkeypatch.setattr(loop, "build_model", too_big)
+    r = cli(*train_args(weighted_dir, tmp_path / "run", "--steps", 2))
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    line = r.output.strip().splitlines()[-1]
+    assert line.startswith("error: out of memory on cpu with --batch-size 4") and "lower --batch-size" in line
+
+
 # ---------------------------------------------------------------- train: disk full while saving
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from entroweight.options import DeviceName, Options, Seed, refusal_lines
 
@@ -48,6 +48,15 @@ class TrainSettings(_Settings):
     # is asked when the run starts (trainers/loop.py, entroweight.options.device_here)
     device: DeviceName = Field("auto", description="auto, cpu, cuda, cuda:1, ...")
     compile: bool = Field(False, description="torch.compile the model.")
+
+    @model_validator(mode="after")
+    def _warmup_within_steps(self):
+        if self.warmup_steps is not None and self.warmup_steps > self.steps:  # lr would never peak
+            raise ValueError(
+                f"warmup_steps (--warmup-steps) {self.warmup_steps} is past steps (--steps) {self.steps}: "
+                "the learning rate would never reach lr; give fewer warmup steps"
+            )
+        return self
 
 
 class LossSettings(_Settings):
@@ -110,6 +119,14 @@ class TrainConfig(TrainSettings, LossSettings):
         if isinstance(v, (list, tuple)):
             return [os.fspath(x) if isinstance(x, os.PathLike) else x for x in v]
         return v
+
+    @model_validator(mode="after")
+    def _stop_within_steps(self):
+        if self.stop_at is not None and self.stop_at > self.steps:  # it would stop nothing
+            raise ValueError(
+                f"stop_at (--stop-at) {self.stop_at} is past steps (--steps) {self.steps}: give a step of the run"
+            )
+        return self
 
     @field_validator("data")
     @classmethod

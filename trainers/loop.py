@@ -195,14 +195,31 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> TrainResult:
     device = _device(cfg.device)
     if _check_out_apart(cfg):  # another command's output, which --overwrite replaces whole
         storage.remove_tree(cfg.out)
-    if storage.is_url(cfg.out):
-        return _train_to_store(cfg, device, allow_config_change)
-    rank, world, device, own_group = _setup_dist(device)
     try:
-        return _train(cfg, rank, world, device, allow_config_change)
-    finally:
-        if own_group:
-            torch.distributed.destroy_process_group()
+        if storage.is_url(cfg.out):
+            return _train_to_store(cfg, device, allow_config_change)
+        rank, world, device, own_group = _setup_dist(device)
+        try:
+            return _train(cfg, rank, world, device, allow_config_change)
+        finally:
+            if own_group:
+                torch.distributed.destroy_process_group()
+    except (RuntimeError, MemoryError) as e:
+        if not _out_of_memory(e):
+            raise
+        raise TrainFailed(
+            f"out of memory on {device} with --batch-size {cfg.batch_size} ({_first_line(e)}): lower "
+            "--batch-size (--grad-accum keeps the tokens per step); the last checkpoint saved stays"
+        ) from None
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: CUDA's OutOfMemoryError, the CPU allocator's RuntimeError, Python's."""
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _train_to_store(cfg: TrainConfig, device: torch.device, allow_config_change: bool) -> TrainResult:
