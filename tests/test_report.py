@@ -173,6 +173,31 @@ def test_report_cli_and_refusal(tiny_run, tmp_path):  # noqa: F811
     assert code == 2 and "run.json" in out
 
 
+def test_an_incomplete_run_says_what_is_missing(tiny_run, tmp_path):  # noqa: F811
+    """Outputs the workflow plans but the run dir lacks (a run stopped part way, files removed) are
+    named at the top of the page; a complete run names none. (The tables, read from what is there,
+    showed one seed as the run's and dropped sections without a word.)"""
+    import shutil
+
+    from entroweight.workflows.report_data import missing_outputs
+    from entroweight.workflows.spec import parse_workflow
+
+    page = write_report(tiny_run["run_dir"], tmp_path / "whole.html", samples=0).read_text()
+    assert "Incomplete run" not in page
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run["run_dir"], run)
+    (run / "eval" / "weighted-causal" / "seed-1.json").unlink()
+    shutil.rmtree(run / "scores" / "occlusion")
+    shutil.rmtree(run / "train" / "reference" / "seed-0")
+    record = json.loads((run / "run.json").read_text())
+    wf = parse_workflow({**record["config"], "run_dir": str(run)})
+    gone = ["scores/occlusion", "train/reference/seed-0", "eval/weighted-causal/seed-1.json"]
+    assert sorted(missing_outputs(wf)) == sorted(gone)
+    page = write_report(run, tmp_path / "part.html", samples=0).read_text()
+    assert "<b>Incomplete run:</b> 3 outputs the workflow plans are missing (" in page
+    assert all(g in page for g in gone)
+
+
 def test_the_page_escapes_what_the_run_recorded(tiny_run, tmp_path):  # noqa: F811
     """run.json is data, not markup: a workflow file name or a step detail holding HTML is shown as text."""
     import shutil

@@ -17,6 +17,7 @@ import numpy as np
 import yaml
 
 from entroweight.schemas.datadir import DataDir, DataDirError
+from entroweight.schemas.manifest import STAGE_FILE
 from entroweight.schemas.weighted import (
     ENTROPY,
     EXCLUDED,
@@ -26,6 +27,7 @@ from entroweight.schemas.weighted import (
     real_mask,
     weights_matrix,
 )
+from entroweight.trainers.checkpoint import STATE
 
 from . import stats
 from .spec import PRIMARY, TOKENS, SpecError, Workflow, parse_workflow
@@ -605,6 +607,26 @@ def bpb_section(wf: Workflow, text: str = "main") -> dict:
     }
 
 
+def missing_outputs(wf: Workflow) -> list[str]:
+    """The outputs the workflow plans that its run_dir lacks (relative to it), in the steps' order: a
+    run stopped part way, or outputs removed since. The tables use what is there; this says what is
+    not, so a seed or a section short is not read as the whole run."""
+    planned: list[Path] = [wf.score_dir(s.name) / STAGE_FILE for s in wf.scores]
+    planned += [wf.model_dir(m.name) / STATE for m in wf.models]
+    if wf.agreement is not None:
+        planned.append(wf.root / wf.agreement.out)
+    if wf.train is not None:
+        for seed in wf.train.seeds:
+            for r in wf.train.runs:
+                planned.append(wf.run_ckpt(r.name, seed) / STATE)
+                planned += [wf.eval_file(r.name, seed, t) for t in (wf.eval_texts() if wf.eval else ())]
+                if wf.accuracy is not None:
+                    planned.append(wf.accuracy_file(r.name, seed))
+    gone = [p for p in planned if not p.exists()]
+    # a directory's record names the directory: a step's output, not its bookkeeping
+    return [str((p.parent if p.name in (STAGE_FILE, STATE) else p).relative_to(wf.root)) for p in gone]
+
+
 def report_data(run_dir: str | Path, n_samples: int = 3, max_tokens: int = 2_000_000) -> dict:
     """Everything the report shows, in the page's order."""
     record, wf = load_run(run_dir)
@@ -616,6 +638,7 @@ def report_data(run_dir: str | Path, n_samples: int = 3, max_tokens: int = 2_000
             scores[s.name] = sc
     return {
         "run_dir": str(record.get("config", {}).get("run_dir", run_dir)),
+        "missing": missing_outputs(wf),
         "headline": headline(wf) if experiment else None,
         "provenance": provenance(record),
         "truncation": truncation(wf.tokens_dir()),
