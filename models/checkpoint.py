@@ -116,7 +116,10 @@ def load_checkpoint(
     URL (s3://, gs://) is downloaded to a temp directory first, and checked the same way."""
     if storage.is_url(ckpt_dir):
         with storage.local_copy(ckpt_dir) as local:
-            return load_checkpoint(local, map_location, verify, allow_pickle)
+            try:
+                return load_checkpoint(local, map_location, verify, allow_pickle)
+            except CheckpointError as e:  # named as the user gave it, not as the temp copy
+                raise CheckpointError(str(e).replace(str(local), str(ckpt_dir).rstrip("/"))) from None
     ckpt = Path(ckpt_dir)
     config = read_checkpoint_config(ckpt)
     weights = ckpt / WEIGHTS

@@ -130,6 +130,11 @@ def test_resume_with_other_settings_is_refused_naming_them(weighted_dir, tmp_pat
     refused(
         cli(*train_args(weighted_dir, out, "--steps", 6, "--batch-size", 2, "--resume")), "batch_size 4 -> 2"
     )
+    other = tmp_path / "other.yaml"  # the model's own config: each field that differs, not the whole dict
+    other.write_text("".join(f"{k}: {v}\n" for k, v in {**TINY, "d_model": 32}.items()))
+    argv = ["train", weighted_dir, "--model-config", other, "--out", out, "--batch-size", 4, "--steps", 6]
+    line = refused(cli(*argv, "--resume"), "--model-config differs from the checkpoint's (d_model: 64 -> 32)")
+    assert "n_layers" not in line
     # settings that do not change what is computed may differ (here the stop and logging)
     r = cli(
         *train_args(

@@ -75,8 +75,12 @@ def test_a_tampered_checkpoint_on_s3_is_refused(weighted_dir, tmp_path, s3_bucke
     body = bytearray(weights.read_bytes())
     body[-1] ^= 0xFF
     weights.write_bytes(bytes(body))
-    with pytest.raises(CheckpointError, match="sha256"):
+    with pytest.raises(CheckpointError, match="sha256") as e:
         load_checkpoint(out)
+    # named as the user gave it, not as the temp copy it was checked in
+    assert f"{out}/model.safetensors does not match" in str(e.value) and "entroweight-copy-" not in str(
+        e.value
+    )
 
 
 @pytest.mark.filterwarnings("ignore:Transformer Engine:UserWarning")

@@ -214,8 +214,8 @@ def inspect_data(
     if tokenizer_sha256 and sha and sha != tokenizer_sha256:
         raise DataError(
             f"the data was tokenized with tokenizer sha256 {sha[:12]}…, but the model/run uses "
-            f"{tokenizer_sha256[:12]}…; re-tokenize the data with the run's tokenizer, or start a new run "
-            "(not --resume) for this data"
+            f"{tokenizer_sha256[:12]}…; give data of the model's tokenizer (re-tokenize it), or, to train on "
+            "this data, start a new run (not --resume)"
         )
     vocabs = {m.get("vocab_size") for m in metas}
     data_vocab = max((v for v in vocabs if v is not None), default=None)

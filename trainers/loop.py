@@ -213,6 +213,11 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> TrainResult:
         ) from None
 
 
+def _short(value, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def _out_of_memory(e: BaseException) -> bool:
     """An allocation that failed: CUDA's OutOfMemoryError, the CPU allocator's RuntimeError, Python's."""
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
@@ -389,9 +394,12 @@ def _resolve(
     settings, history = _settings(cfg), None
     if cfg.resume:
         if mc != base_model_cfg:
-            raise TrainError(
-                f"--model-config differs from the checkpoint's ({base_model_cfg}); drop it to resume"
+            changed = "; ".join(  # each field that differs, not the whole config (a T-FREE's is long)
+                f"{k}: {_short(base_model_cfg.get(k))} -> {_short(mc.get(k))}"
+                for k in sorted(set(mc) | set(base_model_cfg))
+                if mc.get(k) != base_model_cfg.get(k)
             )
+            raise TrainError(f"--model-config differs from the checkpoint's ({changed}); drop it to resume")
         history = _config_history(prev, settings, state["step"], allow_config_change)
     shards = data_shards(info.files)
     if cfg.resume:

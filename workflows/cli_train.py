@@ -200,8 +200,10 @@ def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle):
             export_hf(ckpt_dir, local, tokenizer, allow_pickle=allow_pickle)
     except (CheckpointError, ValueError) as e:
         _fail(str(e))
+    # lm-eval and transformers read a local directory or a hub id, not an object store's URL
+    where = "a local copy of it" if storage.is_url(out) else out
     click.echo(
-        f"wrote {out}; evaluate with: lm_eval --model hf --model_args pretrained={out} --tasks hellaswag"
+        f"wrote {out}; evaluate with: lm_eval --model hf --model_args pretrained={where} --tasks hellaswag"
     )
 
 
