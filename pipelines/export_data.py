@@ -14,9 +14,11 @@ there (every float16 is a float32: no loss). `export.json` records the provenanc
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,7 +161,7 @@ def document_bounds(rows: Rows, eos_id: int | None) -> np.ndarray:
 
 
 def _megatron(source: Source, out: Path, record: dict) -> None:
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+    mc = _quiet_import(MEGATRON_MODULE)
 
     prefix = str(out / MEGATRON_PREFIX)
     weight_prefix = megatron_weight_prefix(prefix)
@@ -167,15 +169,15 @@ def _megatron(source: Source, out: Path, record: dict) -> None:
     id_dtype = np.uint16 if source.meta["vocab_size"] <= 2**16 else np.int32
     # Megatron's indexed dataset has no float16: float32 holds every float16 exactly
     weight_dtype = np.uint8 if source.weight_dtype == "uint8" else np.float32
-    tokens = IndexedDatasetBuilder(get_bin_path(prefix), dtype=id_dtype)
-    weights = IndexedDatasetBuilder(get_bin_path(weight_prefix), dtype=weight_dtype)
+    tokens = mc.IndexedDatasetBuilder(mc.get_bin_path(prefix), dtype=id_dtype)
+    weights = mc.IndexedDatasetBuilder(mc.get_bin_path(weight_prefix), dtype=weight_dtype)
     for rows in source.rows(record["counts"]):
         bounds = source.documents(rows)
         for s, e in zip(bounds[:-1], bounds[1:], strict=True):
             tokens.add_document(rows.ids[s:e], [int(e - s)])
             weights.add_document(rows.weight[s:e], [int(e - s)])
-    tokens.finalize(get_idx_path(prefix))
-    weights.finalize(get_idx_path(weight_prefix))
+    tokens.finalize(mc.get_idx_path(prefix))
+    weights.finalize(mc.get_idx_path(weight_prefix))
 
 
 # LitData has no empty dataset: its writer writes no index for no item, its reader refuses an index
@@ -287,6 +289,15 @@ def _scorer_detail(meta: dict) -> str:
 
 
 WRITERS = {"megatron": _megatron, "litdata": _litdata, "hf": _hf}
+MEGATRON_MODULE = "megatron.core.datasets.indexed_dataset"
+
+
+def _quiet_import(name: str):
+    """`importlib.import_module(name)` without megatron-core's 8 import warnings that Apex and
+    Transformer Engine are absent: neither is used to write an indexed dataset."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex)", category=UserWarning)
+        return importlib.import_module(name)
 
 
 # -- the command
@@ -309,7 +320,7 @@ def check_request(src: str | Path, out: str | Path, fmt: str, overwrite: bool) -
         raise ExportError(f"--out {out} already holds an export; pass --overwrite to replace it")
     if EXTRAS[fmt]:
         try:
-            __import__("megatron.core.datasets.indexed_dataset" if fmt == "megatron" else "litdata")
+            _quiet_import(MEGATRON_MODULE if fmt == "megatron" else "litdata")
         except ImportError as e:
             raise ExportError(
                 f"--format {fmt} needs {e.name}: pip install 'entroweight[{EXTRAS[fmt]}]'"

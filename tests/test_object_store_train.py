@@ -202,3 +202,5 @@ def test_an_s3_out_is_written_there(command, tiny_ckpt, tiny_run, c4_60, s3_buck
     assert res.exit_code == 0, res.output
     assert storage.walk(out), f"nothing in {out}: {res.output}"
     assert not (tmp_path / "s3:").exists()
+    # a command's local scratch (evaluate's lm-eval caches, their locks) is not uploaded with it
+    assert not [k for k in storage.walk(out) if ".lm-eval" in k], sorted(storage.walk(out))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import shutil
 from pathlib import Path
 
 import click
@@ -107,6 +108,8 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
         storage.remove_tree(out)
     with storage.staged(out) as dest:  # an s3:// --out: written here, then uploaded
         res = _evaluate(ckpt_dir, names, dest, items, kw)
+        if storage.is_url(out):  # lm-eval's scratch (caches and their locks) is not a result to upload
+            shutil.rmtree(dest / ".lm-eval", ignore_errors=True)
     for task, t in res["tasks"].items():
         metrics = ", ".join(
             f"{k} {m['value']:.4f}" + (f" ± {m['stderr']:.4f}" if m["stderr"] is not None else "")
