@@ -153,18 +153,27 @@ def test_sigkill_during_write_leaves_no_partial_file(tmp_path, inputs, tokenizer
 
 
 @pytest.mark.slow
-def test_ctrl_c_mid_run_exits_130_and_the_rerun_goes_on(tmp_path, inputs, tokenizer_dir, reference):
-    """Ctrl-C (SIGINT to the process group, as a terminal sends it) part way: exit 130 as a shell
-    reports it, one line saying what stays and no traceback (click said "Aborted!", exit 1); the shards
-    committed stay whole and the rerun completes them to the clean run's bytes."""
+@pytest.mark.parametrize(
+    "sig, code, says",
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_a_stop_mid_run_exits_128_plus_the_signal_and_the_rerun_goes_on(
+    tmp_path, inputs, tokenizer_dir, reference, sig, code, says
+):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) or SIGTERM (a scheduler cancelling,
+    a node preempted) part way: exit 128 + the signal as a shell reports it, one line saying what stays
+    and no traceback (click said "Aborted!", exit 1; SIGTERM killed it where it stood, no temp file
+    removed); the shards committed stay whole and the rerun completes them to the clean run's bytes."""
     out = tmp_path / "out"
     proc = cli(tokenize_args(inputs, tokenizer_dir, out), env={"ENTROWEIGHT_TEST_SHARD_DELAY": "0.5"})
     wait_for(lambda: out.exists() and read_manifests(out), timeout=120)
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, sig)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
-    assert stderr.strip().splitlines()[-1].startswith("interrupted: what was committed stays"), stderr
+    assert proc.returncode == code, stderr
+    assert stderr.strip().splitlines()[-1].startswith(f"{says}: what was committed stays"), stderr
     assert "Traceback" not in stderr, stderr
+    assert not list(out.rglob(f"*{TMP_MARK}*"))  # its `finally` blocks ran
     assert_no_partial_files(out)
     assert verify_dir(out) != []  # visibly incomplete
     rerun_is_identical(inputs, tokenizer_dir, out, reference)

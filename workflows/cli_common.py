@@ -8,7 +8,9 @@ the lock on the output directory.
 from __future__ import annotations
 
 import math
+import signal
 import sys
+import threading
 
 import click
 
@@ -25,6 +27,16 @@ def _fail(message: str, code: int = EXIT_REFUSED):
 
 
 INTERRUPTED = 130  # a command stopped by Ctrl-C (SIGINT), as a shell reports it
+TERMINATED = 143  # ... or by SIGTERM (a scheduler cancelling it, a node preempted), 128 + 15
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is: its `finally` blocks run as they do on Ctrl-C (temp files
+    and staging copies removed, locks released), where Python's default handler stopped it dead."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 class Commands(click.Group):
@@ -33,19 +45,28 @@ class Commands(click.Group):
     its usage screen around it. A missing argument keeps the usage, which says what to give."""
 
     def invoke(self, ctx):
+        # (a handler set by whoever runs the command is theirs; signals reach the main thread only)
+        catch = threading.current_thread() is threading.main_thread()
+        catch = catch and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        if catch:
+            signal.signal(signal.SIGTERM, _terminate)
         try:
             return super().invoke(ctx)
         except click.BadParameter as e:
             if isinstance(e, click.MissingParameter):
                 raise
             _fail(e.format_message())
-        except KeyboardInterrupt:  # Ctrl-C: the shell's 128 + SIGINT, where click says "Aborted!", 1
+        except KeyboardInterrupt as e:  # Ctrl-C: the shell's 128 + SIGINT, where click said "Aborted!", 1
+            how = "terminated" if isinstance(e, Terminated) else "interrupted"
             click.echo(
-                "interrupted: what was committed stays (finished shards, saved checkpoints); run the "
+                f"{how}: what was committed stays (finished shards, saved checkpoints); run the "
                 "command again to go on (train: with --resume)",
                 err=True,
             )
-            ctx.exit(INTERRUPTED)
+            ctx.exit(TERMINATED if isinstance(e, Terminated) else INTERRUPTED)
+        finally:
+            if catch:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class Location(click.ParamType):
