@@ -306,7 +306,10 @@ class TrainStep(Step):
         if not _record(self.out / STATE).get("step") or "settings" not in made:
             return []
         # through JSON, as recorded: tuples are lists there
-        return setting_changes(made["settings"], json.loads(json.dumps(self.settings(), default=str)))
+        now = json.loads(json.dumps(self.settings(), default=str))
+        # the tokenizer's path moves with run_dir (its identity, the sha256, is checked by train): a
+        # moved run is trained again as before (its key changed), not refused as an edit
+        return [c for c in setting_changes(made["settings"], now) if not c.startswith("train.tokenizer:")]
 
     def done(self):
         made, state = _record(self.out / STEP_FILE), _record(self.out / STATE)
