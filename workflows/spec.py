@@ -111,10 +111,11 @@ def _model_fields(v: dict, info) -> dict:
     kind = info.data.get("kind")
     if kind is None:  # refused by its own field
         return v
-    fields = {f.name for f in dataclasses.fields(model_class(kind).Config)}
     if info.data.get("model_config_file") is None:
         config_of(kind, v)
-    elif unknown := sorted(set(v) - fields):
+        return v
+    fields = {f.name for f in dataclasses.fields(model_class(kind).Config)}
+    if unknown := sorted(set(v) - fields):
         raise ValueError(
             f"{', '.join(unknown)}: not a field of {kind} (its fields: {', '.join(sorted(fields))})"
         )
