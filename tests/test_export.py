@@ -141,7 +141,8 @@ def test_acceptance_tiny_model_beats_unigram_on_wikitext(
         TrainConfig(
             data=str(tokenized_dir),
             out=str(out),
-            model_config={"d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 384},
+            # 2 layers: the same 3.36 BPB as 4 here (unigram 3.83), in 44 s against 79
+            model_config={"d_model": 128, "n_layers": 2, "n_heads": 4, "d_ff": 384},
             tokenizer=str(tokenizer_dir),
             steps=300,
             batch_size=16,
