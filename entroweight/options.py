@@ -190,3 +190,24 @@ def type_name(annotation) -> str:
     if args:  # a union: X | None
         return " or ".join(type_name(a) for a in args)
     return "none" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
+
+
+def setting_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """`key: old -> new` of each setting that differs, nested settings by their dotted key
+    (`weighting.quantiles`), a long value cut short: the refusal stays one readable line (a weighting's
+    100 reference quantiles made it 3 KB)."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += setting_changes(a, b, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}: {_short(a)} -> {_short(b)}")
+    return out
+
+
+def _short(value, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"

@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from entroweight import __version__, storage
+from entroweight.options import setting_changes
 from entroweight.schemas import ShardManifest, StageRecord, config_hash
 from entroweight.schemas.datadir import DataDir, Unreadable
 from entroweight.schemas.manifest import (
@@ -574,27 +575,6 @@ def _mismatch_message(out: AnyPath, old: StageRecord, new: StageRecord) -> str:
         f"{new.config_hash} ({'; '.join(diff) or 'stage changed'}). Write elsewhere (another --out; in "
         "a workflow, another run_dir), or pass --overwrite to delete the old shards."
     )
-
-
-def setting_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """`key: old -> new` of each setting that differs, nested settings by their dotted key
-    (`weighting.quantiles`), a long value cut short: the refusal stays one readable line (a weighting's
-    100 reference quantiles made it 3 KB)."""
-    out = []
-    for k in sorted(set(old) | set(new)):
-        a, b = old.get(k), new.get(k)
-        if a == b:
-            continue
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += setting_changes(a, b, f"{prefix}{k}.")
-        else:
-            out.append(f"{prefix}{k}: {_short(a)} -> {_short(b)}")
-    return out
-
-
-def _short(value, width: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def run_task(stage: Stage, task: ShardTask) -> ShardResult:

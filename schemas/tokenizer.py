@@ -135,17 +135,27 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
+def _loaded(tokenizer: Tokenizer | str | Path) -> Tokenizer:
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    return Tokenizer.from_str(storage.path(tokenizer).read_text(encoding="utf-8"))
+
+
+def vocab_size(tokenizer: Tokenizer | str | Path) -> int:
+    """The ids a model of this tokenizer needs: its vocabulary with the added (special) tokens, of a
+    `tokenizers` Tokenizer or the tokenizer.json at a path."""
+    return _loaded(tokenizer).get_vocab_size(with_added_tokens=True)
+
+
 def token_bytes(tokenizer: Tokenizer | str | Path) -> list[bytes]:
     """The raw bytes each token id stands for (b"" for special tokens), of a `tokenizers` Tokenizer or
     the tokenizer.json at a path: exact byte accounting without decoding."""
-    if not isinstance(tokenizer, Tokenizer):
-        tokenizer = Tokenizer.from_str(storage.path(tokenizer).read_text(encoding="utf-8"))
-    tok = tokenizer
+    tok = _loaded(tokenizer)
     decoder = json.loads(tok.to_str()).get("decoder") or {}
     byte_level = "ByteLevel" in json.dumps(decoder)
     to_byte = {c: b for b, c in bytes_to_unicode().items()} if byte_level else None
     specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
-    out = [b""] * tok.get_vocab_size(with_added_tokens=True)
+    out = [b""] * vocab_size(tok)
     for piece, idx in tok.get_vocab(with_added_tokens=True).items():
         if piece in specials:
             continue

@@ -31,6 +31,7 @@ from entroweight.schemas.tokenizer import (
     check_vocab,
     resolve_tokenizer_path,
     text_as_data,
+    vocab_size,
 )
 
 from .losses import per_token_ce
@@ -246,7 +247,7 @@ def unigram_bpb(data_paths, tokenizer, text_path=None, max_bytes: int | None = N
     except TokenizerError as e:
         raise CheckpointError(str(e)) from None
     tok = checkpoint_tokenizer(None, path)
-    V = tok.get_vocab_size(with_added_tokens=True)
+    V = vocab_size(tok)
     counts = np.ones(V, dtype=np.float64)
     # the data's ids must be this tokenizer's: counted under another, each id would be another token
     sha = hashlib.sha256(path.read_bytes()).hexdigest()

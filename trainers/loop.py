@@ -24,9 +24,9 @@ from safetensors import SafetensorError
 from entroweight import storage
 from entroweight.models import build_model, config_of, model_class
 from entroweight.models.checkpoint import WEIGHTS, a_model_of, load_weights, read_checkpoint_config
-from entroweight.options import device_here
+from entroweight.options import device_here, setting_changes
 from entroweight.schemas.datadir import DataDir
-from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path
+from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path, vocab_size
 
 from .checkpoint import METRICS, STATE, TOKENIZER, load_training_state, save_training_checkpoint
 from .config import CHECKED_APART, RUN_ONLY, TrainConfig, TrainError
@@ -148,10 +148,7 @@ def _model_config(cfg: TrainConfig, info, base: dict, tok_path=None) -> dict:
         raise TrainError(str(e)) from None
     fields = {f.name for f in dataclasses.fields(model_class(cfg.model).Config)}
     if "vocab_size" in fields and not info.vocab_size and "vocab_size" not in mc and tok_path:
-        from tokenizers import Tokenizer
-
-        text = storage.path(tok_path).read_text(encoding="utf-8")
-        mc["vocab_size"] = Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)
+        mc["vocab_size"] = vocab_size(tok_path)
     unknown = [
         k for k, fact in (("vocab_size", info.vocab_size), ("n_ctx", info.n_ctx)) if k in fields and not fact
     ]
@@ -211,11 +208,6 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> TrainResult:
             f"out of memory on {device} with --batch-size {cfg.batch_size} ({_first_line(e)}): lower "
             "--batch-size (--grad-accum keeps the tokens per step); the last checkpoint saved stays"
         ) from None
-
-
-def _short(value, width: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -394,11 +386,8 @@ def _resolve(
     settings, history = _settings(cfg), None
     if cfg.resume:
         if mc != base_model_cfg:
-            changed = "; ".join(  # each field that differs, not the whole config (a T-FREE's is long)
-                f"{k}: {_short(base_model_cfg.get(k))} -> {_short(mc.get(k))}"
-                for k in sorted(set(mc) | set(base_model_cfg))
-                if mc.get(k) != base_model_cfg.get(k)
-            )
+            # each field that differs, not the whole config (a T-FREE's is long)
+            changed = "; ".join(setting_changes(base_model_cfg, mc))
             raise TrainError(f"--model-config differs from the checkpoint's ({changed}); drop it to resume")
         history = _config_history(prev, settings, state["step"], allow_config_change)
     shards = data_shards(info.files)

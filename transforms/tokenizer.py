@@ -21,6 +21,7 @@ from entroweight.schemas.tokenizer import (
     resolve_tokenizer_path,
     text_as_data,
     token_bytes,
+    vocab_size,
 )
 
 from .writer import sha256_file, write_bytes_atomic
@@ -39,7 +40,7 @@ class LoadedTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+        return vocab_size(self.tokenizer)
 
     @cached_property
     def token_bytes(self) -> list[bytes]:

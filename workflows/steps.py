@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from entroweight.models.checkpoint import WEIGHTS
+from entroweight.options import setting_changes
 from entroweight.pipelines import StageError, run_stage
-from entroweight.pipelines.stage import preview_run, read_manifests, setting_changes
+from entroweight.pipelines.stage import preview_run, read_manifests
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas.tokenizer import TOKENIZER_FILE
 from entroweight.trainers.checkpoint import STATE, is_the_file_saved
@@ -307,9 +308,7 @@ class TrainStep(Step):
             return []
         # through JSON, as recorded: tuples are lists there
         now = json.loads(json.dumps(self.settings(), default=str))
-        # the tokenizer's path moves with run_dir (its identity, the sha256, is checked by train): a
-        # moved run is trained again as before (its key changed), not refused as an edit
-        return [c for c in setting_changes(made["settings"], now) if not c.startswith("train.tokenizer:")]
+        return setting_changes(_edited(made["settings"]), _edited(now))
 
     def done(self):
         made, state = _record(self.out / STEP_FILE), _record(self.out / STATE)
@@ -341,6 +340,13 @@ class TrainStep(Step):
         write_json_atomic(made, self.out / STEP_FILE)
         ce = (read_metrics(self.out) or [{}])[-1].get("ce", float("nan"))
         return "ran", f"{cfg.steps} steps, ce {ce:.4f}"
+
+
+def _edited(settings: dict) -> dict:
+    """A train step's settings as an edit of its spec changes them: without the tokenizer's path, which
+    moves with run_dir (its identity, the sha256, is train's check): a moved run is trained again as
+    before (its key changed), not refused as an edit."""
+    return {**settings, "train": {k: v for k, v in settings["train"].items() if k != "tokenizer"}}
 
 
 def _stat(path: Path) -> tuple[int, int] | tuple[None, None]:
