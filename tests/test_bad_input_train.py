@@ -164,6 +164,11 @@ def test_allowed_config_change_records_both_configs(weighted_dir, tmp_path):
     # once more, at its last step: nothing is trained, and it says so (it said "loss None, 0 real tok/s")
     r = cli(*train_args(weighted_dir, out, "--steps", 8, "--lr", "1e-4", "--resume"))
     assert r.exit_code == 0 and f"nothing to train: {out} is at step 8 of 8" in r.output, r.output
+    # a stop behind the checkpoint's step says so, and of the run's steps (it said "at step 8 of 8")
+    later = ("--steps", 12, "--lr", "1e-4", "--stop-at", 5, "--resume", "--allow-config-change")
+    r = cli(*train_args(weighted_dir, out, *later))
+    assert r.exit_code == 0, r.output
+    assert f"nothing to train: {out} is at step 8 of 12, past --stop-at 5" in r.output, r.output
 
 
 # ---------------------------------------------------------------- train: non-finite values

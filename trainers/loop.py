@@ -43,6 +43,7 @@ class TrainFailed(TrainError):
 class TrainResult:
     out: str
     step: int
+    steps: int  # the run's last step (--steps)
     loss: float | None
     tokens: int
     seconds: float
@@ -579,6 +580,7 @@ def _train(
     return TrainResult(
         out=str(out),
         step=step,
+        steps=cfg.steps,
         loss=last_loss,
         tokens=tokens,
         seconds=seconds,

@@ -113,3 +113,9 @@ class MinMeanWeight(DocumentStep):
             if not k
         ]
         return table.filter(pa.array(np.repeat(keep_doc, rows))), rejects
+
+
+def document_steps(min_mean_weight: float | None = None) -> list[DocumentStep]:
+    """The steps the options ask for, in the order they run: one mapping for the commands' flags
+    (`--min-mean-weight`) and a workflow's score step (`min_mean_weight`)."""
+    return [MinMeanWeight(min_mean_weight)] if min_mean_weight is not None else []

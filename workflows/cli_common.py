@@ -356,14 +356,6 @@ def document_step_options(f):
     )(f)
 
 
-def document_steps(params: dict) -> list:
-    """The steps the flags of `document_step_options` ask for, in the order they run."""
-    from entroweight.transforms.select import MinMeanWeight
-
-    threshold = params.pop("min_mean_weight", None)
-    return [MinMeanWeight(threshold)] if threshold is not None else []
-
-
 def check_output(out, reads, command: str, overwrite: bool = False, flag: str = "--out", **kw):
     """The path rule (entroweight.storage.check_output), refused with exit 2: every command that
     writes calls it first, before it reads or creates anything. Returns the other command's output

@@ -12,7 +12,6 @@ from .cli_common import (
     _fail,
     check_output,
     document_step_options,
-    document_steps,
     engine_options,
     run_stage_cli,
     stage_options,
@@ -142,6 +141,7 @@ def score(
     from entroweight.scorers import OptionsError, ScorerError, check_options
     from entroweight.scorers.base import flag
     from entroweight.scorers.hf import ModelLoadError
+    from entroweight.transforms.select import document_steps
     from entroweight.transforms.tokenizer import TokenizerError
     from entroweight.transforms.weigh import GLOBAL_SCALE
 
@@ -175,7 +175,7 @@ def score(
             tokenizer,
             batch_tokens,
             cpus_per_worker,
-            steps=document_steps(params),
+            steps=document_steps(params.pop("min_mean_weight", None)),
         )
         stage.row_progress = params["engine"] == "local"
     except (ScorerError, StageError, ModelLoadError, CheckpointError, TokenizerError, ValueError) as e:

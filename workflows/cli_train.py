@@ -107,8 +107,9 @@ def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, **
         _fail(str(e))
     if int(os.environ.get("RANK", 0)) != 0:  # under torchrun, one line for the run, not one per rank
         return
-    if result.loss is None:  # a resume of a run already at its last step: no step ran
-        click.echo(f"nothing to train: {result.out} is at step {result.step} of {result.step}")
+    if result.loss is None:  # a resume at its last step, or past --stop-at: no step ran
+        behind = "" if result.step >= result.steps else f", past --stop-at {values.get('stop_at')}"
+        click.echo(f"nothing to train: {result.out} is at step {result.step} of {result.steps}{behind}")
     else:
         click.echo(
             f"trained {result.step} steps, {result.tokens:,} tokens, loss {result.loss}, "

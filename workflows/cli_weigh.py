@@ -11,7 +11,6 @@ from .cli_common import (
     _fail,
     check_output,
     document_step_options,
-    document_steps,
     engine_options,
     run_stage_cli,
     stage_options,
@@ -37,6 +36,7 @@ def weigh_cmd(scored_dir, out, quantiles_from, drop_entropy, **params):
     """Re-weigh SCORED_DIR's stored entropies into --out (same rows, new weights); no model is run."""
     from entroweight.pipelines.stage import StageError
     from entroweight.pipelines.weigh import WeighStage
+    from entroweight.transforms.select import document_steps
     from entroweight.transforms.weigh import GLOBAL_SCALE
 
     reads = [("--quantiles-from", quantiles_from)]
@@ -47,7 +47,12 @@ def weigh_cmd(scored_dir, out, quantiles_from, drop_entropy, **params):
 
     config = weigh_config(params, quantiles_from, values_unit(scored_dir) if quantiles_from else None)
     try:
-        stage = WeighStage(scored_dir, config, with_entropy=not drop_entropy, steps=document_steps(params))
+        stage = WeighStage(
+            scored_dir,
+            config,
+            with_entropy=not drop_entropy,
+            steps=document_steps(params.pop("min_mean_weight", None)),
+        )
     except (StageError, ValueError) as e:
         _fail(str(e))
     run_stage_cli(stage, out, reads=reads, **params)

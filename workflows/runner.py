@@ -373,9 +373,9 @@ class Runner:
         return DataStep("tokenize", TOKENS, wf.tokens_dir(), self.ctx, ["tokenizer", "holdout"], build=build)
 
     def _score(self, s) -> DataStep:
+        from entroweight.transforms.select import document_steps
         from entroweight.transforms.weigh import WeighConfig
 
-        from .cli_common import document_steps
         from .quantiles import reference_quantiles, scorer_unit, values_unit
 
         wf = self.wf
@@ -396,7 +396,7 @@ class Runner:
                     unit = scorer_unit(s.scorer, dict(s.options))
                 quantiles = reference_quantiles(wf.score_dir(w.quantiles_from), unit, "quantiles_from")
             weigh = WeighConfig(**w.model_dump(exclude={"quantiles_from"}), quantiles=quantiles)
-            steps = document_steps({"min_mean_weight": s.min_mean_weight})  # as the commands' flag
+            steps = document_steps(s.min_mean_weight)  # as the commands' flag
             if sources:  # earlier steps' values, weighed anew (or combined first): no second scoring
                 combine = (s.op, wf.score_dir(sources[1])) if len(sources) == 2 else None
                 return WeighStage(
