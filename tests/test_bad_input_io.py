@@ -178,11 +178,45 @@ def test_all_rows_missing_text_fails_naming_the_fields(tmp_path, c4_lines, token
     rows = [json.loads(line) for line in c4_lines[:8]]
     src = tmp_path / "c4.jsonl"
     src.write_text("".join(json.dumps({"content": r["text"], "url": r["url"]}) + "\n" for r in rows))
-    res = cli("tokenize", src, "--tokenizer", tokenizer_dir, "--out", tmp_path / "out")
-    assert res.exit_code == 1
-    assert "content" in res.output and "--text-column" in res.output
+    for shard_docs in (1, 100):  # every shard judges the file alike
+        res = cli("tokenize", src, "--tokenizer", tokenizer_dir, "--out", tmp_path / f"out{shard_docs}",
+                  "--shard-docs", shard_docs)  # fmt: skip
+        assert res.exit_code == 1, res.output
+        assert "content" in res.output and "--text-column" in res.output
     s = tokenize([src], tokenizer_dir, tmp_path / "ok", text_column="content")
     assert s.docs_in == 8 and s.rejected == {}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_bad_row_is_one_reject_whatever_the_shard_size(tmp_path, c4_lines, tokenizer_dir, fmt):
+    """A row without its text (another field, or null) and a line nested past the JSON decoder's
+    depth are one reject each, the same at every --shard-docs: the text column is judged on the
+    file, not on a shard (a shard of bad rows alone failed its file for good, and the documents
+    after it were never read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in c4_lines[:20]]
+    rows[3] = {"id": "no-text", "body": rows[3]["text"]}
+    rows[7] = {"id": "null-text", "text": None}
+    if fmt == "jsonl":
+        lines = [json.dumps(r) + "\n" for r in rows]
+        lines[11] = '{"id": "deep", "text": "x", "m": ' + "[" * 5000 + "]" * 5000 + "}\n"
+        src = write(tmp_path / "c4.jsonl", lines)
+        want = {"missing_text": 2, "invalid_json": 1}
+    else:  # one row a row group: a shard of one bad row
+        table = pa.table({"id": [r.get("id") for r in rows], "text": [r.get("text") for r in rows]})
+        src = tmp_path / "c4.parquet"
+        pq.write_table(table, src, row_group_size=1)
+        want = {"missing_text": 2}
+    kept = None
+    for shard_docs in (1, 3, 100):
+        out = tmp_path / f"out{shard_docs}"
+        s = tokenize([src], tokenizer_dir, out, shard_docs=shard_docs)
+        assert s.docs_in == 20 and rejected(out) == want, (shard_docs, rejected(out))
+        ids = [r for f in sorted(out.glob("part-*.parquet")) for r in pq.read_table(f)["doc_id"].to_pylist()]
+        kept = kept or ids
+        assert ids == kept and len(set(ids)) == 20 - sum(want.values())
 
 
 def test_train_tokenizer_refuses_zero_documents_and_takes_text_column(tmp_path, c4_lines):

@@ -441,8 +441,6 @@ class DocumentReader:
         """rows: (row number, parsed row or None, error reason) -> batches of valid documents, and a
         Cut after each `every` rows (counted from the shard's start) and at the end."""
         ids, texts, urls = [], [], []
-        n_rows = n_missing = 0
-        fields: dict[str, None] = {}  # the fields rows do have, named when none has the text column
         start = self.shard.start
         # a cut is made when the first row past it arrives: the input's last shard is known as such
         next_cut = start + every if every else None
@@ -452,16 +450,14 @@ class DocumentReader:
                 if texts:
                     yield self._batch(ids, texts, urls)
                     ids, texts, urls = [], [], []
-                self._check_text_column(n_rows, n_missing, fields)
                 yield Cut(start, next_cut, range_in, self._take_rejects(), last=False)
-                start, next_cut, range_in, n_rows, n_missing = next_cut, next_cut + every, 0, 0, 0
+                start, next_cut, range_in = next_cut, next_cut + every, 0
             self.docs_in += 1
             range_in += 1
             fallback_id = f"{self.source}:{rowno}"
             if error is not None:
                 self._reject(fallback_id, error, f"row {rowno}")
                 continue
-            n_rows += 1
             raw_id = row.get("id")
             doc_id = str(raw_id) if raw_id is not None else None
             if doc_id is not None and not _is_utf8(doc_id):
@@ -469,9 +465,6 @@ class DocumentReader:
                 continue
             text = row.get(self.text_column, _MISSING)
             if text is _MISSING or text is None:
-                n_missing += 1
-                if len(fields) < 50:
-                    fields.update(dict.fromkeys(row))
                 self._reject(
                     doc_id or fallback_id, "missing_text", f"row {rowno} has no {self.text_column!r}"
                 )
@@ -506,15 +499,7 @@ class DocumentReader:
                 ids, texts, urls = [], [], []
         if texts:
             yield self._batch(ids, texts, urls)
-        self._check_text_column(n_rows, n_missing, fields)
         yield Cut(start, self.shard.stop, range_in, self._take_rejects(), last=True)
-
-    def _check_text_column(self, n_rows: int, n_missing: int, fields: dict) -> None:
-        if n_rows and n_missing == n_rows:  # a wrong column name, not bad documents: say so
-            raise SourceError(
-                f"{self.shard.uri}: none of its {n_rows} rows has a {self.text_column!r} field "
-                f"(fields found: {', '.join(map(str, fields)) or 'none'}); pass --text-column NAME"
-            )
 
     def _take_rejects(self) -> list[dict]:
         taken, self.rejects = self.rejects, []
@@ -564,9 +549,12 @@ class DocumentReader:
         JSON array, pretty-printed or on one line), or one with no JSON object among its first
         `NOT_JSON_LINES_AFTER` non-blank lines (or in the whole of a shorter one: a pretty-printed
         object, another format). Both are judged on the file from its first line, also by a task that
-        resumes past committed shards, so a rerun fails it again rather than resume past the judgement."""
+        resumes past committed shards, so a rerun fails it again rather than resume past the judgement.
+        The text column is judged the same way (`TextColumn`): whatever the shard size, a row without
+        it is a `missing_text` reject, and a file none of whose first objects has it is refused."""
         s = self.shard
         content_seen, objects, lines = False, 0, 0  # counted from the file's first line
+        column = TextColumn(self.text_column, s.uri)
         with _open_binary(s.uri, s.fmt) as f:
             for rowno, line in enumerate(f):
                 if not content_seen:
@@ -578,10 +566,12 @@ class DocumentReader:
                             f"(e.g. `jq -c '.[]' {s.uri.rsplit('/', 1)[-1]}`)"
                         )
                 if rowno < s.start:
-                    if not objects and line.strip():  # a resumed task judges these lines too
+                    if not column.judged and line.strip():  # a resumed task judges these lines too
                         lines += 1
-                        objects += _is_json_object(line)
+                        row = _json_object(line)
+                        objects += row is not None
                         self._check_json_lines(lines, objects, end=False)
+                        column.see(row)
                     continue
                 if s.stop is not None and rowno >= s.stop:
                     break
@@ -596,17 +586,16 @@ class DocumentReader:
                     yield rowno, None, "empty"
                     continue
                 lines += 1
-                try:
-                    row = json.loads(line_text)
-                except json.JSONDecodeError:
-                    row = None
-                if not isinstance(row, dict):
+                row = _json_object(line_text)
+                if row is None:
                     self._check_json_lines(lines, objects, end=False)
                     yield rowno, None, "invalid_json"
                     continue
                 objects += 1
+                column.see(row)
                 yield rowno, row, None
         self._check_json_lines(lines, objects, end=s.stop is None)
+        column.see(None, end=s.stop is None)
 
     def _check_json_lines(self, lines: int, objects: int, end: bool) -> None:
         """Refuse the file when no JSON object is among its first NOT_JSON_LINES_AFTER non-blank lines,
@@ -649,11 +638,45 @@ _MISSING = object()
 NOT_JSON_LINES_AFTER = 100
 
 
-def _is_json_object(line: bytes) -> bool:
+def _json_object(line: bytes | str) -> dict | None:
+    """The JSON object a line holds, else None (not JSON, another JSON value, or nested deeper than
+    the decoder's recursion: one bad line, an `invalid_json` reject, never its file's failure)."""
+    if isinstance(line, bytes):
+        line = line.decode("utf-8", "surrogateescape").lstrip("\ufeff")
     try:
-        return isinstance(json.loads(line.decode("utf-8", "surrogateescape").lstrip("\ufeff")), dict)
-    except json.JSONDecodeError:
-        return False
+        row = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return row if isinstance(row, dict) else None
+
+
+class TextColumn:
+    """Whether a JSON-lines file holds the text column, judged on the file from its first object, so
+    every shard of it judges alike: a wrong column name (no object among the first
+    `NOT_JSON_LINES_AFTER`, or in the whole of a shorter file, has the field) fails the file, naming
+    the fields it has; otherwise a row without the field is one `missing_text` reject."""
+
+    def __init__(self, name: str, uri: str):
+        self.name, self.uri = name, uri
+        self.objects, self.judged = 0, False
+        self.fields: dict[str, None] = {}  # the fields the objects have, named in the refusal
+
+    def see(self, row: dict | None, end: bool = False) -> None:
+        if self.judged:
+            return
+        if row is not None:
+            if self.name in row:
+                self.judged = True
+                return
+            self.objects += 1
+            if len(self.fields) < 50:
+                self.fields.update(dict.fromkeys(row))
+        if self.objects >= NOT_JSON_LINES_AFTER or (end and self.objects):
+            raise SourceError(
+                f"{self.uri}: none of its {'first ' if not end else ''}{self.objects} rows has a "
+                f"{self.name!r} field (fields found: {', '.join(map(str, self.fields)) or 'none'}); "
+                "pass --text-column NAME"
+            )
 
 
 def rejects_table(rejects: list[dict]) -> pa.Table:
