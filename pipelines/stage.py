@@ -13,6 +13,7 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,6 +270,8 @@ def plan_run(
     orphans, recut = _not_remade(stage, inputs, manifests, record.config_hash, names)
     if not overwrite:
         _refuse_unless_overwrite(out, names, None, record, orphans, recut)
+    else:  # shards changed or damaged since their manifest (what `verify` finds) are redone
+        manifests = _intact(out, manifests, record.config_hash)
     orphans += recut
     remove_stale_tmp(out)
     written = json.loads(record.model_dump_json())
@@ -510,10 +513,12 @@ def preview_run(stage: Stage, out_dir: AnyPath, overwrite: bool = False) -> tupl
         registry, manifests = DataDir(out).registry, read_manifests(out, names)
     except Unreadable as e:
         raise StageError(str(e)) from None
-    todo, done, stale, _ = _sort_shards(stage, inputs, registry, manifests, names, stage.config_hash, out)
     orphans, recut = _not_remade(stage, inputs, manifests, stage.config_hash, names)
     if not overwrite:
         _refuse_unless_overwrite(out, names, None, record, orphans, recut)
+    else:
+        manifests = _intact(out, manifests, stage.config_hash)
+    todo, done, stale, _ = _sort_shards(stage, inputs, registry, manifests, names, stage.config_hash, out)
     note = (
         f" ({len(orphans)} shard(s) of inputs no longer read: --overwrite removes them)"
         if orphans
@@ -552,6 +557,30 @@ def _refuse_unless_overwrite(
         raise StageError(_orphans_message(out, orphans))
     if recut:
         raise StageError(_recut_message(out, recut))
+
+
+def _intact(out: AnyPath, manifests: list[ShardManifest], config_hash: str) -> list[ShardManifest]:
+    """The manifests of this config whose shard (and rejects file) still hold the bytes they record
+    (their sha256), and those of other configs: a shard whose files changed is then planned as one
+    without a manifest, and redone. Each shard of this config is read once (in parallel): what
+    --overwrite costs on an output of the same config, so that the advice of `verify` and of every
+    reader that finds a damaged shard ("rerun with --overwrite") redoes it."""
+
+    def intact(m: ShardManifest) -> bool:
+        files = [(m.output, m.output_sha256)] + (
+            [(m.rejects_file, m.rejects_sha256)] if m.rejects_file else []
+        )
+        try:
+            return all(
+                want is None or storage.sha256(storage.path(out) / name) == want for name, want in files
+            )
+        except OSError:  # missing or unreadable (StorageError is one): redone
+            return False
+
+    ours = [m for m in manifests if m.config_hash == config_hash]
+    with ThreadPoolExecutor(min(8, max(1, len(ours)))) as pool:
+        keep = dict(zip((id(m) for m in ours), pool.map(intact, ours), strict=True))
+    return [m for m in manifests if keep.get(id(m), True)]
 
 
 def _output_present(m: ShardManifest, names: dict[str, int]) -> bool:

@@ -242,3 +242,50 @@ def test_inputs_are_recorded_absolutely_whatever_the_working_directory(
     assert verify_dir(out) == []
     r = invoke([*argv, "--out", out])
     assert r.exit_code == 0 and "nothing to do" in r.output, r.output
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1  # the size kept: only the sha256 tells it
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["a shard's bytes changed", "a rejects file removed"])
+@pytest.mark.parametrize("stage", ["tokenize", *sorted(STAGES)])
+def test_overwrite_redoes_a_shard_whose_files_changed_since_its_manifest(
+    stage, damage, tokens, scored, weighed, model, tokenizer_dir, c4_path, tmp_path
+):
+    """`verify`'s advice for a shard whose bytes no longer match its manifest, or whose rejects file is
+    gone ("rerun with --overwrite"), and every reader's for a damaged shard, redoes that shard: a rerun
+    with --overwrite checks the committed shards' sha256 and plans a changed one as never done. It
+    said "nothing to do, all up to date", and `verify` still failed. A rerun without --overwrite
+    still trusts the listing (no shard read)."""
+    if stage == "tokenize":  # its own output, with a rejects file in each shard
+        import gzip
+
+        src = tmp_path / "c4.jsonl"
+        with gzip.open(c4_path, "rt", encoding="utf-8") as f:
+            lines = [next(f) for _ in range(12)]
+        src.write_text("".join(line if i % 4 else "not json\n" for i, line in enumerate(lines)))
+        argv = ["tokenize", src, "--tokenizer", tokenizer_dir, "--n-ctx", 32, "--shard-docs", 6]
+        done = tmp_path / "done"
+        assert invoke([*argv, "--out", done]).exit_code == 0
+    else:
+        done, argv = STAGES[stage](tokens, scored, weighed, model)
+    d = tmp_path / "out"
+    shutil.copytree(done, d)
+    part = DataDir(d).parts[-1].manifest  # the last: a streamed input redoes its shards from the damaged one
+    if damage == "a rejects file removed":
+        if not part.rejects_file:
+            pytest.skip(f"{stage}'s output here rejects nothing")
+        (d / part.rejects_file).unlink()
+    else:
+        _flip_a_byte(d / part.output)
+    assert verify_dir(d) != []
+    r = invoke([*argv, "--out", d])
+    assert r.exit_code == 0 and "up to date" in r.output, r.output  # trusted, as before
+    r = invoke([*argv, "--out", d, "--overwrite"])
+    assert r.exit_code == 0 and "1 shard(s) run" in r.output, r.output
+    assert verify_dir(d) == []
+    want = {p.name: p.read_bytes() for p in done.rglob("*.parquet")}
+    assert {p.name: p.read_bytes() for p in d.rglob("*.parquet")} == want

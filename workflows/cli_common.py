@@ -334,7 +334,9 @@ def engine_kwargs(params: dict) -> dict:
 def stage_options(f):
     """What a stage command takes beside the engine: shared by every stage command."""
     f = click.option(
-        "--overwrite", is_flag=True, help="Delete shards of another config in --out instead of refusing."
+        "--overwrite",
+        is_flag=True,
+        help="Delete shards of another config in --out instead of refusing; with the same config, redo the shards whose files changed since their manifest (each shard read once).",
     )(f)
     f = click.option(
         "--wait",
