@@ -318,6 +318,29 @@ def test_symlinked_subdirectory_is_followed_and_a_loop_refused(tmp_path, c4_line
 # ---------------------------------------------------------------- progress
 
 
+@pytest.mark.parametrize("named", ["directory", "glob"])
+def test_a_file_a_directory_or_glob_leaves_out_is_said_and_a_dead_link_refused(
+    tmp_path, c4_lines, tokenizer_dir, named
+):
+    """A directory's or glob's files of no source suffix are not read and the summary says which
+    (a misnamed `.jsonl.gzip` was dropped without a word); a link to nothing among them is refused,
+    as it is when named itself (a lost mount dropped its files, exit 0)."""
+    src = tmp_path / "src"
+    write(src / "b.jsonl", c4_lines[:6])
+    write(src / "c.jsonl.gzip", c4_lines[6:9])
+    (src / "README").write_text("about these files\n")
+    spec = src if named == "directory" else f"{src}/*"
+    res = CliRunner().invoke(
+        main, ["tokenize", str(spec), "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "out")]
+    )
+    assert res.exit_code == 0 and "6 docs in" in res.output, res.output
+    assert f"note: 2 file(s) of no source suffix not read: {src}/README, {src}/c.jsonl.gzip" in res.stderr
+    (src / "a.jsonl").symlink_to(tmp_path / "gone" / "a.jsonl")
+    res = cli("tokenize", spec, "--tokenizer", tokenizer_dir, "--out", tmp_path / "out2")
+    assert res.exit_code == 2 and f"{src}/a.jsonl is a link to" in res.output, res.output
+    assert not (tmp_path / "out2").exists()
+
+
 def test_beam_shows_shard_progress(tmp_path, c4_lines, tokenizer_dir):
     # one task per JSON-lines file (it cuts its own shards as it reads): the bar counts tasks
     src = tmp_path / "src"

@@ -137,7 +137,7 @@ def is_stage_output(path: str | Path) -> bool:
     return (storage.path(path).parent / STAGE_MARKER).exists()
 
 
-def _expand_url(spec: str) -> dict[str, int]:
+def _expand_url(spec: str, skipped: list[str] | None = None) -> dict[str, int]:
     """{url: size} of the data files a URL names (s3://bucket/prefix/*.jsonl.gz, a prefix, an object),
     from the listing alone (one LIST per 1,000 objects, no request per file); hidden files and stage
     outputs skipped as for local directories."""
@@ -174,6 +174,12 @@ def _expand_url(spec: str) -> dict[str, int]:
         for f, info in sorted(found.items())
         if file_format(f) and info.get("type", "file") == "file"
     }
+    if skipped is not None:
+        skipped += [
+            f"{proto}://{f}"
+            for f, i in sorted(found.items())
+            if i.get("type", "file") == "file" and not file_format(f)
+        ]
     if not files:
         raise SourceError(f"{spec!r} names no readable input (suffixes: {', '.join(sorted(SUFFIXES))})")
     if not walked:  # a glob or an object: is it a stage's file? one listing per directory
@@ -189,9 +195,9 @@ def _expand_url(spec: str) -> dict[str, int]:
 
 
 def _walk(root: str) -> list[str]:
-    """Data files under `root`, following symlinked directories (a symlink loop is refused).
-    Hidden files and directories (a stage's bookkeeping: .stage.json, manifests, .rejects/) and
-    stage output directories are skipped: sources are documents, never this project's own files."""
+    """Files under `root`, following symlinked directories (a symlink loop is refused). Hidden files
+    and directories (a stage's bookkeeping: .stage.json, manifests, .rejects/) and stage output
+    directories are skipped: sources are documents, never this project's own files."""
     seen: set[str] = set()
     files: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
@@ -203,18 +209,23 @@ def _walk(root: str) -> list[str]:
             dirnames[:] = []  # a stage's output inside the sources: not documents
             continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        files += [os.path.join(dirpath, f) for f in filenames if not f.startswith(".") and file_format(f)]
+        files += [os.path.join(dirpath, f) for f in filenames if not f.startswith(".")]
     return sorted(files)
 
 
-def expand_sources(specs: list[str]) -> list[str]:
-    """Files (sorted, deduplicated) and hub ids named by the SOURCE arguments."""
-    return list(source_files(specs))
+def expand_sources(specs: list[str], skipped: list[str] | None = None) -> list[str]:
+    """Files (sorted, deduplicated) and hub ids named by the SOURCE arguments (`source_files`)."""
+    return list(source_files(specs, skipped))
 
 
-def source_files(specs: list[str]) -> dict[str, tuple[int, int | None] | None]:
+def source_files(
+    specs: list[str], skipped: list[str] | None = None
+) -> dict[str, tuple[int, int | None] | None]:
     """{file: (size, mtime in ns or None)} of the files named by the SOURCE arguments, sorted per
-    argument and deduplicated, and {hub id: None}. From listings and stats only: no file is opened."""
+    argument and deduplicated, and {hub id: None}. From listings and stats only: no file is opened.
+    A directory's or glob's files of no source suffix (a README, a `_SUCCESS`) are left out, and
+    added to `skipped` for the caller to say; a link among them to nothing is refused (a lost mount
+    would drop its files without a word)."""
     out: dict[str, tuple[int, int | None] | None] = {}
     for spec in specs:
         if storage.blank(spec):
@@ -227,7 +238,7 @@ def source_files(specs: list[str]) -> dict[str, tuple[int, int | None] | None]:
             continue
         if storage.is_url(spec):
             # object stores keep no stable mtime across listings: the size stands alone
-            out.update((f, (size, None)) for f, size in _expand_url(spec).items())
+            out.update((f, (size, None)) for f, size in _expand_url(spec, skipped).items())
             continue
         spec = str(storage.path(spec)) if spec.startswith("file://") else spec  # a local path, as elsewhere
         if is_glob(spec):
@@ -241,13 +252,21 @@ def source_files(specs: list[str]) -> dict[str, tuple[int, int | None] | None]:
                     "name the documents it was made from"
                 )
             matches = _walk(spec)
-            if not matches:
+            if not any(file_format(m) for m in matches):
                 raise SourceError(f"the directory {spec} holds no {', '.join(sorted(SUFFIXES))} file")
         elif os.path.isfile(spec):
             matches = [spec]
         else:
             raise SourceError(f"no such file, directory or hub id: {spec}")
+        if broken := [m for m in matches if os.path.islink(m) and not os.path.exists(m)]:
+            raise SourceError(
+                f"{broken[0]} is a link to {os.readlink(broken[0])}, which does not exist"
+                + (f" ({len(broken) - 1} more such link(s) in {spec})" if len(broken) > 1 else "")
+                + "; restore what it points to, or remove the link"
+            )
         files = [m for m in matches if file_format(m) and os.path.isfile(m)]
+        if skipped is not None:
+            skipped += [m for m in matches if os.path.isfile(m) and not file_format(m)]
         if not files:
             raise SourceError(f"{spec!r} names no readable input (suffixes: {', '.join(sorted(SUFFIXES))})")
         real_dirs: dict[str, str] = {}  # a directory resolved, and checked for a stage's marker, once

@@ -158,7 +158,11 @@ def tokenize(
     reads = [("the source", s) for s in sources] + [("--tokenizer", tokenizer)]
     check_output(out, reads, "tokenize", overwrite=eng["overwrite"])
     try:
-        expand_sources(list(sources))  # cheap (no file is read): refuse before --out is created
+        skipped: list[str] = []
+        expand_sources(list(sources), skipped)  # cheap (no file is read): refuse before --out is created
+        if skipped:  # a directory's README is no loss, but a misnamed data file would be one: say it
+            shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+            click.echo(f"note: {len(skipped)} file(s) of no source suffix not read: {shown}", err=True)
         stage = TokenizeStage(
             list(sources),
             tokenizer,
