@@ -393,3 +393,18 @@ def test_train_tokenizer_says_when_it_makes_fewer_tokens_than_asked(tmp_path, c4
     src = write(tmp_path / "c4.jsonl", c4_lines[:5])
     res = cli("train-tokenizer", src, "--vocab-size", 60000, "--out", tmp_path / "tok")
     assert res.exit_code == 0 and "60000 asked: the documents give no more" in res.output, res.output
+
+
+@pytest.mark.parametrize("algorithm", ["bpe", "lz78"])
+@pytest.mark.parametrize("size", [0, 259, 2**20 + 1, 2**31 - 1])
+def test_train_tokenizer_refuses_a_vocabulary_size_out_of_bounds(tmp_path, c4_lines, algorithm, size):
+    """Below the byte alphabet, or above MAX_VOCAB_SIZE (the workflow's bound too): exit 2, one line,
+    nothing written. 2**31 − 1 aborted the process inside the BPE trainer (a 141-GB allocation)."""
+    if algorithm == "lz78" and size == 259:
+        pytest.skip("an LZ78 dictionary needs no byte alphabet")
+    src = write(tmp_path / "c4.jsonl", c4_lines[:5])
+    res = cli(
+        "train-tokenizer", src, "--vocab-size", size, "--algorithm", algorithm, "--out", tmp_path / "tok"
+    )
+    assert res.exit_code == 2 and "--vocab-size must" in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "tok").exists()

@@ -92,6 +92,11 @@ def train_bpe(
     return tok
 
 
+# the most tokens a trained tokenizer may have (Llama 3's is 128,256): the trainers allocate by the
+# size asked, so 2**31 aborted the process in the BPE trainer's Rust code (a 141-GB allocation)
+MAX_VOCAB_SIZE = 1 << 20
+
+
 def train_tokenizer(
     texts: Iterable[str],
     vocab_size: int,
@@ -101,6 +106,8 @@ def train_tokenizer(
 ) -> Tokenizer:
     """A `vocab_size` tokenizer of `algorithm`: BPE on `base`'s pre-tokenizer (default DEFAULT_BASE),
     or an LZ78 dictionary (a related-work baseline, docs/baselines.md; `base` unused)."""
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(f"--vocab-size must be at most {MAX_VOCAB_SIZE:,}, not {vocab_size:,}")
     if algorithm == "bpe":
         tok = train_bpe(texts, vocab_size, base or DEFAULT_BASE, progress=progress)
     else:

@@ -34,6 +34,7 @@ from entroweight.trainers.losses import LOSSES
 from entroweight.transforms.agreement import WRITEUP
 from entroweight.transforms.derive import OPS as VALUE_OPS
 from entroweight.transforms.sources import check_text_column
+from entroweight.transforms.train_tokenizer import MAX_VOCAB_SIZE
 from entroweight.transforms.weigh import GLOBAL_SCALE, WeighOptions
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -79,7 +80,7 @@ def _inside(v: str | None) -> str | None:
 
 
 class TrainTokenizer(_Strict):
-    vocab_size: int = Field(8000, ge=16, le=1 << 20)
+    vocab_size: int = Field(8000, ge=16, le=MAX_VOCAB_SIZE)
     max_docs: int | None = Field(None, ge=1)
     algorithm: Literal["bpe", "lz78", "lz78-freqgated"] = "bpe"
     base: str | None = None  # tokenizer whose pre-tokenizer BPE reuses (default: bundled Llama 3)
