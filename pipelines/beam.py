@@ -106,7 +106,13 @@ def _dofn():
 
         def process(self, element):
             line, results = element
-            result = run_task(self.stage, task_from_json(line))
+            try:
+                result = run_task(self.stage, task_from_json(line))
+            except KeyboardInterrupt as e:  # Beam turns it into a RuntimeError: kept for `run` to raise
+                from entroweight.pipelines import beam  # this module itself: the DoFn is pickled by value
+
+                beam._STOPS.append(e)
+                raise
             storage.write_json_atomic(asdict(result), f"{results}/{result.shard}.json")
             yield result.shard
 
@@ -182,6 +188,22 @@ def _read_lines(element):
             yield line, results
 
 
+# a stop (Ctrl-C, or SIGTERM as the CLI raises it) inside a DoFn this process ran (the in-memory
+# runner runs them on the main thread, where signals arrive), raised again as itself by `run`
+_STOPS: list[BaseException] = []
+
+
+class _NotAStop(logging.Filter):
+    """Beam logs a DoFn's exception with its traceback before it raises it again; a stop is no error
+    (the command says in one line what stays)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
+
+
+NOT_A_STOP = _NotAStop()  # one instance: addFilter keeps a filter once
+
+
 def run(
     plan: RunPlan, options: dict | None = None, workers: int | None = None, progress: bool = True
 ) -> list[ShardResult]:
@@ -205,7 +227,8 @@ def run(
         mode = pipeline_options.get_all_options().get("direct_running_mode")
         where = type(runner).__name__ + (f" ({mode})" if isinstance(runner, FnApiRunner) else "")
         print(f"{plan.stage.name}: {len(tasks)} shard(s) on Beam {where}", file=sys.stderr, flush=True)
-    error = None
+    error, stop = None, None
+    _STOPS.clear()
     quiet = _filtered_stderr() if threads else contextlib.nullcontext()  # threads: worker processes
     try:
         with quiet, _progress(plan, progress), beam.Pipeline(runner=runner, options=pipeline_options) as p:
@@ -217,6 +240,7 @@ def run(
                 | "RunShard" >> with_hints(beam.ParDo(_dofn()(plan.stage, threads)), plan.stage, accelerator)
             )
     except Exception as e:  # the runner itself failed: shards without a manifest are reported failed
+        stop = _STOPS[-1] if _STOPS else None
         error = f"the Beam pipeline failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     found = []
     if error is None:
@@ -226,6 +250,8 @@ def run(
     if storage.is_local(root):  # an empty local .engine/ left in a shared temp_location: gone too
         with contextlib.suppress(OSError):  # not empty: another run's directory is in it
             os.rmdir(root)
+    if stop is not None:  # stopped, not failed: what is committed stays, as with the other engines
+        raise stop
     return reconcile_results(plan, found, error or "no result came back from the Beam workers")
 
 
@@ -284,6 +310,7 @@ def _quiet_beam() -> None:
     logger = logging.getLogger("apache_beam")
     if logger.level < logging.WARNING:
         logger.setLevel(logging.WARNING)
+    logging.getLogger("apache_beam.runners.common").addFilter(NOT_A_STOP)
 
 
 # What Beam's local SDK worker processes log at start and stop, before they read any option.
