@@ -214,7 +214,7 @@ def _hf(source: Source, out: Path, record: dict) -> None:
     data = out / "data"
     data.mkdir()
     n = len(source.files)
-    schema = None
+    schema, nbytes = None, 0
     for i, rows in enumerate(source.rows(record["counts"])):
         offsets = pa.array(rows.offsets, pa.int32())
         table = pa.table(
@@ -224,20 +224,24 @@ def _hf(source: Source, out: Path, record: dict) -> None:
                 "weight": pa.ListArray.from_arrays(offsets, pa.array(rows.weight)),
             }
         )
-        schema = table.schema
+        schema, nbytes = table.schema, nbytes + table.nbytes
         pq.write_table(table, data / f"train-{i:05d}-of-{n:05d}.parquet", compression="zstd")
-    (out / "README.md").write_text(dataset_card(schema, record))
+    (out / "README.md").write_text(dataset_card(schema, record, nbytes))
 
 
-def dataset_card(schema: pa.Schema, record: dict) -> str:
-    """A hub dataset card: the YAML header `datasets` and the hub read, then the provenance."""
+def dataset_card(schema: pa.Schema, record: dict, nbytes: int) -> str:
+    """A hub dataset card: the YAML header `datasets` and the hub read (a split's size in Arrow bytes
+    too: `datasets` warns of a split without it), then the provenance."""
     import datasets
 
     features = datasets.DatasetInfo(features=datasets.Features.from_arrow_schema(schema))._to_yaml_dict()
     c, meta = record["counts"], record["metadata"]
     header = {
         "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": "data/train-*"}]}],
-        "dataset_info": {**features, "splits": [{"name": "train", "num_examples": c["rows"]}]},
+        "dataset_info": {
+            **features,
+            "splits": [{"name": "train", "num_bytes": nbytes, "num_examples": c["rows"]}],
+        },
         "tags": ["entroweight", "token-weights"],
     }
     weight = describe_encoding(record["weight_dtype"])
@@ -266,6 +270,7 @@ def dataset_card(schema: pa.Schema, record: dict) -> str:
         f"| vocab size, n_ctx, packed | {meta.get('vocab_size')}, {meta.get('n_ctx')}, {bool(meta.get('packed'))} |",
         f"| scorer | `{meta.get('scorer')}` ({_scorer_detail(meta)}) |",
         f"| weighting | `{json.dumps(meta.get('weighting'), sort_keys=True)}` |",
+        f"| document steps | `{json.dumps(meta.get('steps') or [], sort_keys=True)}` |",
         f"| documents, rows, real tokens | {c['documents']}, {c['rows']}, {c['real_tokens']} |",
     ]
     if record.get("bpb"):

@@ -325,6 +325,9 @@ def test_hf_layout_loads_with_datasets(scored, tmp_path):
     header = yaml.safe_load(card.split("---")[1])
     assert header["configs"][0]["data_files"][0]["path"] == "data/train-*"
     assert header["dataset_info"]["splits"][0]["num_examples"] == len(rows)
+    # a split as `datasets` reads it (without num_bytes it warned "The `splits` field in YAML is malformed")
+    assert datasets.splits.SplitDict._from_yaml_list(header["dataset_info"]["splits"])["train"].num_bytes > 0
+    assert "| document steps | `[]` |" in card  # what dropped documents (none here), as export.json says
     meta = json.loads((out / "export.json").read_text())["metadata"]
     for fact in (
         meta["tokenizer_sha256"],
