@@ -42,7 +42,7 @@ from entroweight.schemas import (
 )
 from entroweight.schemas.arrow import DOC_IDS
 from entroweight.schemas.datadir import STAGE_KINDS, DataDir
-from entroweight.schemas.manifest import ShardInput, is_manifest
+from entroweight.schemas.manifest import ShardInput, is_manifest, manifest_name
 from entroweight.schemas.tokenizer import CARRIED_TOKENIZER
 from entroweight.schemas.weighted import (
     ENTROPY,
@@ -363,8 +363,9 @@ def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, 
         problems.append(f"{where}: {n} {kind}")
     if documents and docs != m.docs_out:
         problems.append(
-            f"{where}: its rows hold {docs} documents, its manifest says {m.docs_out} out; rerun the stage "
-            "with --overwrite (an older entroweight counted packed rows as documents)"
+            f"{where}: its rows hold {docs} documents, its manifest says {m.docs_out} out (the manifest "
+            f"edited, or written by an older entroweight that counted packed rows as documents); remove "
+            f"{manifest_name(m.shard)} and rerun the stage: that shard is redone"
         )
     if not bad:
         if real != m.n_real_tokens:
@@ -389,9 +390,9 @@ def _check_score_input(m: ShardManifest, where: str, problems: list[str]) -> Non
             problems.append(f"{where}: scored {read} rows, its input {src} has {rows}")
         elif rows == theirs.rows_out and m.docs_in != theirs.docs_out:
             problems.append(
-                f"{where}: {m.docs_in} documents in, its input {src} put out {theirs.docs_out}; rerun the "
-                "stage that wrote the wrong count with --overwrite (an older entroweight counted packed rows "
-                "as documents)"
+                f"{where}: {m.docs_in} documents in, its input {src} put out {theirs.docs_out} (a manifest "
+                "edited, or written by an older entroweight that counted packed rows as documents); remove "
+                "the wrong one and rerun the stage that wrote it: that shard is redone"
             )
 
 

@@ -250,13 +250,16 @@ def _flip_a_byte(path):
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", ["a shard's bytes changed", "a rejects file removed"])
+@pytest.mark.parametrize(
+    "damage", ["a shard's bytes changed", "a rejects file removed", "a manifest's count edited"]
+)
 @pytest.mark.parametrize("stage", ["tokenize", *sorted(STAGES)])
 def test_overwrite_redoes_a_shard_whose_files_changed_since_its_manifest(
     stage, damage, tokens, scored, weighed, model, tokenizer_dir, c4_path, tmp_path
 ):
     """`verify`'s advice for a shard whose bytes no longer match its manifest, or whose rejects file is
-    gone ("rerun with --overwrite"), and every reader's for a damaged shard, redoes that shard: a rerun
+    gone ("rerun with --overwrite"), or whose counts do not add up, and every reader's for a damaged shard,
+    redoes that shard: a rerun
     with --overwrite checks the committed shards' sha256 and plans a changed one as never done. It
     said "nothing to do, all up to date", and `verify` still failed. A rerun without --overwrite
     still trusts the listing (no shard read)."""
@@ -279,6 +282,11 @@ def test_overwrite_redoes_a_shard_whose_files_changed_since_its_manifest(
         if not part.rejects_file:
             pytest.skip(f"{stage}'s output here rejects nothing")
         (d / part.rejects_file).unlink()
+    elif damage == "a manifest's count edited":
+        import json
+
+        path = d / manifest_name(part.shard)
+        path.write_text(json.dumps({**json.loads(path.read_text()), "docs_in": part.docs_in + 1}))
     else:
         _flip_a_byte(d / part.output)
     assert verify_dir(d) != []
