@@ -257,12 +257,11 @@ def _flip_a_byte(path):
 def test_overwrite_redoes_a_shard_whose_files_changed_since_its_manifest(
     stage, damage, tokens, scored, weighed, model, tokenizer_dir, c4_path, tmp_path
 ):
-    """`verify`'s advice for a shard whose bytes no longer match its manifest, or whose rejects file is
-    gone ("rerun with --overwrite"), or whose counts do not add up, and every reader's for a damaged shard,
-    redoes that shard: a rerun
-    with --overwrite checks the committed shards' sha256 and plans a changed one as never done. It
-    said "nothing to do, all up to date", and `verify` still failed. A rerun without --overwrite
-    still trusts the listing (no shard read)."""
+    """`verify`'s advice for a shard whose bytes no longer match its manifest, whose rejects file is
+    gone, or whose manifest's counts do not add up ("rerun with --overwrite"), and every reader's for a
+    damaged shard, redoes that shard: a rerun with --overwrite checks the committed shards' sha256 and
+    counts and plans a changed one as never done. It said "nothing to do, all up to date", and
+    `verify` still failed. A rerun without --overwrite still trusts the listing (no shard read)."""
     if stage == "tokenize":  # its own output, with a rejects file in each shard
         import gzip
 
