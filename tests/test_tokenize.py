@@ -468,6 +468,7 @@ def test_cli_tokenize_and_inspect(tmp_path, tokenizer_dir, c4_path):
         ).stdout
     )
     assert info["rows"] == C4_DOCS and info["docs_in"] == C4_DOCS and info["metadata"]["n_ctx"] == 64
+    assert info["docs_out"] + sum(info["rejected"].values()) == info["docs_in"]  # every document counted
     assert 0 < info["pad_fraction"] < 1 and info["id_range"][1] < 1024
     res = subprocess.run(
         [

@@ -93,6 +93,7 @@ def summarize(path: str | Path) -> dict:
             for k, v in m.rejected.items():
                 rejected[k] = rejected.get(k, 0) + v
         out["docs_in"] = sum(m.docs_in for m in ms)
+        out["docs_out"] = sum(m.docs_out for m in ms)  # docs_in = docs_out + the rejected, shard by shard
         out["rejected"] = rejected
         truncated = sum(m.extra.get("n_truncated", 0) for m in ms)
         if truncated:  # tokenize --overflow truncate cut documents: say how much text is missing
