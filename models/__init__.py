@@ -27,6 +27,13 @@ def model_class(kind: str):
     return getattr(importlib.import_module(module), name)
 
 
+def is_causal(kind: str) -> bool:
+    """Whether `kind`'s value at t depends on the tokens up to t alone (llama, mixer), not on an
+    embedding of the whole row (estimator, autoencoder): what a per-token CE given the tokens before
+    each token (causal_loss, excess_loss) may read."""
+    return bool(getattr(model_class(kind), "causal", False))
+
+
 def config_of(kind: str, config: dict):
     """`kind`'s Config from a plain dict, checked as far as it can be without the data: an unknown
     kind or key, a value of another type than its field's default (a string for d_model), a size

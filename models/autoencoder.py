@@ -46,6 +46,8 @@ class Unroll(nn.Module):
 
 
 class Autoencoder(nn.Module):
+    causal = False  # its one embedding saw the whole row
+
     @dataclass
     class Config:
         vocab_size: int = 8000

@@ -88,6 +88,8 @@ def last_state(encoder: nn.Module, input_ids: torch.Tensor, layout: Layout | Non
 
 
 class EntropyEstimator(nn.Module):
+    causal = False  # the decoder is causal, but its embedding saw the whole row
+
     @dataclass
     class Config:
         vocab_size: int = 8000

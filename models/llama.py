@@ -108,6 +108,8 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
+    causal = True  # the value at t depends on the tokens up to t alone (scorers/causal_loss.py reads it)
+
     @dataclass
     class Config:
         vocab_size: int = 8000

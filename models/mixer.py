@@ -114,6 +114,8 @@ class MaskedMixer(nn.Module):
     autoencoder can feed it their own inputs.
     """
 
+    causal = True  # the value at t depends on the tokens up to t alone
+
     @dataclass
     class Config:
         vocab_size: int = 8000

@@ -182,6 +182,13 @@ class Scorer(ABC):
         return None
 
     @classmethod
+    def kind_problem(cls, kind: str) -> str | None:
+        """Why one of our checkpoints of model `kind` cannot be this scorer's `checkpoint` (the end of a
+        refusal naming it), else None: told without reading a checkpoint, so a workflow refuses a
+        `checkpoint_from` of the wrong kind before any step trains it."""
+        return None
+
+    @classmethod
     def unit_of(cls, options: dict[str, Any]) -> str | None:
         """The unit of the values this scorer writes with `options`, told without constructing it (no
         checkpoint read: a workflow's validation asks before any step ran); None when it cannot tell.

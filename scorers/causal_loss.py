@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
+from entroweight.models import is_causal
+from entroweight.models.checkpoint import a_model_of
 from entroweight.models.packing import after_prefix, flex_available
 from entroweight.transforms.tokenizer import load_tokenizer
 
@@ -46,6 +48,18 @@ from .forward import (
 from .packing import Memo, pack_rows, pad_prefix, shared_pad
 
 ONE_MODEL = "give exactly one of --model (HF id, directory or .gguf) or --checkpoint (ours)"
+
+
+def causal_kind_problem(kind: str) -> str | None:
+    """Why a checkpoint of `kind` cannot give a per-token loss given the tokens before each token:
+    its CE at t would read the tokens after t (an embedding of the whole row). None for llama, mixer."""
+    if is_causal(kind):
+        return None
+    return (
+        f"{a_model_of(kind)}, whose value at a token depends on the tokens after it (its embedding saw "
+        "the whole row): a per-token loss given the tokens before each token needs a causal model (llama "
+        "or mixer); an estimator is read by occlusion, grad_input, decomposition or two_model"
+    )
 
 
 class ModelSource(ABC):
@@ -112,6 +126,8 @@ class OurCheckpoint(ModelSource):
     def __init__(self, checkpoint: str):
         self.checkpoint = checkpoint
         self.info = checkpoint_info(checkpoint)
+        if problem := causal_kind_problem(self.info.get("kind")):
+            raise ScorerError(f"{checkpoint} holds {problem}")
         self.tokenizer_sha256 = self.info.get("tokenizer_sha256")
 
     def config(self) -> dict[str, Any]:
@@ -338,6 +354,7 @@ class HFModel(ModelSource):
 
 class CausalLossScorer(Scorer):
     name = "causal_loss"
+    kind_problem = staticmethod(causal_kind_problem)
 
     class Options(HFModelOptions):
         model: str | None = Field(None, description="HF causal LM: hub id, directory or .gguf file.")

@@ -94,15 +94,20 @@ class CheckpointScorer(Scorer):
         # what was asked ('auto' included) is the config; the worker resolves it in setup()
         self.dtype_option, self.dtype = check_dtype(dtype), None
         self._ckpt_config = checkpoint_info(self.checkpoint)
-        kind = self._ckpt_config.get("kind")
-        if self.kinds is not None and kind not in self.kinds:
-            raise ScorerError(
-                f"the {self.name} scorer reads an embedding-augmented model ({' or '.join(self.kinds)}); "
-                f"{checkpoint} holds {a_model_of(kind)}: train one with `entroweight train DATA --model estimator`"
-            )
+        if problem := self.kind_problem(self._ckpt_config.get("kind")):
+            raise ScorerError(f"{checkpoint} holds {problem}")
         self.n_ctx = model_n_ctx(self._ckpt_config)
         self.pad_id = model_pad_id(self._ckpt_config, self.checkpoint)
         self._model = None
+
+    @classmethod
+    def kind_problem(cls, kind: str) -> str | None:
+        if cls.kinds is None or kind in cls.kinds:
+            return None
+        return (
+            f"{a_model_of(kind)}; the {cls.name} scorer reads an embedding-augmented model "
+            f"({' or '.join(cls.kinds)}): train one with `entroweight train DATA --model estimator`"
+        )
 
     def config(self) -> dict[str, Any]:
         return {

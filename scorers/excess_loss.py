@@ -26,7 +26,7 @@ import numpy as np
 from pydantic import Field
 
 from .base import Batching, Scored, Scorer, ScorerError
-from .causal_loss import CausalLossScorer
+from .causal_loss import CausalLossScorer, causal_kind_problem
 from .cross_tokenizer import CrossTokenizerScorer
 
 
@@ -50,6 +50,7 @@ def _side(spec: str, **kw: Any) -> CausalLossScorer:
 class ExcessLossScorer(Scorer):
     name = "excess_loss"
     unit = "nats_difference"
+    kind_problem = staticmethod(causal_kind_problem)  # its model side is a causal_loss scorer
 
     class Options(CausalLossScorer.Options):
         reference: str = Field(

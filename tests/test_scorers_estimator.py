@@ -59,6 +59,17 @@ def save(model, path, sha, kind="estimator"):
     return save_checkpoint(model, kind, path, tokenizer_sha256=sha, n_ctx=model.config.n_ctx, pad_id=PAD)
 
 
+def tiny_causal(seed=0):
+    """A llama as small as the estimators: what excess_loss's two sides read (a causal model)."""
+    from entroweight.models.llama import Llama
+
+    torch.manual_seed(seed)
+    cfg = Llama.Config(
+        vocab_size=VOCAB, n_ctx=N_CTX, d_model=32, n_layers=2, n_heads=2, d_ff=64, init_std=0.2
+    )
+    return Llama(cfg).eval()
+
+
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory, c4_path, tokenizer_dir):
     """24 C4 documents, n_ctx 32, left-padded, 2 shards of 12."""
@@ -99,6 +110,11 @@ def rows(small_data):
 @pytest.fixture(scope="module")
 def est_ckpt(tmp_path_factory, sha):
     return save(tiny_estimator(), tmp_path_factory.mktemp("est"), sha)
+
+
+@pytest.fixture(scope="module")
+def causal_ckpt(tmp_path_factory, sha):
+    return save(tiny_causal(), tmp_path_factory.mktemp("causal"), sha, "llama")
 
 
 def scorer(name, ckpt, **kw):
@@ -428,19 +444,19 @@ def test_grad_input_scorer(est_ckpt, few_rows):
 # -- excess_loss
 
 
-def test_excess_loss_against_itself_is_zero(est_ckpt, rows):
+def test_excess_loss_against_itself_is_zero(causal_ckpt, rows):
     ids, n_pad = rows
-    s = scorer("excess_loss", est_ckpt, reference=str(est_ckpt))
+    s = scorer("excess_loss", causal_ckpt, reference=str(causal_ckpt))
     np.testing.assert_array_equal(s.score(ids, n_pad).values, 0.0)
     assert s.config()["scorer"] == "excess_loss" and len(s.config()["reference"]["checkpoint_sha256"]) == 64
 
 
-def test_excess_loss_is_the_difference_of_losses(tmp_path, sha, est_ckpt, rows):
+def test_excess_loss_is_the_difference_of_losses(tmp_path, sha, causal_ckpt, rows):
     ids, n_pad = rows
-    other = save(tiny_estimator(seed=7), tmp_path / "other", sha)
-    got = scorer("excess_loss", est_ckpt, reference=str(other)).score(ids, n_pad).values
+    other = save(tiny_causal(seed=7), tmp_path / "other", sha, "llama")
+    got = scorer("excess_loss", causal_ckpt, reference=str(other)).score(ids, n_pad).values
     want = (
-        scorer("causal_loss", est_ckpt).score(ids, n_pad).values
+        scorer("causal_loss", causal_ckpt).score(ids, n_pad).values
         - scorer("causal_loss", other).score(ids, n_pad).values
     )
     np.testing.assert_allclose(got, want, atol=1e-6)
@@ -448,13 +464,13 @@ def test_excess_loss_is_the_difference_of_losses(tmp_path, sha, est_ckpt, rows):
 
 
 def test_excess_loss_refuses_another_tokenizer(
-    tmp_path, small_data, est_ckpt, tokenizer_dir, llama3_tokenizer
+    tmp_path, small_data, causal_ckpt, tokenizer_dir, llama3_tokenizer
 ):
-    other = save(tiny_estimator(), tmp_path / "o", "e" * 64)
+    other = save(tiny_causal(), tmp_path / "o", "e" * 64, "llama")
     with pytest.raises(ScorerError, match="different tokenizers"):
-        make_scorer("excess_loss", checkpoint=str(est_ckpt), reference=str(other))
+        make_scorer("excess_loss", checkpoint=str(causal_ckpt), reference=str(other))
     with pytest.raises(ScorerError, match="--reference"):
-        make_scorer("excess_loss", checkpoint=str(est_ckpt))
+        make_scorer("excess_loss", checkpoint=str(causal_ckpt))
     # an HF reference with another tokenizer (its weights never load): refused before any work
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -466,14 +482,14 @@ def test_excess_loss_refuses_another_tokenizer(
 
     shutil.copy(llama3_tokenizer, hf_dir / "tokenizer.json")
     with pytest.raises(StageError, match="excess_loss reference"):
-        ScoreStage(small_data, "excess_loss", {"checkpoint": str(est_ckpt), "reference": str(hf_dir)},
+        ScoreStage(small_data, "excess_loss", {"checkpoint": str(causal_ckpt), "reference": str(hf_dir)},
                    tokenizer=str(tokenizer_dir)).plan_inputs()  # fmt: skip
 
 
-def test_cli_excess_loss_inverted(tmp_path, small_data, est_ckpt, sha):
-    other = save(tiny_estimator(seed=9), tmp_path / "ref", sha)
+def test_cli_excess_loss_inverted(tmp_path, small_data, causal_ckpt, sha):
+    other = save(tiny_causal(seed=9), tmp_path / "ref", sha, "llama")
     out = tmp_path / "rho"
-    args = ["score", str(small_data), "--scorer", "excess_loss", "--checkpoint", str(est_ckpt),
+    args = ["score", str(small_data), "--scorer", "excess_loss", "--checkpoint", str(causal_ckpt),
             "--reference", str(other), "--invert", "--dtype", "fp32", "--out", str(out)]  # fmt: skip
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output

@@ -123,7 +123,7 @@ CASES = {
     "decomposition": ("decomposition", lambda c: {"checkpoint": c["est"]}),
     "two_model": ("two_model", lambda c: {"checkpoint": c["est"], "checkpoint_short": c["short"]}),
     "grad_input": ("grad_input", lambda c: {"checkpoint": c["est"]}),
-    "excess_loss": ("excess_loss", lambda c: {"checkpoint": c["est"], "reference": c["hf"]}),
+    "excess_loss": ("excess_loss", lambda c: {"checkpoint": c["llama"], "reference": c["hf"]}),
 }
 
 

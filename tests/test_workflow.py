@@ -104,6 +104,49 @@ READERS_OF_VALUES = {  # what reads a score step's values, each reading step `a`
 }  # fmt: skip
 
 
+SMALLEST = {  # a checkpoint of each kind a workflow's models step trains, as small as it gets
+    "llama": {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32},
+    "mixer": {"d_model": 16, "n_layers": 1},
+    "estimator": {"encoder_config": {"d_model": 16, "n_layers": 1}, "decoder_config": {"d_model": 16, "n_layers": 1}},
+    "autoencoder": {"encoder_config": {"d_model": 16, "n_layers": 1}, "decoder_config": {"d_model": 16, "n_layers": 1}},
+}  # fmt: skip
+
+
+def test_a_checkpoint_from_of_a_kind_its_scorer_refuses_is_refused_from_the_spec(tmp_path):
+    """Every scorer that reads our checkpoint × every kind a models step trains: the spec refuses
+    `checkpoint_from` exactly where the scorer refuses a real checkpoint of that kind, with its key
+    path, before any model trains (causal_loss on an estimator trained it, then was refused; before
+    that it scored it, the values reading the tokens after each token)."""
+    from entroweight.models import REGISTRY, build_model
+    from entroweight.models.checkpoint import save_checkpoint
+    from entroweight.scorers import ScorerError, make_scorer
+    from entroweight.scorers.registry import BUILTIN, get_scorer_class
+
+    assert set(SMALLEST) == set(REGISTRY) - {"tfree"}  # tfree: a llama of another head
+    readers = [n for n in BUILTIN if "checkpoint" in get_scorer_class(n).Options.model_fields]
+    assert {"causal_loss", "excess_loss", "occlusion", "grad_input", "decomposition", "two_model"} <= set(
+        readers
+    )
+    for kind, config in SMALLEST.items():
+        path = save_checkpoint(build_model(kind, {"vocab_size": 64, "n_ctx": 16, **config}).eval(), kind,
+                               tmp_path / kind, tokenizer_sha256="0" * 64, n_ctx=16, pad_id=0)  # fmt: skip
+        for name in readers:
+            others = {"checkpoint_short": str(path)} if name == "two_model" else {}
+            others |= {"reference": str(path)} if name == "excess_loss" else {}
+            try:
+                make_scorer(name, checkpoint=str(path), **others)
+                taken = True
+            except ScorerError:
+                taken = False
+            spec = {**BASE, "models": [{"name": "m", "kind": kind, "config": config}],
+                    "scores": [{"name": "s", "scorer": name, "checkpoint_from": "m",
+                                "options": {k: "elsewhere" for k in others}}]}  # fmt: skip
+            if taken:
+                parse_workflow(spec)
+            else:
+                assert "scores[0].checkpoint_from: 'm' is " in refusal(spec), (name, kind)
+
+
 @pytest.mark.parametrize("reader", sorted(READERS_OF_VALUES))
 def test_values_dropped_by_a_step_that_another_reads_are_refused_from_the_spec(reader):
     """`with_entropy: false` on a step whose values a later step, the agreement table or a run reads:

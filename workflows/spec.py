@@ -469,6 +469,12 @@ class Workflow(_Strict):
                     f"{s.checkpoint_from!r} is not a models step ({', '.join(sorted(model_names)) or 'none'})",
                 )
             problems += s.option_problems(f"scores[{i}]")
+            if s.checkpoint_from is not None and s.scorer is not None:  # before the model trains
+                from entroweight.scorers import get_scorer_class
+
+                kind = next(m.kind for m in self.models if m.name == s.checkpoint_from)
+                if problem := get_scorer_class(s.scorer).kind_problem(kind):
+                    problems.append(f"scores[{i}].checkpoint_from: {s.checkpoint_from!r} is {problem}")
             q = s.weighting.quantiles_from
             if q is not None and q not in {x.name for x in self.scores[:i]}:
                 raise _At(f"scores[{i}].weighting.quantiles_from", f"{q!r} is not an earlier score step")
