@@ -121,6 +121,8 @@ def blank(location) -> bool:
     return location is not None and not str(location).strip()
 
 
+#: export-hf's mark: what it exported from (written before the model, so a stopped export is its own)
+EXPORT_HF_MARK = "entroweight-export.json"
 # The files that mark a directory as some command's output, and that command's name. Checked in this
 # order: a training run's directory also holds what an exported model holds. `.stage.json` names its
 # stage inside (tokenize, score, weigh).
@@ -130,7 +132,7 @@ OUTPUT_MARKS = (
     ("trainer_state.json", "train"),
     ("export.json", "export-data"),
     ("tokenizer.sha256", "train-tokenizer"),
-    ("model.safetensors", "export-hf"),
+    (EXPORT_HF_MARK, "export-hf"),  # not model.safetensors: any HF model folder holds one
     ("accuracy.json", "evaluate"),
     ("items.jsonl", "evaluate"),  # its first file: a run stopped before accuracy.json is still its own
 )

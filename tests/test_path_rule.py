@@ -286,6 +286,27 @@ def test_no_command_writes_among_or_removes_a_users_files(tmp_path, command, ove
     assert f"--out {stage} holds the output of `{owner}` and files no command wrote (notes.txt)" in line, line
 
 
+@pytest.mark.parametrize(("command", "overwrite"), list(_users_cases()))
+def test_a_users_model_folder_is_a_users_files_to_every_command(tmp_path, command, overwrite):
+    """A Hugging Face model folder of the user's (`save_pretrained`: config.json, model.safetensors)
+    holds names some commands write, but no command's mark: refused by every writing command,
+    --overwrite or not, nothing written or removed. export-hf took any folder holding a
+    model.safetensors for its own output and replaced the user's model, exit 0; and the other
+    commands' refusal called it "the output of export-hf" and advised --overwrite, which removed it
+    (hostile audit)."""
+    inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    )
+    (mine / "model.safetensors").write_bytes(b"weights")
+    line = refused(tmp_path, _argv(command, str(mine), inputs) + (["--overwrite"] if overwrite else []))
+    # a user's files (train: "a config.json that no training run wrote"), never a command's output
+    assert "no entroweight command" in line or "no training run wrote" in line, line
+    assert "the output of" not in line and "pass --overwrite" not in line, line
+
+
 @pytest.mark.parametrize(("command", "name"), [(c, n) for c in writing_commands() for n in ROWS[c][0]])
 def test_a_file_url_is_its_path_for_every_input_and_out(tmp_path, command, name):
     """file://PATH names PATH everywhere a command takes a location: the same refusal as the plain

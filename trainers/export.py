@@ -6,10 +6,12 @@ copy over unchanged; the test holds the logits to 1e-4.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
+from entroweight import __version__, storage
 from entroweight.models.checkpoint import CheckpointError, a_model_of, load_checkpoint, plain_mode
 from entroweight.schemas.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES, PAD_CANDIDATES
 
@@ -75,6 +77,15 @@ def export_hf(ckpt_dir, out_dir, tokenizer=None, allow_pickle: bool = False) -> 
             f"weights do not map onto LlamaForCausalLM: missing {missing}, unexpected {unexpected}"
         )
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mark = {
+        "checkpoint": storage.key(ckpt_dir),
+        "weights_sha256": config.get("weights_sha256"),
+        "code_version": __version__,
+    }
+    (out / storage.EXPORT_HF_MARK).write_text(
+        json.dumps(mark, indent=2) + "\n"
+    )  # first: a stopped export is ours
     hf.eval().save_pretrained(out, safe_serialization=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=model.config.n_ctx, **specials)
     fast.save_pretrained(out)
