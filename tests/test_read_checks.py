@@ -228,7 +228,7 @@ def test_a_shard_of_another_run_copied_in_with_its_manifest_is_named(scored, tmp
     """Readers name the two configurations (not "incomplete ... rerun"), and the advice keeps the
     other run's shard: move it, or --overwrite (which drops it), never a bare delete."""
     other = tmp_path / "other"
-    assert cli("weigh", scored, "--weighting", "raw", "--out", other).exit_code == 0
+    assert cli("weigh", scored, "--weight-dtype", "uint8", "--out", other).exit_code == 0
     mixed = tmp_path / "mixed"
     shutil.copytree(scored, mixed)
     for f in [*other.glob("part-*1.parquet"), *other.glob(".part-*1.manifest.json")]:

@@ -1,3 +1,4 @@
+# ruff: noqa: F811 - pytest fixtures imported from test_weighted_inputs
 """Scores that mean what they say (issue 17): the start token a model declares, each scorer's unit in
 the file metadata (and `rescaled` refusing other units), the write-up's raw cosine weight, packed
 documents scored apart with their separator excluded, and NaN/inf refused instead of weighed."""
@@ -14,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 from test_scorers_cross import smollm2_gguf
 from test_trainer_fixtures import make_weighted
+from test_weighted_inputs import model, scored, tokens  # noqa: F401 - fixtures
 
 from entroweight.pipelines import run_stage
 from entroweight.pipelines.score import ScoreStage
@@ -133,6 +135,43 @@ def test_raw_weighting_is_the_write_ups_cosine_weight():
     m = np.array([[0.0, 0.2, 0.9, 1.4, 2.0]], dtype=np.float32)  # 1 - cos in [0, 2]
     w = weigh(m, np.array([1]), WeighConfig(method="raw"))
     np.testing.assert_allclose(w, [[0.0, 0.8, 0.1, 0.0, 0.0]], atol=1e-7)  # pad 0; 1 - m clipped to [0, 1]
+
+
+@pytest.mark.parametrize("front", ["score causal_loss", "score excess_loss", "weigh", "workflow"])
+def test_raw_weighting_of_a_loss_is_refused_by_every_front_end(tokenized_dir, scored, tmp_path, front):
+    """`raw` reads values as they are, clipped to [0, 1]: on a loss (nats, nats_difference) nearly
+    every weight is 0. Refused before anything is written, by every front end that weighs (exit 2,
+    one line; a workflow with its key path); a distance in [0, 2] is still taken. Before (hostile
+    audit): 74,495 real tokens weighed 0, exit 0, until `train` refused the data."""
+    from entroweight.workflows.spec import SpecError, parse_workflow
+
+    out = tmp_path / "out"
+    gguf = str(smollm2_gguf())
+    if front == "workflow":
+        step = {
+            "name": "a",
+            "scorer": "causal_loss",
+            "options": {"model": gguf},
+            "weighting": {"method": "raw"},
+        }
+        spec = {"run_dir": str(tmp_path / "run"), "sources": ["a.jsonl"], "scores": [step],
+                "tokenizer": {"train": {"vocab_size": 512}}}  # fmt: skip
+        with pytest.raises(SpecError, match=r"scores\[0\]\.weighting\.method: method: raw weighs the values"):
+            parse_workflow(spec)
+        step["scorer"], step["options"] = "occlusion", {"metric": "cosine"}
+        step["checkpoint_from"] = "e"
+        spec["models"] = [{"name": "e", "kind": "estimator", "config": {}}]
+        parse_workflow(spec)  # cosine distances: the write-up's raw weight
+        return
+    if front == "weigh":  # causal_loss values, in nats
+        argv = ["weigh", str(scored)]
+    else:
+        scorer = front.split()[1]
+        argv = ["score", str(tokenized_dir), "--scorer", scorer, "--model", gguf]
+        argv += ["--reference", gguf] if scorer == "excess_loss" else []
+    r = CliRunner().invoke(main, [*argv, "--weighting", "raw", "--out", str(out)])
+    assert r.exit_code == 2 and "--weighting raw weighs the values as they are" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not out.exists()
 
 
 # -- defect 5: packed rows

@@ -89,7 +89,7 @@ def test_scoring_weighted_data_is_scoring_its_tokens(tokens, weighed, model, tmp
     shard bytes as scoring the tokens W came from: its values, weights and metadata are left behind."""
     from entroweight.schemas import read_file_metadata
 
-    args = ["--scorer", "causal_loss", "--model", model, "--dtype", "fp32", "--weighting", "raw"]
+    args = ["--scorer", "causal_loss", "--model", model, "--dtype", "fp32", "--clip", "0.1", "0.9"]
     assert cli("score", tokens, *args, "--out", tmp_path / "a")[0] == 0
     code, output = cli("score", weighed, *args, "--out", tmp_path / "b")
     assert code == 0, output
@@ -98,7 +98,7 @@ def test_scoring_weighted_data_is_scoring_its_tokens(tokens, weighed, model, tmp
     for pa_, pb in zip(a, b, strict=True):
         assert pa_.manifest.output_sha256 == pb.manifest.output_sha256  # the same bytes
     meta = read_file_metadata(b[0].location)
-    assert "scored_config_hash" not in meta and meta["weighting"]["method"] == "raw"
+    assert "scored_config_hash" not in meta and meta["weighting"]["clip"] == [0.1, 0.9]
     assert meta["stage"] == "score" and meta == read_file_metadata(a[0].location)
 
 

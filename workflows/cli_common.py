@@ -245,17 +245,22 @@ def weighting_options() -> list[click.Option]:
 def weigh_config(params: dict, quantiles_from: str | None, unit: str | None = None):
     """The WeighConfig of the weighting flags in `params` (taken out of it), with the reference
     quantiles of `quantiles_from` for a method on a global scale, which must be in `unit`, that of
-    the values to weigh (workflows/quantiles.py); a refusal names the flags."""
+    the values to weigh (workflows/quantiles.py: and `raw` takes no unbounded unit); a
+    refusal names the flags."""
     from pydantic import ValidationError
 
     from entroweight.options import refusal_lines
     from entroweight.transforms.weigh import GLOBAL_SCALE, WeighConfig
 
-    from .quantiles import reference_quantiles
+    from .quantiles import check_raw, reference_quantiles
 
     fields = take(params, WEIGHTING)
     if fields["clip"] is not None:
         fields["clip"] = tuple(fields["clip"])
+    try:
+        check_raw(fields["method"], unit)
+    except ValueError as e:
+        _fail(str(e))
     if quantiles_from and fields["method"] not in GLOBAL_SCALE:
         _fail(
             f"--quantiles-from applies to --weighting {' or '.join(GLOBAL_SCALE)} only, not "

@@ -162,7 +162,7 @@ def score(
         _fail(f"--weighting {method} needs --quantiles-from SCORED_DIR (a run scored with minmax)")
     from .quantiles import scorer_unit
 
-    weigh = weigh_config(params, quantiles_from, scorer_unit(scorer, options) if quantiles_from else None)
+    weigh = weigh_config(params, quantiles_from, scorer_unit(scorer, options))
     try:
         if params["engine"] == "local":  # the workers are this process: a missing GPU is known now
             check_device(validated.device)

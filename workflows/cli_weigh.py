@@ -45,7 +45,7 @@ def weigh_cmd(scored_dir, out, quantiles_from, drop_entropy, **params):
         quantiles_from = quantiles_from or scored_dir
     from .quantiles import values_unit
 
-    config = weigh_config(params, quantiles_from, values_unit(scored_dir) if quantiles_from else None)
+    config = weigh_config(params, quantiles_from, values_unit(scored_dir))
     try:
         stage = WeighStage(
             scored_dir,

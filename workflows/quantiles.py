@@ -40,6 +40,20 @@ def check_units(theirs: str | None, unit: str | None, field: str, location) -> N
         )
 
 
+#: units of values with no bound (a loss): `raw` weighing reads its values as they are, in [0, 1]
+UNBOUNDED = ("nats", "nats_difference")
+
+
+def check_raw(method: str, unit: str | None, flags: str = "--weighting raw") -> None:
+    """`raw` weighs values as they are, clipped to [0, 1] (a distance such as occlusion's cosine): on
+    a loss in nats nearly every weight would be 0 (ValueError naming `flags`)."""
+    if method == "raw" and unit in UNBOUNDED:
+        raise ValueError(
+            f"{flags} weighs the values as they are, clipped to [0, 1]: these are in {unit!r} (a loss), "
+            "which would put nearly every weight at 0; weigh them with minmax, quantile or topk"
+        )
+
+
 def reference_quantiles(location, unit: str | None, field: str = "--quantiles-from") -> tuple[float, ...]:
     """The quantiles of `location`'s values, refused (`check_units`) when they are in another unit
     than the values they will weigh (`unit`)."""

@@ -514,6 +514,13 @@ class Workflow(_Strict):
                             f"its model token's whole loss): the {s.op} needs losses that add up to the "
                             "model's nats; score it with aggregate: sum",
                         )
+            if s.weighting.method == "raw":  # the same check as the commands', from the spec alone
+                from .quantiles import check_raw, step_unit
+
+                try:
+                    check_raw("raw", step_unit(self.scores, s.name), "method: raw")
+                except ValueError as e:
+                    raise _At(f"scores[{i}].weighting.method", str(e)) from None
         if problems:
             raise _At(None, "\n".join(problems))
         for i, pair in enumerate(self.agreement.pairs if self.agreement else ()):
