@@ -96,3 +96,4 @@ def test_eval_bpb_equals_hf_per_target_computation(tiny_ckpt, hf_dir, text, tmp_
     assert res["bpb"] == pytest.approx(nats / (math.log(2) * n_bytes), rel=1e-5)
     # a sane per-token loss: the old stride = n_ctx bug scored ~1 target per window (BPB ≈ 0.1)
     assert 1.0 < res["nats"] / res["tokens"] < math.log(1024)
+    assert res["stride"] == min(stride, N_CTX - 1)  # the step the windows took (it said n_ctx for n_ctx − 1)

@@ -131,7 +131,7 @@ def test_eval_quant(tiny_estimator, tokenized_dir):
     assert res.exit_code == 0 and "float8_e4m3fn" in res.output and "bpb" in res.output
 
 
-def test_eval_quant_refusals(tiny_estimator, tokenized_dir, tmp_path):
+def test_eval_quant_refusals(tiny_estimator, tokenized_dir, tokenizer_dir, c4_path, tmp_path):
     res = cli("eval-quant", tiny_estimator, "--data", tokenized_dir, "--formats", "float4")
     assert res.exit_code == 2 and "unknown --formats float4" in res.output
     llama = tmp_path / "llama"
@@ -142,6 +142,17 @@ def test_eval_quant_refusals(tiny_estimator, tokenized_dir, tmp_path):
     assert res.exit_code == 0, res.output
     res = cli("eval-quant", llama, "--data", tokenized_dir)
     assert res.exit_code == 2 and "no embedding to quantize" in res.output
+    # rows wider than the estimator reads: one line (a traceback from the model's first batch before)
+    from entroweight.pipelines import run_stage
+    from entroweight.pipelines.tokenize import TokenizeStage
+
+    wide = tmp_path / "wide"
+    run_stage(
+        TokenizeStage([str(c4_path)], str(tokenizer_dir), n_ctx=256, shard_docs=1000), wide, progress=False
+    )
+    res = cli("eval-quant", tiny_estimator, "--data", wide)
+    assert res.exit_code == 2 and "holds rows of 256 tokens (n_ctx), longer than" in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1
 
 
 def test_eval_bpb_reports_amortized_bits_for_estimators(tiny_estimator):

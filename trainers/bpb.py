@@ -180,6 +180,9 @@ def eval_bpb(
     if stride is None:
         stride = max(1, n_ctx - 1 if amortized else n_ctx // 2)
     check_window(n_ctx, stride)
+    stride = min(
+        stride, n_ctx - 1
+    )  # what `windows` steps by (a window's first token is context only): reported
     start = start_token(tok)
     ids = ([start] if start is not None else []) + encode(tok, text)
     n_bytes = len(text.encode("utf-8"))

@@ -89,6 +89,14 @@ def eval_quant_cmd(ckpt_dir, data, formats, max_sequences, batch_size, device, a
         info = inspect_data(list(data), (), config.get("tokenizer_sha256"))
     except (CheckpointError, DataError) as e:
         _fail(str(e))
+    width = getattr(model.config, "n_ctx", None)
+    if (
+        info.n_ctx is not None and width is not None and info.n_ctx > width
+    ):  # the model would refuse each batch
+        _fail(
+            f"{', '.join(data)} holds rows of {info.n_ctx} tokens (n_ctx), longer than {ckpt_dir} reads "
+            f"({width}, its n_ctx): tokenize with --n-ctx {width} or less"
+        )
     pad_id = info.pad_id if info.pad_id is not None else config.get("pad_id")
     if pad_id is None:
         _fail("the data record no pad_id; tokenize it with `entroweight tokenize` (left-padded sequences)")
