@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from model_free import IdMod
 from scipy import stats
 
 from entroweight.models.checkpoint import save_checkpoint
@@ -19,6 +20,7 @@ from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import METADATA_KEY, read_file_metadata
 from entroweight.schemas.datadir import DataDir
+from entroweight.scorers import register
 from entroweight.transforms.agreement import AgreementError, compare_dirs, rankdata
 from entroweight.workflows.cli import main
 
@@ -123,3 +125,32 @@ def test_cli_compare(tmp_path, scored):
     assert r.exit_code == 0 and "Spearman" in r.output and "R²" in r.output
     r = CliRunner().invoke(main, ["compare", str(scored["l1"]), str(scored["other"])])
     assert r.exit_code == 2 and "different tokens" in r.output
+
+
+class Flat(IdMod):  # every value 0 (an excess_loss of a model against itself)
+    name = "flat_for_compare"
+    modulus = 1
+
+
+register(Flat)
+
+
+def test_a_side_of_one_value_leaves_the_statistics_undefined(scored):
+    """Values that are all one value have no correlation: the statistics are null in JSON (strict
+    JSON, where Python wrote NaN) and the text says why, where it printed `nan` for each; the line
+    of B on A stays defined while A varies."""
+    flat = scored["l1"].parent / "flat"
+    run_stage(ScoreStage(scored["l1"].parent / "a" / "tokens", "flat_for_compare", {}), flat, progress=False)
+    res = compare_dirs(scored["l1"], flat)
+    assert res["constant"] == ["B"] and res["r2"] is res["pearson"] is res["spearman"] is None
+    assert res["slope"] == 0 and res["intercept"] == 0  # B on A: flat, defined
+    assert compare_dirs(scored["l1"], scored["cos"])["constant"] == []
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+
+    r = CliRunner().invoke(main, ["compare", str(scored["l1"]), str(flat), "--json"])
+    assert r.exit_code == 0 and strict(r.output)["r2"] is None, r.output
+    r = CliRunner().invoke(main, ["compare", str(scored["l1"]), str(flat)])
+    assert r.exit_code == 0 and "undefined: B holds one value for every token" in r.output, r.output
+    assert "nan" not in r.output

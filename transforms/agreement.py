@@ -104,7 +104,8 @@ def line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 def compare_dirs(dir_a: str | Path, dir_b: str | Path, column: str = "entropy") -> dict:
     """R², Pearson and Spearman of `column` between two scored directories over the real tokens of the
     sequences both hold, and the least-squares line of B on A. Returns {r2, pearson, spearman, slope,
-    intercept, n_tokens, n_sequences, only_a, only_b, ...}."""
+    intercept, n_tokens, n_sequences, only_a, only_b, constant, ...}; a statistic a side of one value
+    leaves undefined is None (`constant` names that side)."""
     if column not in COLUMNS:
         raise AgreementError(f"column must be one of {', '.join(COLUMNS)}, not {column!r}")
     meta_a, a = _read(dir_a, column)
@@ -133,13 +134,19 @@ def compare_dirs(dir_a: str | Path, dir_b: str | Path, column: str = "entropy") 
     x, y = np.concatenate(xs), np.concatenate(ys)
     r = pearson(x, y)
     slope, intercept = line(x, y)
+
+    def stat(v: float) -> float | None:  # undefined (a side of one value): null, never a NaN in JSON
+        return v if np.isfinite(v) else None
+
     return {
         "column": column,
-        "r2": r * r,
-        "pearson": r,
-        "slope": slope,
-        "intercept": intercept,
-        "spearman": pearson(rankdata(x), rankdata(y)),
+        "r2": stat(r * r),
+        "pearson": stat(r),
+        "slope": stat(slope),
+        "intercept": stat(intercept),
+        "spearman": stat(pearson(rankdata(x), rankdata(y))),
+        # the sides whose values are all one value: what leaves the statistics undefined
+        "constant": [side for side, v in (("A", x), ("B", y)) if v.size == 0 or np.ptp(v) == 0],
         "n_tokens": int(x.size),
         "n_sequences": len(common),
         "only_a": len(a) - len(common),

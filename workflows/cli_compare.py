@@ -31,10 +31,15 @@ def compare_cmd(scored_dir_a, scored_dir_b, column, as_json):
         click.echo(json.dumps(result, indent=2))
         return
     click.echo(f"{result['scorer_a']} vs {result['scorer_b']} ({column})")
-    click.echo(f"  R²        {result['r2']:.4f}")
-    click.echo(f"  Pearson   {result['pearson']:.4f}")
-    click.echo(f"  Spearman  {result['spearman']:.4f}")
-    click.echo(f"  line      B = {result['slope']:.4f} · A {result['intercept']:+.4f}")
+    if result["pearson"] is None:  # a side of one value: no correlation to tell
+        sides = " and ".join(result["constant"]) or "a side"
+        click.echo(f"  undefined: {sides} holds one value for every token (R², Pearson, Spearman)")
+    else:
+        click.echo(f"  R²        {result['r2']:.4f}")
+        click.echo(f"  Pearson   {result['pearson']:.4f}")
+        click.echo(f"  Spearman  {result['spearman']:.4f}")
+    if result["slope"] is not None:  # B on A: defined while A varies
+        click.echo(f"  line      B = {result['slope']:.4f} · A {result['intercept']:+.4f}")
     click.echo(f"  tokens    {result['n_tokens']:,} in {result['n_sequences']:,} sequences")
     if result["only_a"] or result["only_b"]:
         click.echo(f"  skipped   {result['only_a']} sequences only in A, {result['only_b']} only in B")

@@ -149,7 +149,11 @@ def _template():
         undefined=jinja2.StrictUndefined,  # a name the template expects and the data lacks: an error
         trim_blocks=True,
     )
-    env.filters |= {"repr": repr, "f4": lambda v: f"{v:.4f}", "thousands": lambda v: f"{v:,}"}
+    env.filters |= {
+        "repr": repr,
+        "f4": lambda v: "undefined" if v is None else f"{v:.4f}",
+        "thousands": lambda v: f"{v:,}",
+    }
     return env.get_template("report.html.j2")
 
 

@@ -512,7 +512,8 @@ class AgreementStep(Step):
                 row["writeup"] = {"key": pair.writeup, "what": what, "slope": m, "intercept": b, "r2": r2}
             rows.append(row)
         write_json_atomic({"key": self.key(), "column": spec.column, "pairs": rows}, self.out)
-        return "ran", "; ".join(f"{r['y']} vs {r['x']} R² {r['r2']:.4f}" for r in rows)
+        said = [(r, "undefined" if r["r2"] is None else f"{r['r2']:.4f}") for r in rows]  # None: one value
+        return "ran", "; ".join(f"{r['y']} vs {r['x']} R² {r2}" for r, r2 in said)
 
 
 class ReportStep(Step):
