@@ -248,6 +248,8 @@ class HFModel(ModelSource):
         # a GGUF file is dequantized by `resolved`, only where the model loads
         self.model = model
         self.start_info: hf.StartToken | None = None
+        # what a refusal of another tokenizer advises (excess_loss's reference: its --cross-tokenizer)
+        self.other_tokenizer = "use --scorer cross_tokenizer"
 
     @cached_property
     def gguf(self) -> Path | None:
@@ -297,12 +299,12 @@ class HFModel(ModelSource):
         if data_tokenizer is None:
             raise ScorerError(
                 f"the data's tokenizer ({sha256[:12]}…) is not the file of {self.model}; pass --tokenizer "
-                "with the data's tokenizer so the vocabularies can be compared, or use --scorer cross_tokenizer"
+                f"with the data's tokenizer so the vocabularies can be compared, or {self.other_tokenizer}"
             )
         if not same_vocabulary(data_tokenizer, model_tok):
             raise ScorerError(
                 f"the data's tokenizer ({data_tokenizer.path}) and {self.model}'s differ: ids mean "
-                "different text; use --scorer cross_tokenizer"
+                f"different text; {self.other_tokenizer}"
             )
 
     def load(self, device: str, dtype: str, options: dict[str, Any]) -> torch.nn.Module:

@@ -26,7 +26,7 @@ import numpy as np
 from pydantic import Field
 
 from .base import Batching, Scored, Scorer, ScorerError
-from .causal_loss import CausalLossScorer, causal_kind_problem
+from .causal_loss import CausalLossScorer, HFModel, causal_kind_problem
 from .cross_tokenizer import CrossTokenizerScorer
 
 
@@ -103,6 +103,8 @@ class ExcessLossScorer(Scorer):
         if context is not None or stride is not None:
             raise ScorerError("--context / --stride are options of the cross-tokenizer reference only")
         self.reference = _side(str(reference), **kw)
+        if isinstance(self.reference.source, HFModel):
+            self.reference.source.other_tokenizer = "pass --cross-tokenizer to read it on its own tokenizer"
         a, b = self.model.source.tokenizer_sha256, self.reference.source.tokenizer_sha256
         if a and b and a != b:
             raise ScorerError(

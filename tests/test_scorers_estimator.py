@@ -481,7 +481,7 @@ def test_excess_loss_refuses_another_tokenizer(
     import shutil
 
     shutil.copy(llama3_tokenizer, hf_dir / "tokenizer.json")
-    with pytest.raises(StageError, match="excess_loss reference"):
+    with pytest.raises(StageError, match="excess_loss reference: .*pass --cross-tokenizer"):  # not --scorer
         ScoreStage(small_data, "excess_loss", {"checkpoint": str(causal_ckpt), "reference": str(hf_dir)},
                    tokenizer=str(tokenizer_dir)).plan_inputs()  # fmt: skip
 

@@ -343,6 +343,11 @@ def test_cli_batch_tokens(tmp_path, data, checkpoints, rows):
     assert extra["pad_fraction"] == pytest.approx(rows[1].sum() / rows[0].size, abs=1e-4)
     r = CliRunner().invoke(main, [*args, "--batch-tokens", "0", "--out", str(tmp_path / "no")])
     assert r.exit_code == 2 and "--batch-tokens" in r.output and not (tmp_path / "no").exists()
+    # both sizes: one is ignored, so both are refused (the help says "instead of --batch-size")
+    r = CliRunner().invoke(
+        main, [*args, "--batch-tokens", "64", "--batch-size", "4", "--out", str(tmp_path / "no")]
+    )
+    assert r.exit_code == 2 and "give one of them" in r.output and not (tmp_path / "no").exists()
 
 
 def test_segments_scored_while_the_previous_one_is_written_keep_the_row_order(

@@ -146,6 +146,8 @@ def score(
     from entroweight.transforms.weigh import GLOBAL_SCALE
 
     options, dedicated = scorer_options(take(params, SCORER), generic_options)
+    if batch_tokens is not None and options.get("batch_size") is not None:  # one of them sizes a forward
+        _fail("--batch-tokens sizes each forward instead of --batch-size: give one of them")
     reads = [("--tokenizer", tokenizer), ("--quantiles-from", quantiles_from)] + [
         (flag(k), v) for k, v in options.items() if _names_a_location(v)
     ]
