@@ -142,6 +142,9 @@ def test_eval_quant_refusals(tiny_estimator, tokenized_dir, tokenizer_dir, c4_pa
     assert res.exit_code == 0, res.output
     res = cli("eval-quant", llama, "--data", tokenized_dir)
     assert res.exit_code == 2 and "no embedding to quantize" in res.output
+    # eval-bpb's --embed-format on a model with no embedding: refused (it was ignored without a word)
+    res = cli("eval-bpb", llama, "--max-bytes", 2000, "--embed-format", "int8")
+    assert res.exit_code == 2 and "--embed-format is the format of an estimator" in res.output, res.output
     # rows wider than the estimator reads: one line (a traceback from the model's first batch before)
     from entroweight.pipelines import run_stage
     from entroweight.pipelines.tokenize import TokenizeStage

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from entroweight import storage
-from entroweight.models.checkpoint import CheckpointError, load_checkpoint
+from entroweight.models.checkpoint import CheckpointError, a_model_of, load_checkpoint
 from entroweight.options import device_here
 from entroweight.schemas.tokenizer import (
     BOS_CANDIDATES,
@@ -152,13 +152,14 @@ def eval_bpb(
     batch_size: int = 16,
     device: str = "auto",
     allow_pickle: bool = False,
-    embed_format: str = "float8_e4m3fn",
+    embed_format: str | None = None,
     progress: bool = False,
 ) -> dict:
     """{bpb, nats, bytes, tokens, n_ctx, stride, text} of a checkpoint on `text_path` (default WikiText-2 test).
 
     Estimator / autoencoder checkpoints report amortized bits: `bpb` = (embedding bits + Σ token bits)
-    / bytes, each window's embedding stored in `embed_format`, split into `embed_bpb` + `token_bpb`.
+    / bytes, each window's embedding stored in `embed_format` (default float8_e4m3fn; refused for a
+    model with no embedding), split into `embed_bpb` + `token_bpb`.
     `progress`: a bar of windows on stderr.
     """
     if batch_size < 1:
@@ -175,14 +176,18 @@ def eval_bpb(
     if model_ctx and n_ctx > model_ctx:
         raise ValueError(f"--n-ctx {n_ctx} is longer than the model's n_ctx {model_ctx}")
     amortized = all(hasattr(model, a) for a in ("encode", "decode", "embed_dim"))
+    if embed_format is not None and not amortized:  # it would change nothing: said, not ignored
+        raise ValueError(
+            f"--embed-format is the format of an estimator's or autoencoder's embedding; {ckpt_dir} holds "
+            f"{a_model_of(config['kind'])}, which has none"
+        )
+    embed_format = embed_format or "float8_e4m3fn"
     # estimator / autoencoder: each window's embedding is paid for, so windows overlap by only the
     # one context token by default; an LM defaults to half-overlapping windows
     if stride is None:
         stride = max(1, n_ctx - 1 if amortized else n_ctx // 2)
     check_window(n_ctx, stride)
-    stride = min(
-        stride, n_ctx - 1
-    )  # what `windows` steps by (a window's first token is context only): reported
+    stride = min(stride, n_ctx - 1)  # what `windows` steps by (a window's first token is context only)
     start = start_token(tok)
     ids = ([start] if start is not None else []) + encode(tok, text)
     n_bytes = len(text.encode("utf-8"))

@@ -152,9 +152,9 @@ def _as_list(value) -> list:
 @click.option("--allow-pickle", is_flag=True, help=ALLOW_PICKLE_HELP)
 @click.option(
     "--embed-format",
-    default="float8_e4m3fn",
-    show_default=True,
-    help="Estimator/autoencoder: the format each window's embedding is stored (and paid) in.",
+    default=None,
+    help="Estimator/autoencoder: the format each window's embedding is stored (and paid) in "
+    "[default: float8_e4m3fn].",
 )
 def eval_bpb_cmd(ckpt_dir, unigram_data, as_json, **kw):
     """Bits per byte of CKPT_DIR on held-out text (sliding window, exact UTF-8 bytes)."""
