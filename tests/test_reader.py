@@ -73,6 +73,16 @@ def test_ranks_split_the_data_disjointly_and_completely(weighted_dir):
     assert all(sum(p.values()) > 200 for p in parts)
 
 
+def test_a_world_size_without_a_rank_is_refused_outside_torchrun(weighted_dir, monkeypatch):
+    """world_size=2 alone read rank 0's share in every process: half the rows lost, half read twice.
+    Refused unless the environment says the rank (torchrun sets RANK)."""
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="world_size 2 without rank"):
+        WeightedTokens(weighted_dir, world_size=2)
+    monkeypatch.setenv("RANK", "1")
+    assert WeightedTokens(weighted_dir, world_size=2).rank == 1
+
+
 def test_dataloader_workers_split_a_rank_and_resume_exactly(weighted_dir):
     def loader(start):
         ds = WeightedTokens(weighted_dir, batch_size=4, epochs=None, seed=3, start=start, shuffle_buffer=64)

@@ -402,6 +402,13 @@ class WeightedTokens(IterableDataset):
         self.batch_size, self.shuffle, self.shuffle_buffer = batch_size, shuffle, shuffle_buffer
         self.seed, self.epochs, self.start = seed, epochs, start
         r, w = _dist()
+        told = torch.distributed.is_available() and torch.distributed.is_initialized() or "RANK" in os.environ
+        if rank is None and world_size is not None and world_size > 1 and not told:
+            # every process would read rank 0's share: the others' rows lost, its own read twice over
+            raise ValueError(
+                f"world_size {world_size} without rank: give each process its rank= (under torchrun "
+                "both come from the environment)"
+            )
         self.rank = r if rank is None else rank
         self.world_size = w if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
