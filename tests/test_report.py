@@ -189,13 +189,29 @@ def test_an_incomplete_run_says_what_is_missing(tiny_run, tmp_path):  # noqa: F8
     (run / "eval" / "weighted-causal" / "seed-1.json").unlink()
     shutil.rmtree(run / "scores" / "occlusion")
     shutil.rmtree(run / "train" / "reference" / "seed-0")
+    (run / "train" / "reference" / "seed-1" / "metrics.jsonl").write_text("")  # a curve gone: it said nothing
     record = json.loads((run / "run.json").read_text())
     wf = parse_workflow({**record["config"], "run_dir": str(run)})
-    gone = ["scores/occlusion", "train/reference/seed-0", "eval/weighted-causal/seed-1.json"]
+    gone = ["scores/occlusion", "train/reference/seed-0", "train/reference/seed-1/metrics.jsonl",
+            "eval/weighted-causal/seed-1.json"]  # fmt: skip
     assert sorted(missing_outputs(wf)) == sorted(gone)
     page = write_report(run, tmp_path / "part.html", samples=0).read_text()
-    assert "<b>Incomplete run:</b> 3 outputs the workflow plans are missing (" in page
+    assert "<b>Incomplete run:</b> 4 outputs the workflow plans are missing (" in page
     assert all(g in page for g in gone)
+
+
+def test_a_seeds_value_that_is_not_a_number_is_refused_naming_its_file(tiny_run, tmp_path):  # noqa: F811
+    """An evaluation holding NaN (or a string) made every statistic of its table NaN and the verdict
+    "within noise", exit 0: refused, naming the file and the value."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run["run_dir"], run)
+    f = run / "eval" / "reference" / "seed-1.json"
+    for bad in (float("nan"), "abc", None):
+        f.write_text(json.dumps({**json.loads(f.read_text()), "bpb": bad}))
+        with pytest.raises(ReportError, match=f"{f} holds bpb .*, not a finite number"):
+            write_report(run, tmp_path / "r.html", samples=0)
 
 
 def test_the_page_escapes_what_the_run_recorded(tiny_run, tmp_path):  # noqa: F811
@@ -309,3 +325,24 @@ def test_a_damaged_record_is_named_not_a_traceback(tiny_run, tmp_path, damage): 
     code, text = run_cli("report", run_dir, "--out", tmp_path / "r.html")
     assert code == 2 and "Traceback" not in text, text
     assert not (tmp_path / "r.html").exists()
+
+
+def test_a_null_the_trainer_writes_for_a_non_finite_value_is_read(tiny_run, tmp_path):  # noqa: F811
+    """metrics.jsonl holds null where a logged value was not finite (docs/trainer.md): the report
+    draws a gap there and takes each seed's last CE that is a number; it refused the run with
+    numpy's TypeError."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run["run_dir"], run)
+    m = run / "train" / "reference" / "seed-0" / "metrics.jsonl"
+    rows = [json.loads(line) for line in m.read_text().splitlines()]
+    rows[-1]["ce"] = None
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, text = run_cli("report", run, "--out", tmp_path / "r.html")
+    assert code == 0, text
+    from entroweight.workflows.report_data import curves
+    from entroweight.workflows.spec import parse_workflow
+
+    wf = parse_workflow({**json.loads((run / "run.json").read_text())["config"], "run_dir": str(run)})
+    other = json.loads((m.parent.parent / "seed-1" / "metrics.jsonl").read_text().splitlines()[-1])["ce"]
+    final = next(f for f in curves(wf)["finals"] if f["run"] == "reference")
+    assert final["seeds"] == 2 and final["ce"] == pytest.approx((rows[-2]["ce"] + other) / 2)

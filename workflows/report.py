@@ -96,7 +96,12 @@ def curves_plot(series: dict[str, list[list[dict]]], title: str) -> str:
     fig, ax = plt.subplots(figsize=(9, 3.2))
     for i, (name, runs) in enumerate(series.items()):
         color = f"C{i}"
-        curves = [([m["step"] for m in r], [m["ce"] for m in r]) for r in runs if r]
+        # a non-finite CE is logged as null (the trainer's rule): a gap in its line, NaN to numpy
+        curves = [
+            ([m["step"] for m in r], [np.nan if m.get("ce") is None else m["ce"] for m in r])
+            for r in runs
+            if r
+        ]
         for steps, ce in curves:
             ax.plot(steps, ce, color=color, lw=0.6, alpha=0.4)
         if curves:

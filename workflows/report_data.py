@@ -10,6 +10,7 @@ per run and in one sentence, which runs beat it. No HTML.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from entroweight.schemas.weighted import (
     real_mask,
     weights_matrix,
 )
-from entroweight.trainers.checkpoint import STATE
+from entroweight.trainers.checkpoint import METRICS, STATE
 
 from . import stats
 from .spec import PRIMARY, TOKENS, SpecError, Workflow, parse_workflow
@@ -47,6 +48,19 @@ def read_record(path: Path, what: str = "record") -> Any:
         raise ReportError(
             f"{path} is not a readable {what} ({e}); `entroweight run` makes it again once it is removed"
         ) from None
+
+
+def read_number(path: Path, key: str, what: str) -> float:
+    """`key` of a JSON record, a finite number, or ReportError naming the file: a NaN read as a
+    seed's value made every statistic of its table NaN, and the verdict "within noise"."""
+    record = read_record(path, what)
+    value = record.get(key) if isinstance(record, dict) else record
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ReportError(
+            f"{path} holds {key} {value!r}, not a finite number; `entroweight run` makes it again once it "
+            "is removed"
+        )
+    return float(value)
 
 
 def load_run(run_dir: str | Path) -> tuple[dict, Workflow]:
@@ -121,7 +135,7 @@ def read_scores(score_dir: str | Path, max_tokens: int) -> dict | None:
 
 
 def read_metrics(ckpt: Path) -> list[dict]:
-    path = ckpt / "metrics.jsonl"
+    path = ckpt / METRICS
     if not path.is_file():
         return []
     try:
@@ -149,7 +163,7 @@ def bpb_table(wf: Workflow, text: str = "main") -> dict:
         for s in wf.train.seeds:
             f = wf.eval_file(r.name, s, text)
             if f.is_file():
-                seeds[s] = read_record(f, "evaluation")["bpb"]
+                seeds[s] = read_number(f, "bpb", "evaluation")
         v = np.array(list(seeds.values()), dtype=np.float64)
         runs.append(
             {
@@ -581,7 +595,8 @@ def curves(wf: Workflow) -> dict:
     if wf.train is not None:
         runs = {r.name: [read_metrics(wf.run_ckpt(r.name, s)) for s in wf.train.seeds] for r in wf.train.runs}
         for name, seeds in runs.items():
-            last = [r[-1]["ce"] for r in seeds if r]
+            # each seed's last logged CE that is a number (the trainer writes a non-finite one as null)
+            last = [v for v in (_last_number(r, "ce") for r in seeds) if v is not None]
             if last:
                 finals.append({"run": name, "ce": float(np.mean(last)), "seeds": len(last)})
     return {
@@ -591,11 +606,15 @@ def curves(wf: Workflow) -> dict:
     }
 
 
+def _last_number(rows: list[dict], key: str) -> float | None:
+    return next((row[key] for row in reversed(rows) if isinstance(row.get(key), (int, float))), None)
+
+
 def bpb_section(wf: Workflow, text: str = "main") -> dict:
     """A BPB table (every run × seed, mean, std), the unigram baseline and the verdicts."""
     table = bpb_table(wf, text)
     uni_file = wf.root / wf.eval.out / "unigram.json"
-    unigram = read_record(uni_file, "evaluation")["bpb"] if uni_file.is_file() and text == "main" else None
+    unigram = read_number(uni_file, "bpb", "evaluation") if uni_file.is_file() and text == "main" else None
     title = (wf.eval.text or "the bundled WikiText-2 test set") if text == "main" else text_name(wf, text)
     return {
         "text": text,
@@ -612,17 +631,19 @@ def missing_outputs(wf: Workflow) -> list[str]:
     run stopped part way, or outputs removed since. The tables use what is there; this says what is
     not, so a seed or a section short is not read as the whole run."""
     planned: list[Path] = [wf.score_dir(s.name) / STAGE_FILE for s in wf.scores]
-    planned += [wf.model_dir(m.name) / STATE for m in wf.models]
+    planned += [wf.model_dir(m.name) / f for m in wf.models for f in (STATE, METRICS)]
     if wf.agreement is not None:
         planned.append(wf.root / wf.agreement.out)
     if wf.train is not None:
         for seed in wf.train.seeds:
             for r in wf.train.runs:
-                planned.append(wf.run_ckpt(r.name, seed) / STATE)
+                planned += [wf.run_ckpt(r.name, seed) / f for f in (STATE, METRICS)]
                 planned += [wf.eval_file(r.name, seed, t) for t in (wf.eval_texts() if wf.eval else ())]
                 if wf.accuracy is not None:
                     planned.append(wf.accuracy_file(r.name, seed))
-    gone = [p for p in planned if not p.exists()]
+    # (an empty metrics.jsonl has no curve to show: missing as well)
+    gone = [p for p in planned if not p.exists() or (p.name == METRICS and p.stat().st_size == 0)]
+    gone = [p for p in gone if not (p.name == METRICS and p.parent / STATE in gone)]  # its run named once
     # a directory's record names the directory: a step's output, not its bookkeeping
     return [str((p.parent if p.name in (STAGE_FILE, STATE) else p).relative_to(wf.root)) for p in gone]
 
