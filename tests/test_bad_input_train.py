@@ -349,3 +349,29 @@ def test_data_that_records_no_vocabulary_or_context_is_not_given_the_models_defa
     assert r.exit_code == 0, r.output
     model = json.loads((out / "config.json").read_text())["model"]
     assert (model["vocab_size"], model["n_ctx"]) == (1024, 128)  # the tokenizer's; the config's
+
+
+def test_a_loss_parameter_of_another_loss_is_refused(weighted_dir, tmp_path):
+    """Every loss × every other loss's parameter, given a value other than its default: refused naming
+    whose it is (it changed nothing, then refused a resume as a changed setting). Its own parameters,
+    and any at its default, are taken."""
+    from entroweight.trainers.config import LossSettings, TrainConfig, TrainError
+    from entroweight.trainers.losses import LOSSES
+
+    other = {"normalize": "weight", "margin": 5.0, "prefix_weight": 0.3}
+    assert set(other) == set(LossSettings.model_fields) - {"loss"}  # a new parameter needs a value here
+    for loss, spec in LOSSES.items():
+        for name, value in other.items():
+            kw = {"data": str(weighted_dir), "out": str(tmp_path / "o"), "loss": loss, name: value}
+            if name in spec.options:
+                TrainConfig(**kw)
+                continue
+            with pytest.raises(
+                TrainError, match=rf"{name} \(--{name.replace('_', '-')}\) is \w+'s; --loss {loss}"
+            ):
+                TrainConfig(**kw)
+            default = LossSettings.model_fields[name].default
+            TrainConfig(**{**kw, name: default})  # the default written out: harmless
+    r = cli(*train_args(weighted_dir, tmp_path / "cli", "--loss", "ce", "--margin", "5"))
+    assert r.exit_code == 2 and "margin (--margin) is hard_negative's" in r.output, r.output
+    assert not (tmp_path / "cli").exists()

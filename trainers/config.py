@@ -72,6 +72,21 @@ class LossSettings(_Settings):
     )
     prefix_weight: float = Field(0.1, ge=0, description="prefix_smooth: the weight of each prefix token.")
 
+    @model_validator(mode="after")
+    def _options_of_the_loss(self):
+        """A loss parameter given for a loss that does not take it would change nothing (and then
+        block a resume as a changed setting): refused, naming whose it is."""
+        takes = set(LOSSES[self.loss].options)
+        for name in sorted(self.model_fields_set & (set(LossSettings.model_fields) - {"loss"}) - takes):
+            if getattr(self, name) == LossSettings.model_fields[name].default:
+                continue  # the default, written out (a config file, a workflow's defaults): harmless
+            owner = next(n for n, loss in LOSSES.items() if name in loss.options)
+            raise ValueError(
+                f"{name} (--{name.replace('_', '-')}) is {owner}'s; --loss {self.loss} takes "
+                f"{', '.join(sorted(takes)) or 'no parameter'}: drop it, or train with --loss {owner}"
+            )
+        return self
+
 
 class TrainConfig(TrainSettings, LossSettings):
     """Everything one run needs."""
