@@ -346,3 +346,15 @@ def test_a_null_the_trainer_writes_for_a_non_finite_value_is_read(tiny_run, tmp_
     other = json.loads((m.parent.parent / "seed-1" / "metrics.jsonl").read_text().splitlines()[-1])["ce"]
     final = next(f for f in curves(wf)["finals"] if f["run"] == "reference")
     assert final["seeds"] == 2 and final["ce"] == pytest.approx((rows[-2]["ce"] + other) / 2)
+
+
+def test_report_writes_inside_its_run_as_its_report_alone(tiny_run, tmp_path):  # noqa: F811
+    """RUN_DIR/report.html (or the run's report.out) is the one file report writes inside what it
+    reads; any other --out inside the run is refused, nothing written (it wrote run/train/x.html)."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run["run_dir"], run)
+    for inside in (run / "train" / "x.html", run / "report2.html"):
+        code, text = run_cli("report", run, "--out", inside)
+        assert code == 2 and "lies inside RUN_DIR" in text and not inside.exists(), text
+    code, text = run_cli("report", run, "--out", run / "report.html", "--samples", 0)
+    assert code == 0, text

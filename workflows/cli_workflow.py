@@ -7,6 +7,7 @@ work, 3 another run holds RUN_DIR's lock.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -78,6 +79,8 @@ def run_cmd(workflow, dry_run, overwrite, wait, **params):
 )
 def report_cmd(run_dir, out, samples):
     """Write one self-contained HTML report of RUN_DIR (plots embedded; opens offline)."""
+    from entroweight import storage
+
     from .cli_common import check_output
     from .report import ReportError, check_report_out, write_report
 
@@ -85,10 +88,27 @@ def report_cmd(run_dir, out, samples):
         if out is not None:  # RUN_DIR/report.html, its default, lies inside what it reads by design
             check_output(out, [("RUN_DIR", run_dir)], "report", may_lie_inside=True, file=True)
             check_report_out(out)
+            own = {storage.key(storage.path(run_dir) / name) for name in _report_names(run_dir)}
+            if storage.relation(out, run_dir) == "lies inside" and storage.key(out) not in own:
+                _fail(  # the one exception: elsewhere inside, it would mix into what the run rewrites
+                    f"--out {out} lies inside RUN_DIR {run_dir}, which report reads: write its report "
+                    f"({' or '.join(sorted(own))}) or a file outside it"
+                )
         path = write_report(run_dir, out, samples=samples)
     except ReportError as e:
         _fail(str(e))
     click.echo(f"wrote {path}")
+
+
+def _report_names(run_dir) -> set[str]:
+    """The names a report of RUN_DIR may take inside it: the default, and the run's `report.out`."""
+    from .spec import REPORT_FILE
+
+    try:
+        out = json.loads((Path(run_dir) / "run.json").read_bytes())["config"].get("report", {}).get("out")
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):  # no run: report refuses it itself
+        out = None
+    return {REPORT_FILE} | ({out} if isinstance(out, str) and out else set())
 
 
 COMMANDS = [run_cmd, report_cmd]
