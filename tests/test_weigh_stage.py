@@ -161,6 +161,9 @@ def test_refusals_exit_2_before_output(scored, tokens, model, tmp_path):
     score(tokens, model, dropped, with_entropy=False)
     code, output = cli("weigh", dropped, "--out", out)
     assert code == 2 and "--drop-entropy" in output and not out.exists()
+    # a loss that reads the values says why they are gone (it said "score it first": it was scored)
+    code, output = cli("train", dropped, "--loss", "rescaled", "--steps", "1", "--out", out)
+    assert code == 2 and "written without its values (--drop-entropy)" in output and not out.exists(), output
     with pytest.raises(StageError, match="score it first"):
         WeighStage(tmp_path, WeighConfig()).plan_inputs()  # refused as planning starts
 

@@ -188,11 +188,17 @@ def inspect_data(
             raise DataError(f"{f} has no input_ids column: it is not token data; give tokenized parquet")
         for col in require:
             if col not in names:
-                hint = (
-                    "score it first (`entroweight score`) or train with --loss ce"
-                    if col in COLUMNS
-                    else "give data that has it"
-                )
+                if col == "entropy" and "weight" in names:  # scored, its values dropped (--drop-entropy)
+                    hint = (
+                        "it was written without its values (--drop-entropy): write it again from what "
+                        "it was scored or weighed from, without --drop-entropy"
+                    )
+                else:
+                    hint = (
+                        "score it first (`entroweight score`) or train with --loss ce"
+                        if col in COLUMNS
+                        else "give data that has it"
+                    )
                 raise DataError(f"{f} has no {col!r} column, which the loss needs; {hint}")
         common = names if common is None else common & names
         metas.append(facts(schema))
