@@ -107,7 +107,11 @@ def test_torchrun_gets_the_run_config_as_a_file(weighted_dir, tmp_path, monkeypa
     from entroweight.workflows.steps import torchrun
 
     cfg = TrainConfig(
-        data=[str(weighted_dir)], out=str(tmp_path / "ddp"), model_config=TINY, loss="weighted_ce", margin=3.0
+        data=[str(weighted_dir)],
+        out=str(tmp_path / "ddp"),
+        model_config=TINY,
+        loss="weighted_ce",
+        normalize="weight",
     )
     cfg.overwrite = True
     seen = {}
