@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from .llama import Llama
 from .mixer import MaskedMixer
-from .packing import Layout, after_prefix
+from .packing import Layout, after_prefix, check_last
 from .quant import Q_EMBEDDING, Q_PRE_DOWN, sequence_nats, uniform_noise
 
 PARTS = {"mixer": MaskedMixer, "llama": Llama}
@@ -83,8 +83,8 @@ class Bottleneck(nn.Module):
 
 def last_state(encoder: nn.Module, input_ids: torch.Tensor, layout: Layout | None = None) -> torch.Tensor:
     """The encoder's final-norm hidden state at the last position (B, d): with left padding, the
-    last real token, which has read the whole sequence."""
-    return encoder.forward_hidden(encoder.embed(input_ids), layout=layout)[:, -1]
+    last real token, which has read the whole sequence. The last block computes that position alone."""
+    return encoder.forward_hidden(encoder.embed(input_ids), layout=layout, last=1)[:, -1]
 
 
 class EntropyEstimator(nn.Module):
@@ -151,11 +151,16 @@ class EntropyEstimator(nn.Module):
         return self.bottleneck(last_state(self.encoder, input_ids, layout))
 
     def decode(
-        self, input_ids: torch.Tensor, emb: torch.Tensor | None, prefix: list | None = None
+        self,
+        input_ids: torch.Tensor,
+        emb: torch.Tensor | None,
+        prefix: list | None = None,
+        last: int | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V) given the embedding; `emb=None` is the occluded forward (see module doc).
         With `prefix` (`decoder_prefix` of the same embedding, shared by every row), `input_ids` are
-        the last columns of rows whose earlier columns are pads."""
+        the last columns of rows whose earlier columns are pads. `last`: the logits of the last
+        `last` columns alone (B, last, V): the decoder's last block computes no other column's."""
         dec, mode = self.decoder, self.config.injection
         x = dec.embed(input_ids)
         B, T, _ = x.shape
@@ -163,19 +168,20 @@ class EntropyEstimator(nn.Module):
         if prefix is not None:  # the decoder positions before the window: pads (+ the memory position)
             offset = self.config.n_ctx - T + self._memory_slots(emb)
             layout = after_prefix(prefix, offset, T, x.device)
+        check_last(last, T)
         if mode == "token":
-            if emb is None and self.config.decoder == "llama":
-                return dec.head(dec.forward_hidden(x, layout=layout))  # position 0 masked = left out
+            if emb is None and self.config.decoder == "llama":  # position 0 masked = left out
+                return dec.head(dec.forward_hidden(x, layout=layout, last=last))
             if prefix is not None:  # the memory position is in the prefix
-                return dec.head(dec.forward_hidden(x, layout=layout))
+                return dec.head(dec.forward_hidden(x, layout=layout, last=last))
             p = x.new_zeros(B, 1, x.shape[-1]) if emb is None else self.up(emb.to(x.dtype))[:, None]
-            return dec.head(dec.forward_hidden(torch.cat([p, x], dim=1))[:, 1:])
+            return dec.head(dec.forward_hidden(torch.cat([p, x], dim=1), last=last or T))
         if mode == "embedding":
             e = x.new_zeros(B, self.embed_dim) if emb is None else emb.to(x.dtype)
             x = torch.cat([x, e[:, None].expand(B, T, -1)], dim=-1)
         elif emb is not None:  # combination
             x = x + self.up(emb.to(x.dtype))[:, None]
-        return dec.head(dec.forward_hidden(x, layout=layout))
+        return dec.head(dec.forward_hidden(x, layout=layout, last=last))
 
     def _memory_slots(self, emb: torch.Tensor | None) -> int:
         """Decoder positions before the tokens: 1 for token injection (the embedding's), else 0."""

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .packing import Layout, attend, rope_at
+from .packing import Layout, attend, check_last, last_queries, rope_at
 
 
 class RMSNorm(nn.Module):
@@ -61,14 +61,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.d_model, bias=False)
         self.dropout = c.dropout
 
-    def forward(self, x, cos, sin, mask=None, prefix=None, capture=None):
+    def forward(self, x, cos, sin, mask=None, prefix=None, capture=None, last=None):
         """`prefix`: the (k, v) of shared positions before column 0 (each (1, n_kv, P, d)), read by
-        every row; `capture`: a list that receives this call's (k, v) (to build such a prefix)."""
+        every row; `capture`: a list that receives this call's (k, v) (to build such a prefix);
+        `last`: the output of the last `last` columns alone (every column's keys and values)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        Q = T if last is None else last
+        q = self.q_proj(x[:, T - Q :]).view(B, Q, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos[..., T - Q :, :], sin[..., T - Q :, :]), apply_rope(k, cos, sin)
         if capture is not None:
             capture.append((k, v))
         if prefix is not None:
@@ -78,8 +80,10 @@ class Attention(nn.Module):
         if self.n_kv != self.n_heads:  # grouped-query attention: each kv head serves a run of q heads
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if last is not None:
+            mask = last_queries(mask, Q, k.shape[2], x.device)
         y = attend(q, k, v, mask, dropout_p=self.dropout if self.training else 0.0)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(y.transpose(1, 2).reshape(B, Q, -1))
 
 
 class MLP(nn.Module):
@@ -102,8 +106,10 @@ class Block(nn.Module):
         self.mlp = MLP(c)
         self.drop = nn.Dropout(c.dropout)
 
-    def forward(self, x, cos, sin, mask=None, prefix=None, capture=None):
-        x = x + self.drop(self.self_attn(self.input_layernorm(x), cos, sin, mask, prefix, capture))
+    def forward(self, x, cos, sin, mask=None, prefix=None, capture=None, last=None):
+        """`last`: the output of the last `last` columns alone (the others' keys and values computed)."""
+        y = self.self_attn(self.input_layernorm(x), cos, sin, mask, prefix, capture, last)
+        x = x + self.drop(y) if last is None else x[:, -last:] + self.drop(y)
         return x + self.drop(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -170,12 +176,16 @@ class Llama(nn.Module):
         attention_mask: torch.Tensor | None = None,
         layout: Layout | None = None,
         capture: list | None = None,
+        last: int | None = None,
     ) -> torch.Tensor:
         """Blocks + final norm over embeddings x (B, T, d); causal. `attention_mask` (B, T), 1 on real
         tokens, 0 on the left padding: read only when the model masks pads (`mask_pads`). `layout`:
         where the slots sit and what they attend to (models/packing.py: packed rows, or rows after a
-        shared pad prefix); `capture`: a list receiving each layer's (k, v) (see `prefix_of`)."""
+        shared pad prefix); `capture`: a list receiving each layer's (k, v) (see `prefix_of`);
+        `last`: the states of the last `last` columns alone, (B, last, d): the last block computes
+        only the keys and values of the columns before them, which no output reads."""
         T = x.shape[1]
+        check_last(last, T)
         offset = layout.offset if layout is not None and layout.positions is None else 0
         if offset + T > self.config.n_ctx:
             raise ValueError(f"sequence of {T} tokens is longer than the model's n_ctx {self.config.n_ctx}")
@@ -188,9 +198,11 @@ class Llama(nn.Module):
         else:
             cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        for block, before in zip(self.layers, prefix, strict=True):
-            x = block(x, cos, sin, mask, before, capture)
-        return self.norm(x)
+        # a FlexAttention mask is not cut by query: every column is computed, the last ones kept
+        cut = last if isinstance(mask, torch.Tensor | None) else None
+        for i, (block, before) in enumerate(zip(self.layers, prefix, strict=True)):
+            x = block(x, cos, sin, mask, before, capture, cut if i == len(self.layers) - 1 else None)
+        return self.norm(x if last is None else x[:, -last:])
 
     def prefix_of(self, x: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         """Per layer, the (k, v) of the embeddings x (1, P, d) at positions 0..P-1: a prefix that rows

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .packing import Layout
+from .packing import Layout, check_last
 
 
 class MaskedConv(nn.Module):
@@ -45,14 +45,17 @@ class MaskedConv(nn.Module):
         nn.init.uniform_(self.bias, -bound, bound)
         self.register_buffer("mask", torch.ones(n_ctx, n_ctx).tril(), persistent=False)
 
-    def forward(self, x, prefix=None):
+    def forward(self, x, prefix=None, last=None):
         """x (B, h, W, d) -> (B, h, W, d). `prefix` (1, h, P, d): the inputs of P positions before
-        column 0, shared by every row (models/packing.py); the output is that of positions P..P+W-1."""
+        column 0, shared by every row (models/packing.py); the output is that of positions P..P+W-1,
+        or with `last` of the last `last` of them alone (B, h, last, d)."""
         B, h, W, d = x.shape
         off = 0 if prefix is None else prefix.shape[2]
         if prefix is not None:
             x = torch.cat([prefix.to(x.dtype).expand(B, -1, -1, -1), x], dim=2)
         T = off + W
+        if last is not None:  # the output rows of the last positions alone
+            off, W = T - last, last
         # mask on every forward (not once at init): the optimizer would otherwise grow the upper triangle
         w = self.weight[:, off:T, :T] * self.mask[off:T, :T, None].to(self.weight.dtype)
         b = self.bias[:, off:T]
@@ -76,9 +79,10 @@ class TokenMixer(nn.Module):
             self.in_proj = nn.Linear(c.d_model, c.d_model)
             self.out_proj = nn.Linear(c.d_model, c.d_model)
 
-    def forward(self, x, prefix=None, capture=None):
+    def forward(self, x, prefix=None, capture=None, last=None):
         """`prefix`: (the conv's input,) at shared positions before column 0; `capture`: a list that
-        receives this call's (the conv's input,) (to build such a prefix)."""
+        receives this call's (the conv's input,) (to build such a prefix); `last`: the output of the
+        last `last` columns alone."""
         B, T, D = x.shape
         flat = self.n_heads == 1 and not hasattr(self, "in_proj")
         h = (
@@ -88,8 +92,8 @@ class TokenMixer(nn.Module):
         )
         if capture is not None:
             capture.append((h,))
-        y = self.conv(h, None if prefix is None else prefix[0])
-        return y[:, 0] if flat else self.out_proj(y.transpose(1, 2).reshape(B, T, D))
+        y = self.conv(h, None if prefix is None else prefix[0], last)
+        return y[:, 0] if flat else self.out_proj(y.transpose(1, 2).reshape(B, y.shape[2], D))
 
 
 class MixerBlock(nn.Module):
@@ -102,8 +106,10 @@ class MixerBlock(nn.Module):
         self.ff = nn.Sequential(nn.Linear(c.d_model, d_ff), nn.GELU(), nn.Linear(d_ff, c.d_model))
         self.drop = nn.Dropout(c.dropout)
 
-    def forward(self, x, prefix=None, capture=None):
-        x = x + self.drop(self.mixer(self.seq_norm(x), prefix, capture))
+    def forward(self, x, prefix=None, capture=None, last=None):
+        """`last`: the output of the last `last` columns alone (every column is mixed into them)."""
+        y = self.mixer(self.seq_norm(x), prefix, capture, last)
+        x = x + self.drop(y) if last is None else x[:, -last:] + self.drop(y)
         return x + self.drop(self.ff(self.ff_norm(x)))
 
 
@@ -153,10 +159,18 @@ class MaskedMixer(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward_hidden(self, x: torch.Tensor, layout: Layout | None = None, capture: list | None = None):
+    def forward_hidden(
+        self,
+        x: torch.Tensor,
+        layout: Layout | None = None,
+        capture: list | None = None,
+        last: int | None = None,
+    ):
         """Blocks + final norm over embeddings x (B, T, d); causal. `layout`: rows after a shared
         prefix (models/packing.py; a mixer's weights are per position, so rows are never packed);
-        `capture`: a list receiving each layer's conv input (see `prefix_of`)."""
+        `capture`: a list receiving each layer's conv input (see `prefix_of`); `last`: the states
+        of the last `last` columns alone, (B, last, d): the last block mixes every column into
+        them and computes nothing else."""
         if layout is not None and layout.positions is not None:
             raise ValueError("a masked mixer's weights are per position: its rows cannot be packed")
         offset = layout.offset if layout is not None else 0
@@ -164,9 +178,10 @@ class MaskedMixer(nn.Module):
             raise ValueError(
                 f"sequence of {x.shape[1]} tokens is longer than the mixer's n_ctx {self.config.n_ctx}"
             )
+        check_last(last, x.shape[1])
         prefix = (layout.prefix if layout is not None else None) or [None] * len(self.layers)
-        for block, before in zip(self.layers, prefix, strict=True):
-            x = block(x, before, capture)
+        for i, (block, before) in enumerate(zip(self.layers, prefix, strict=True)):
+            x = block(x, before, capture, last if i == len(self.layers) - 1 else None)
         return self.norm(x)
 
     def prefix_of(self, x: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:

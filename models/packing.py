@@ -72,6 +72,20 @@ def prefix_causal(width: int, offset: int, device) -> torch.Tensor | None:
     return torch.cat([torch.ones(width, offset, dtype=torch.bool, device=device), causal], dim=1)
 
 
+def check_last(last: int | None, width: int) -> None:
+    """A forward's `last` (the states of its last columns alone) names 1..width columns."""
+    if last is not None and not 1 <= last <= width:
+        raise ValueError(f"last={last}: a forward of {width} columns has 1 to {width} last columns")
+
+
+def last_queries(mask, n: int, keys: int, device) -> torch.Tensor | None:
+    """`mask` (see `Layout.mask`; a bool tensor or None) for the last `n` query slots alone over
+    `keys` keys: causal (None) becomes the bottom-right causal mask those queries need."""
+    if mask is None:
+        return prefix_causal(n, keys - n, device)
+    return mask[..., -n:, :]
+
+
 def flex_available(device: torch.device | str) -> bool:
     """FlexAttention where it compiles to a fused kernel (CUDA); elsewhere SDPA with a bool mask."""
     if torch.device(device).type != "cuda":

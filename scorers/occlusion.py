@@ -123,7 +123,7 @@ def occlusion_values(
             e = model.encode(ids)
             empty = torch.full_like(ids[:1], pad_id)
             base = model.encode(empty) if baseline == "empty" else None
-            h_o = model.decode(ids, None if base is None else base.expand(B, -1))[:, T - W : -1]
+            h_o = model.decode(ids, None if base is None else base.expand(B, -1), last=W)[:, :-1]
         else:
             pre = memo.get(("encoder", pad_id), lambda: model.encoder_prefix(pad_id))
             e = model.encode(ids[:, T - W :], prefix=pre)
@@ -132,7 +132,7 @@ def occlusion_values(
             dec = memo.get(("decoder", pad_id, baseline), lambda: model.decoder_prefix(pad_id, base))
             emb = None if base is None else base.expand(B, -1)
             h_o = model.decode(ids[:, T - W :], emb, prefix=dec)[:, :-1]
-        h = model.decode(ids, e)[:, T - W : -1]
+        h = model.decode(ids, e, last=W)[:, :-1]  # the pads before the window: keys alone
     D = h.shape[-1]
     read = None
     with torch.inference_mode():

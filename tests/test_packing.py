@@ -299,3 +299,97 @@ def test_a_loss_given_the_tokens_before_reads_causal_models_alone(name, checkpoi
         # (column 0 of a full row is the mean of its other values, as documented: scorers/base.py)
         np.testing.assert_allclose(after[:, 1:-1], before[:, 1:-1], rtol=0, atol=1e-6, err_msg=key)
         assert not np.allclose(after[:, -1], before[:, -1])
+
+
+def _model_cases():
+    """Every model kind a scorer runs, in each layout its forward takes (None: plain causal)."""
+    torch.manual_seed(0)
+    small = dict(vocab_size=64, n_ctx=32, d_model=32, n_layers=2)
+    llamas = [
+        Llama(Llama.Config(**small, n_heads=4)),
+        Llama(Llama.Config(**small, n_heads=4, n_kv_heads=2)),
+        Llama(Llama.Config(**small, n_heads=2, mask_pads=True)),
+    ]
+    mixers = [
+        MaskedMixer(MaskedMixer.Config(**small, **c))
+        for c in ({}, {"n_heads": 2}, {"n_heads": 2, "kernel": 3})
+    ]
+    return [m.eval() for m in llamas + mixers]
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_the_states_of_the_last_columns_alone_equal_those_of_the_whole_forward(i):
+    """`forward_hidden(..., last=n)`, whose last block computes only the keys of the other columns,
+    gives the states of the whole forward's last n columns, in every layout a scorer uses: plain,
+    after a shared pad prefix, packed rows (a bool mask, and FlexAttention's block mask, which is
+    not cut: every column computed), a `mask_pads` llama's attention mask; gradients too."""
+    from entroweight.models.packing import after_prefix
+
+    model = _model_cases()[i]
+    x = model.embed(torch.randint(1, 64, (3, 20))).detach()
+    layouts = {
+        "plain": {},
+        "prefix": {
+            "layout": after_prefix(
+                model.prefix_of(model.embed(torch.zeros(1, 32, dtype=torch.long))), 12, 20, "cpu"
+            )
+        },
+    }
+    if isinstance(model, Llama):
+        p = pack_rows([np.arange(1, n + 1) for n in (9, 6, 5, 13, 7)], 20)
+        seg, pos = torch.as_tensor(p.segments), torch.as_tensor(p.positions)
+        x = model.embed(torch.as_tensor(p.ids)).detach()
+        layouts = {
+            **layouts,
+            "packed": {"layout": Layout(positions=pos, mask=block_causal(seg))},
+            "flex": {"layout": Layout(positions=pos, mask=flex_block_causal(seg))},
+        }
+        if model.config.mask_pads:
+            real = torch.ones(x.shape[:2], dtype=torch.long)
+            real[:, :5] = 0
+            layouts = {"mask_pads": {"attention_mask": real}}
+    for name, kw in layouts.items():
+        with torch.no_grad():
+            whole = model.forward_hidden(x, **kw)
+            for n in (1, 7, x.shape[1]):
+                got = model.forward_hidden(x, **kw, last=n)
+                torch.testing.assert_close(got, whole[:, -n:], rtol=1e-5, atol=1e-5, msg=f"{name}, last={n}")
+    # the gradients of training (the encoder's last state) too, in float64: the same sums, no rounding
+    model, x = model.double(), x.double()
+    y = x.clone().requires_grad_()
+    model.forward_hidden(y, last=1)[:, -1].square().sum().backward()
+    z = x.clone().requires_grad_()
+    model.forward_hidden(z)[:, -1].square().sum().backward()
+    torch.testing.assert_close(y.grad, z.grad, rtol=1e-9, atol=1e-12)
+    for bad in (0, x.shape[1] + 1):
+        with pytest.raises(ValueError, match="last columns"):
+            model.forward_hidden(x, last=bad)
+
+
+@pytest.mark.parametrize(
+    "injection,decoder",
+    [("token", "llama"), ("token", "mixer"), ("embedding", "mixer"), ("combination", "llama")],
+)
+def test_an_estimators_last_logits_alone_equal_those_of_the_whole_decode(injection, decoder):
+    """`decode(..., last=n)` (occlusion's decoders) and the encoder's last state computed alone give
+    the whole forward's, with the row's embedding and occluded (`emb=None`)."""
+    torch.manual_seed(0)
+    cfg = EntropyEstimator.Config(
+        vocab_size=64, n_ctx=24, injection=injection, encoder="mixer", decoder=decoder,
+        encoder_config={"d_model": 32, "n_layers": 2}, decoder_config={"d_model": 32, "n_layers": 2, "n_heads": 2},
+        embed_dim=8, noise="none", init_std=0.2,
+    )  # fmt: skip
+    model = EntropyEstimator(cfg).eval()
+    ids = torch.randint(1, 64, (3, 24))
+    with torch.no_grad():
+        whole_state = model.encoder.forward_hidden(model.encoder.embed(ids))[:, -1]
+        from entroweight.models.estimator import last_state
+
+        torch.testing.assert_close(last_state(model.encoder, ids), whole_state, rtol=1e-5, atol=1e-5)
+        e = model.encode(ids)
+        for emb in (e, None):
+            whole = model.decode(ids, emb)
+            for n in (1, 9, 24):
+                torch.testing.assert_close(
+                    model.decode(ids, emb, last=n), whole[:, -n:], rtol=1e-5, atol=1e-5
+                )
