@@ -173,6 +173,30 @@ def test_report_cli_and_refusal(tiny_run, tmp_path):  # noqa: F811
     assert code == 2 and "run.json" in out
 
 
+def test_report_takes_the_runs_own_report_settings_by_default(tiny_run, tmp_path):  # noqa: F811
+    """`entroweight report RUN_DIR` writes what the run's report step writes: its `report.out` and its
+    `report.samples` unless flags say otherwise (it wrote RUN_DIR/report.html with 3 samples)."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run["run_dir"], run)
+    record = json.loads((run / "run.json").read_text())
+    record["config"]["report"] = {
+        **(record["config"].get("report") or {}),
+        "out": "pages/r.html",
+        "samples": 1,
+    }
+    (run / "run.json").write_text(json.dumps(record))
+    (run / "report.html").unlink()
+    code, out = run_cli("report", run)
+    assert code == 0, out
+    page = (run / "pages" / "r.html").read_text()
+    assert not (run / "report.html").exists()
+    n_scorers = len(record["config"]["scores"])
+    assert page.count("<b>sample ") == n_scorers
+    code, out = run_cli("report", run, "--samples", "0", "--out", tmp_path / "other.html")
+    assert code == 0, out
+    assert (tmp_path / "other.html").read_text().count("<b>sample ") == 0
+
+
 def test_an_incomplete_run_says_what_is_missing(tiny_run, tmp_path):  # noqa: F811
     """Outputs the workflow plans but the run dir lacks (a run stopped part way, files removed) are
     named at the top of the page; a complete run names none. (The tables, read from what is there,
@@ -198,6 +222,9 @@ def test_an_incomplete_run_says_what_is_missing(tiny_run, tmp_path):  # noqa: F8
     page = write_report(run, tmp_path / "part.html", samples=0).read_text()
     assert "<b>Incomplete run:</b> 4 outputs the workflow plans are missing (" in page
     assert all(g in page for g in gone)
+    # the headline and the verdict say how many seeds the comparisons read (they said "2 seeds")
+    assert "2 seeds planned per run, as few as 1 evaluated in a comparison" in page
+    assert "2 seeds per run" not in page and "2 seeds each" not in page
 
 
 def test_a_seeds_value_that_is_not_a_number_is_refused_naming_its_file(tiny_run, tmp_path):  # noqa: F811
@@ -358,3 +385,15 @@ def test_report_writes_inside_its_run_as_its_report_alone(tiny_run, tmp_path):  
         assert code == 2 and "lies inside RUN_DIR" in text and not inside.exists(), text
     code, text = run_cli("report", run, "--out", run / "report.html", "--samples", 0)
     assert code == 0, text
+
+
+def test_a_truncated_metrics_line_is_named_by_its_line(tmp_path):
+    """A metrics.jsonl cut mid-line (a killed run's last write) is refused naming the line, not the
+    JSON error's position in the whole file."""
+    from entroweight.workflows.report_data import METRICS, read_metrics
+
+    (tmp_path / METRICS).write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.5}\n{"step": 3, "lo')
+    with pytest.raises(ReportError, match="line 3: "):
+        read_metrics(tmp_path)
+    (tmp_path / METRICS).write_text('{"step": 1, "loss": 5.0}\n\n{"step": 2, "loss": 4.5}\n')
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]

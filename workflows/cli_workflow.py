@@ -72,10 +72,13 @@ def run_cmd(workflow, dry_run, overwrite, wait, **params):
     "--out",
     default=None,
     type=Location(),
-    help="HTML file to write (default: RUN_DIR/report.html).",
+    help="HTML file to write (default: the run's report.out, RUN_DIR/report.html unless the workflow set it).",
 )
 @click.option(
-    "--samples", type=click.IntRange(0, 50), default=3, show_default=True, help="Sample texts per scorer."
+    "--samples",
+    type=click.IntRange(0, 50),
+    default=None,
+    help="Sample texts per scorer (default: the run's report.samples, 3 unless the workflow set it).",
 )
 def report_cmd(run_dir, out, samples):
     """Write one self-contained HTML report of RUN_DIR (plots embedded; opens offline)."""
@@ -83,32 +86,40 @@ def report_cmd(run_dir, out, samples):
 
     from .cli_common import check_output
     from .report import ReportError, check_report_out, write_report
+    from .spec import REPORT_FILE
 
+    recorded = _recorded_report(run_dir)  # what the run's own report step writes: the defaults
     try:
         if out is not None:  # RUN_DIR/report.html, its default, lies inside what it reads by design
             check_output(out, [("RUN_DIR", run_dir)], "report", may_lie_inside=True, file=True)
             check_report_out(out)
-            own = {storage.key(storage.path(run_dir) / name) for name in _report_names(run_dir)}
+            own = {storage.key(storage.path(run_dir) / name) for name in {REPORT_FILE, recorded.out}}
             if storage.relation(out, run_dir) == "lies inside" and storage.key(out) not in own:
                 _fail(  # the one exception: elsewhere inside, it would mix into what the run rewrites
                     f"--out {out} lies inside RUN_DIR {run_dir}, which report reads: write its report "
                     f"({' or '.join(sorted(own))}) or a file outside it"
                 )
-        path = write_report(run_dir, out, samples=samples)
+        path = write_report(
+            run_dir,
+            out or storage.path(run_dir) / recorded.out,
+            samples=recorded.samples if samples is None else samples,
+            max_tokens=recorded.max_tokens,
+        )
     except ReportError as e:
         _fail(str(e))
     click.echo(f"wrote {path}")
 
 
-def _report_names(run_dir) -> set[str]:
-    """The names a report of RUN_DIR may take inside it: the default, and the run's `report.out`."""
-    from .spec import REPORT_FILE
+def _recorded_report(run_dir):
+    """The run's `report:` settings as run.json records them (the spec's defaults where it records
+    none or cannot be read: `report` then refuses the run itself)."""
+    from .spec import ReportSpec
 
     try:
-        out = json.loads((Path(run_dir) / "run.json").read_bytes())["config"].get("report", {}).get("out")
-    except (OSError, ValueError, KeyError, AttributeError, TypeError):  # no run: report refuses it itself
-        out = None
-    return {REPORT_FILE} | ({out} if isinstance(out, str) and out else set())
+        recorded = json.loads((Path(run_dir) / "run.json").read_bytes())["config"].get("report") or {}
+        return ReportSpec.model_validate(recorded)
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return ReportSpec()
 
 
 COMMANDS = [run_cmd, report_cmd]

@@ -138,10 +138,14 @@ def read_metrics(ckpt: Path) -> list[dict]:
     path = ckpt / METRICS
     if not path.is_file():
         return []
-    try:
-        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-    except ValueError as e:
-        raise ReportError(f"{path} is not readable training metrics ({e})") from None
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:  # named by its line: the JSON error counts within the line alone
+                raise ReportError(f"{path} is not readable training metrics (line {number}: {e})") from None
+    return rows
 
 
 TEXT_NAMES = {"main": "WikiText-2", "heldout": "held-out source text"}
@@ -259,8 +263,7 @@ def verdict_sentence(wf: Workflow, tables: dict[str, dict]) -> str:
                 f"{who}: "
                 + ", ".join(f"{_say(k, len(runs))} on {names[t]}" for t, k in zip(tables, kinds, strict=True))
             )
-    n = len(wf.train.seeds)
-    seeds = f"{n} seed{'s' if n != 1 else ''} each"
+    seeds = seeds_said(wf, tables, "each")
     primary = wf.primary_run()
     rule = "paired t-test seed by seed, p < 0.05, " + (
         f"Holm-corrected except the primary comparison, {primary}"
@@ -268,6 +271,16 @@ def verdict_sentence(wf: Workflow, tables: dict[str, dict]) -> str:
         else "all Holm-corrected (no primary)"
     )
     return f"Against {ref} ({seeds}; {rule}), " + "; ".join(clauses) + "."
+
+
+def seeds_said(wf: Workflow, tables: dict[str, dict], per: str) -> str:
+    """How many seeds the comparisons read: the workflow's, or fewer where an evaluation is missing
+    (a comparison reads the seeds both runs have). `per`: "each", "per run"."""
+    n = len(wf.train.seeds)
+    fewest = min((c["n"] for tab in tables.values() for c in tab["comparisons"]), default=n)
+    if fewest < n:
+        return f"{n} seeds planned {per}, as few as {fewest} evaluated in a comparison"
+    return f"{n} seed{'s' if n != 1 else ''} {per}"
 
 
 def _join(items: list[str]) -> str:
@@ -324,7 +337,7 @@ def headline(wf: Workflow) -> dict:
         )
     n_seeds = len(wf.train.seeds)
     return {
-        "n_seeds": n_seeds,
+        "seeds": seeds_said(wf, tables, "per run"),
         "wilcoxon": n_seeds >= stats.MIN_WILCOXON_SEEDS,
         "texts": [text_name(wf, t) for t in texts],
         "verdict": verdict_sentence(wf, tables),
