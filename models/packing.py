@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -31,8 +32,8 @@ class Layout:
     """How the (N, S) slots of a forward attend and where they sit.
 
     positions: (N, S) RoPE position of each slot; None: `offset`, offset + 1, ... for every row.
-    mask: None (causal), a bool tensor broadcastable to (N, 1, S, prefix + S) (True: attend), or a
-      FlexAttention BlockMask.
+    mask: None (causal), a bool tensor broadcastable to (N, 1, S, prefix + S) (True: attend), a
+      FlexAttention BlockMask, or `Runs` (rows packed in sequences, one causal SDPA each).
     prefix: per layer, what the layer reads of the `offset` shared positions before column 0 (a
       model's `pad_prefix(...)` cut by `Layout.cut`); None: nothing before column 0.
     """
@@ -50,6 +51,28 @@ def block_causal(segments: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(S, S, dtype=torch.bool, device=segments.device).tril()
     same = segments[:, :, None] == segments[:, None, :]
     return (same & causal)[:, None]
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Block-diagonal causal attention given by its runs, for a CPU: each (sequence, first slot, end)
+    a row of a packed sequence, which attends causally within itself; fill (outside every run) reads
+    as 0. `attend` runs one causal SDPA per run: the rows' triangles alone, where SDPA under a bool
+    mask computes every score of the sequence's square (on a CPU, 8 sequences of 512 holding 19
+    rows: 8.4 ms against 14.4 ms a layer, and 11.8 ms for plain causal attention)."""
+
+    runs: tuple[tuple[int, int, int], ...]
+
+
+def block_runs(segments: np.ndarray) -> Runs:
+    """(N, S) segment ids on the host (-1: fill) -> the `Runs` of `block_causal`'s attention."""
+    runs = []
+    for n, row in enumerate(np.asarray(segments)):
+        edges = np.flatnonzero(np.diff(row)) + 1
+        for a, b in zip(np.r_[0, edges], np.r_[edges, len(row)], strict=True):
+            if row[a] >= 0:
+                runs.append((n, int(a), int(b)))
+    return Runs(tuple(runs))
 
 
 def flex_block_causal(segments: torch.Tensor):
@@ -102,6 +125,13 @@ _compiled_flex = None
 
 def attend(q, k, v, mask, dropout_p: float = 0.0):
     """Attention of q (B, h, S, d) over k, v (B, h, K, d) under `mask` (see `Layout.mask`)."""
+    if isinstance(mask, Runs):
+        out = torch.zeros_like(q)
+        for n, a, b in mask.runs:
+            out[n, :, a:b] = F.scaled_dot_product_attention(
+                q[n, :, a:b], k[n, :, a:b], v[n, :, a:b], is_causal=True, dropout_p=dropout_p
+            )
+        return out
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p

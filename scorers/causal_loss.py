@@ -203,10 +203,11 @@ class OurCheckpoint(ModelSource):
         h = model.forward_hidden(model.embed(x), layout=packed.layout(device))
         ce = next_token_ce(h, x, packed.segments, model.lm_head)
         ce_first = torch.zeros(0, device=ce.device)
-        if len(padded):  # one forward of each row's last pad alone
-            alone = to_device(ids[padded, n_pad[padded] - 1][:, None], device)
-            last_pads = model.forward_hidden(model.embed(alone))[:, 0]
-            ce_first = chunked_ce(last_pads, to_device(ids[padded, n_pad[padded]], device), model.lm_head)
+        if len(padded):  # each row's last pad predicts its first token from itself alone
+            pads, at = np.unique(ids[padded, n_pad[padded] - 1], return_inverse=True)
+            table = torch.stack([self._alone(model, int(p), device) for p in pads])
+            first = to_device(ids[padded, n_pad[padded]], device)
+            ce_first = -table[to_device(at.reshape(-1), device), first]
 
         def place(arrays):  # the rows placed on the host side (no per-row device indexing)
             values, first = arrays
@@ -217,6 +218,17 @@ class OurCheckpoint(ModelSource):
             return full
 
         return HostCopy(ce, ce_first), place, packed.ids.size + len(padded)
+
+    def _alone(self, model, pad: int, device: str) -> torch.Tensor:
+        """(V,) fp32 log-probabilities a `mask_pads` model gives after the pad `pad` alone: a pad
+        sees only itself at position 0, so this is every row's prediction of its first token,
+        computed once per pad id (it was one forward of each row's last pad a batch)."""
+
+        def build():
+            h = model.forward_hidden(model.embed(to_device(np.array([[pad]]), device)))[0, 0]
+            return torch.log_softmax(model.lm_head(h).float(), -1)
+
+        return self.prefixes.get(("alone", pad), build)
 
     def _rows(self, model, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One row per batch row, padding included (the reference): full logits, sub-batched so that

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from entroweight.models.packing import Layout, block_causal, flex_available, flex_block_causal
+from entroweight.models.packing import Layout, block_causal, block_runs, flex_available, flex_block_causal
 
 from .base import pack_groups
 from .forward import to_device
@@ -47,12 +47,16 @@ class Packed:
 
     def layout(self, device: str) -> Layout | None:
         """The layout a model reads these slots with: block-diagonal causal attention (FlexAttention's
-        block mask on CUDA, SDPA with a bool mask elsewhere), positions restarting per row; None (plain
-        causal attention: SDPA's fused causal kernel, no mask built) when each sequence is one row."""
+        block mask on CUDA; on a CPU one causal SDPA per row, `Runs`; SDPA with a bool mask
+        elsewhere), positions restarting per row; None (plain causal attention: SDPA's fused causal
+        kernel, no mask built) when each sequence is one row."""
         if self.one_row_each:
             return None
-        seg = to_device(self.segments, device)
-        mask = flex_block_causal(seg) if flex_available(device) else block_causal(seg)
+        if torch.device(device).type == "cpu":
+            mask = block_runs(self.segments)
+        else:
+            seg = to_device(self.segments, device)
+            mask = flex_block_causal(seg) if flex_available(device) else block_causal(seg)
         return Layout(positions=to_device(self.positions, device), mask=mask)
 
     def rows(self, values: np.ndarray, lengths: list[int]) -> list[np.ndarray]:

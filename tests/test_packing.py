@@ -19,7 +19,7 @@ from entroweight.models.checkpoint import save_checkpoint
 from entroweight.models.estimator import EntropyEstimator
 from entroweight.models.llama import Llama
 from entroweight.models.mixer import MaskedMixer
-from entroweight.models.packing import Layout, block_causal, flex_block_causal
+from entroweight.models.packing import Layout, block_causal, block_runs, flex_block_causal
 from entroweight.scorers import Batching, hf, make_scorer
 from entroweight.scorers.base import packs_shard_wide
 from entroweight.scorers.forward import next_token_ce
@@ -250,8 +250,10 @@ def test_pack_fills_each_sequence_and_keeps_rows_whole():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # eager FlexAttention on a CPU (CUDA compiles it)
-def test_flex_attention_block_mask_equals_the_bool_mask():
-    """The CUDA layout (FlexAttention's block mask) gives the values of the CPU one (SDPA, bool mask)."""
+def test_every_block_causal_attention_gives_each_rows_own_states():
+    """The three forms of block-diagonal causal attention over packed rows (the bool mask, the CUDA
+    layout's FlexAttention block mask, the CPU's `Runs`: one causal SDPA per row) give each row the
+    states it has alone."""
     torch.manual_seed(0)
     model = Llama(Llama.Config(vocab_size=64, n_ctx=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2))
     rows = [torch.randint(1, 64, (n,)) for n in (9, 17, 4, 30)]
@@ -259,7 +261,7 @@ def test_flex_attention_block_mask_equals_the_bool_mask():
     x, seg, pos = (torch.as_tensor(a) for a in (p.ids, p.segments, p.positions))
     with torch.no_grad():
         want = [model.forward_hidden(model.embed(r[None]))[0] for r in rows]
-        for mask in (block_causal(seg), flex_block_causal(seg)):
+        for mask in (block_causal(seg), flex_block_causal(seg), block_runs(p.segments)):
             h = model.forward_hidden(model.embed(x), layout=Layout(positions=pos, mask=mask))
             for r, (n, s) in enumerate(p.starts):
                 torch.testing.assert_close(h[n, s : s + len(rows[r])], want[r], rtol=1e-5, atol=1e-5)
@@ -321,8 +323,8 @@ def _model_cases():
 def test_the_states_of_the_last_columns_alone_equal_those_of_the_whole_forward(i):
     """`forward_hidden(..., last=n)`, whose last block computes only the keys of the other columns,
     gives the states of the whole forward's last n columns, in every layout a scorer uses: plain,
-    after a shared pad prefix, packed rows (a bool mask, and FlexAttention's block mask, which is
-    not cut: every column computed), a `mask_pads` llama's attention mask; gradients too."""
+    after a shared pad prefix, packed rows (a bool mask; FlexAttention's block mask and `Runs`,
+    which are not cut: every column computed), a `mask_pads` llama's attention mask; gradients too."""
     from entroweight.models.packing import after_prefix
 
     model = _model_cases()[i]
@@ -343,6 +345,7 @@ def test_the_states_of_the_last_columns_alone_equal_those_of_the_whole_forward(i
             **layouts,
             "packed": {"layout": Layout(positions=pos, mask=block_causal(seg))},
             "flex": {"layout": Layout(positions=pos, mask=flex_block_causal(seg))},
+            "runs": {"layout": Layout(positions=pos, mask=block_runs(p.segments))},
         }
         if model.config.mask_pads:
             real = torch.ones(x.shape[:2], dtype=torch.long)
