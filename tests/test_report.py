@@ -225,6 +225,11 @@ def test_an_incomplete_run_says_what_is_missing(tiny_run, tmp_path):  # noqa: F8
     # the headline and the verdict say how many seeds the comparisons read (they said "2 seeds")
     assert "2 seeds planned per run, as few as 1 evaluated in a comparison" in page
     assert "2 seeds per run" not in page and "2 seeds each" not in page
+    # a run with no evaluation left is compared on none (it said "2 seeds per run")
+    for f in (run / "eval" / "weighted-causal").glob("seed-*.json"):
+        f.unlink()
+    page = write_report(run, tmp_path / "none.html", samples=0).read_text()
+    assert "2 seeds planned per run, as few as 0 evaluated in a comparison" in page
 
 
 def test_a_seeds_value_that_is_not_a_number_is_refused_naming_its_file(tiny_run, tmp_path):  # noqa: F811
@@ -394,6 +399,12 @@ def test_a_truncated_metrics_line_is_named_by_its_line(tmp_path):
 
     (tmp_path / METRICS).write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.5}\n{"step": 3, "lo')
     with pytest.raises(ReportError, match="line 3: "):
+        read_metrics(tmp_path)
+    (tmp_path / METRICS).write_bytes(b'{"step": 1, "loss": 5.0}\n{"step": 2, "lo\xff\xfe"}\n')
+    with pytest.raises(ReportError, match="line 2: "):
+        read_metrics(tmp_path)
+    (tmp_path / METRICS).write_text('{"step": 1, "loss": 5.0}\n[1, 2]\n')
+    with pytest.raises(ReportError, match="line 2: not a JSON object"):
         read_metrics(tmp_path)
     (tmp_path / METRICS).write_text('{"step": 1, "loss": 5.0}\n\n{"step": 2, "loss": 4.5}\n')
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]

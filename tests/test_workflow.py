@@ -83,6 +83,15 @@ def refusal(spec: dict) -> str:
 BASE = {"run_dir": "runs/x", "sources": ["a.jsonl"], "tokenizer": {"train": {"vocab_size": 512}}}
 
 
+@pytest.mark.parametrize("record", ["run.json", ".lock"])
+def test_no_step_writes_at_or_below_the_runs_records(record):
+    """A step's output that is one of the run's records, or a path below one (a report.out of
+    run.json/r.html made `report` crash on mkdir), is refused from the spec, naming the field."""
+    for key, out in (("tokenize", record), ("tokenize", f"{record}/tokens"), ("report", f"{record}/r.html")):
+        msg = refusal({**BASE, key: {"out": out}})
+        assert f"{key}.out" in msg and "is the run directory or its record" in msg, msg
+
+
 def test_unknown_key_is_refused_with_its_path():
     msg = refusal({**BASE, "scores": [{"name": "a", "scorer": "causal_loss"}, {"name": "b", "scorr": "x"}]})
     assert "scores[1].scorr: unknown key" in msg

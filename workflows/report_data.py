@@ -139,12 +139,17 @@ def read_metrics(ckpt: Path) -> list[dict]:
     if not path.is_file():
         return []
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
         if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError as e:  # named by its line: the JSON error counts within the line alone
+            try:  # named by its line: the JSON error counts within the line alone
+                row = json.loads(line)
+            except ValueError as e:  # UnicodeDecodeError included
                 raise ReportError(f"{path} is not readable training metrics (line {number}: {e})") from None
+            if not isinstance(row, dict):
+                raise ReportError(
+                    f"{path} is not readable training metrics (line {number}: not a JSON object)"
+                )
+            rows.append(row)
     return rows
 
 
@@ -277,7 +282,18 @@ def seeds_said(wf: Workflow, tables: dict[str, dict], per: str) -> str:
     """How many seeds the comparisons read: the workflow's, or fewer where an evaluation is missing
     (a comparison reads the seeds both runs have). `per`: "each", "per run"."""
     n = len(wf.train.seeds)
-    fewest = min((c["n"] for tab in tables.values() for c in tab["comparisons"]), default=n)
+    evaluated = {  # per table, each run's evaluated seeds (a run with none is compared on none)
+        t: {r["run"]: set(r["seeds"]) for r in tab["runs"]} for t, tab in tables.items()
+    }
+    fewest = min(
+        (
+            len(seeds & evaluated[t].get(tab["reference"], set()))
+            for t, tab in tables.items()
+            for run, seeds in evaluated[t].items()
+            if run != tab["reference"]
+        ),
+        default=n,
+    )
     if fewest < n:
         return f"{n} seeds planned {per}, as few as {fewest} evaluated in a comparison"
     return f"{n} seed{'s' if n != 1 else ''} {per}"

@@ -690,7 +690,7 @@ class Workflow(_Strict):
         run directory itself or its records (run.json, the lock): one would break the other."""
         outs = self.step_outputs()
         for field, p in outs:
-            if str(p) in (".", "run.json", ".lock"):
+            if str(p) == "." or p.parts[0] in ("run.json", ".lock"):  # a record, or a path below one
                 raise _At(field, f"{str(p)!r} is the run directory or its record; name a directory inside it")
         for i, (fa, a) in enumerate(outs):
             for fb, b in outs[i + 1 :]:
