@@ -258,6 +258,10 @@ def check_output(
                 f"{flag} {out} {how} {what} {read}, which {command} reads; write to a location apart "
                 "from what it reads"
             )
+    if is_local(out) and (above := _file_above(path(out))) is not None:
+        raise OutputRefused(
+            f"{flag} {out} lies below {above}, which is a file: name a location in a directory"
+        )
     if apart:
         _check_apart(out, flag, reads if may_lie_inside else ())
     try:
@@ -291,6 +295,14 @@ def check_output(
     raise OutputRefused(
         f"{flag} {out} holds the output of {named(owner)}, not of `{command}`; write elsewhere{advice}"
     )
+
+
+def _file_above(p: Path) -> Path | None:
+    """The nearest existing ancestor of `p`, when it is not a directory (nothing can be made below it)."""
+    for parent in p.parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
 
 
 def foreign_files(directory, owner: str | None, command: str, hidden: bool = False) -> list[str]:

@@ -137,6 +137,18 @@ def test_no_command_writes_where_it_reads(tmp_path, command, name, relation):
     assert f"--out {out} {base} {name} {target}" in line, line
 
 
+@pytest.mark.parametrize("command", sorted(ROWS))
+def test_no_command_writes_below_a_file(tmp_path, command):
+    """An --out below an existing file (a data file taken for a directory) is refused by every writing
+    command up front, naming the file (report crashed with FileExistsError on mkdir)."""
+    inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
+    blocker = tmp_path / "corpus.jsonl.gz"
+    blocker.write_bytes(b"not a directory")
+    out = blocker / "sub" / ("r.html" if command == "report" else "out")
+    line = refused(tmp_path, _argv(command, str(out), inputs))
+    assert f"lies below {blocker}, which is a file" in line, line
+
+
 # -- another command's output: refused unless --overwrite replaces it whole
 
 MARKS = [(mark, owner) for mark, owner in storage.OUTPUT_MARKS if owner is not None] + [

@@ -408,3 +408,12 @@ def test_a_truncated_metrics_line_is_named_by_its_line(tmp_path):
         read_metrics(tmp_path)
     (tmp_path / METRICS).write_text('{"step": 1, "loss": 5.0}\n\n{"step": 2, "loss": 4.5}\n')
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
+
+
+@pytest.mark.parametrize("record", ["{}", "[]", '{"config": null}', '{"config": [1]}'])
+def test_a_run_record_of_no_workflow_config_is_refused_naming_it(tmp_path, record):
+    """A run.json edited into JSON of another shape said "error: 'config'" (a KeyError's text)."""
+    (tmp_path / "run.json").write_text(record)
+    with pytest.raises(ReportError, match="run.json holds no workflow config"):
+        write_report(tmp_path, tmp_path / "r.html")
+    assert not (tmp_path / "r.html").exists()

@@ -71,6 +71,11 @@ def load_run(run_dir: str | Path) -> tuple[dict, Workflow]:
             f"{run_dir} has no run.json: it is not a workflow run; run `entroweight run WORKFLOW.yaml`"
         )
     record = read_record(record_file, "run record")
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+        raise ReportError(
+            f"{record_file} holds no workflow config (not the run record `entroweight run` writes); "
+            "`entroweight run` makes it again once it is removed"
+        )
     try:
         wf = parse_workflow(record["config"], str(record_file))
     except (SpecError, TypeError, KeyError) as e:
