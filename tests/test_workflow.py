@@ -92,6 +92,20 @@ def test_no_step_writes_at_or_below_the_runs_records(record):
         assert f"{key}.out" in msg and "is the run directory or its record" in msg, msg
 
 
+def test_a_missing_source_is_refused_by_the_dry_run_and_the_run_alike(tmp_path):
+    """The dry run said "3 of 3 step(s) would run" for a source that does not exist, which the run
+    then refused: both refuse it now, in the same words, and nothing is written."""
+    for sources in ([str(tmp_path / "nope.jsonl.gz")], [str(tmp_path / "none-*.jsonl")]):
+        wf = write_yaml(tmp_path / "wf.yaml", {**BASE, "run_dir": str(tmp_path / "run"), "sources": sources})
+        said = []
+        for extra in (["--dry-run"], []):
+            code, out = run_cli("run", wf, *extra)
+            assert code == 2 and "sources: " in out and "Traceback" not in out, out
+            said.append(out.strip().splitlines()[-1])
+        assert said[0] == said[1]
+        assert not (tmp_path / "run").exists()
+
+
 def test_unknown_key_is_refused_with_its_path():
     msg = refusal({**BASE, "scores": [{"name": "a", "scorer": "causal_loss"}, {"name": "b", "scorr": "x"}]})
     assert "scores[1].scorr: unknown key" in msg

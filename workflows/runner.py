@@ -26,7 +26,7 @@ from entroweight.pipelines.stage import LOCK_FILE, has_shards, run_lock
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.weigh import WeighStage
 from entroweight.trainers.config import LossSettings, TrainSettings
-from entroweight.transforms.sources import relation_to
+from entroweight.transforms.sources import SourceError, expand_sources, relation_to
 from entroweight.transforms.writer import write_json_atomic
 
 from .spec import TOKENS, ModelSpec, TrainSpec, Workflow, load_yaml
@@ -109,6 +109,10 @@ class Runner:
     def run(self) -> list[Step]:
         root = self.wf.root
         self._check_sources_apart()
+        try:  # listings only, no file opened: a missing source is refused by the dry run as well
+            expand_sources(list(self.wf.sources))
+        except SourceError as e:
+            raise WorkflowError(f"sources: {e}") from None
         if self.wf.train is not None and self.wf.accuracy is not None:
             check_accuracy(self.wf.accuracy)  # before any step writes (its step would, after hours)
         self._check_run_dir()
