@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -62,17 +61,6 @@ class Runs:
     rows: 8.4 ms against 14.4 ms a layer, and 11.8 ms for plain causal attention)."""
 
     runs: tuple[tuple[int, int, int], ...]
-
-
-def block_runs(segments: np.ndarray) -> Runs:
-    """(N, S) segment ids on the host (-1: fill) -> the `Runs` of `block_causal`'s attention."""
-    runs = []
-    for n, row in enumerate(np.asarray(segments)):
-        edges = np.flatnonzero(np.diff(row)) + 1
-        for a, b in zip(np.r_[0, edges], np.r_[edges, len(row)], strict=True):
-            if row[a] >= 0:
-                runs.append((n, int(a), int(b)))
-    return Runs(tuple(runs))
 
 
 def flex_block_causal(segments: torch.Tensor):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from entroweight.models.packing import Layout, block_causal, block_runs, flex_available, flex_block_causal
+from entroweight.models.packing import Layout, Runs, block_causal, flex_available, flex_block_causal
 
 from .base import pack_groups
 from .forward import to_device
@@ -62,6 +62,17 @@ class Packed:
     def rows(self, values: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
         """Per row, the values of its slots ((N, S) -> one array per row)."""
         return [values[n, s : s + m] for (n, s), m in zip(self.starts, lengths, strict=True)]
+
+
+def block_runs(segments: np.ndarray) -> Runs:
+    """(N, S) segment ids on the host (-1: fill) -> the `Runs` of `block_causal`'s attention (models/packing.py)."""
+    runs = []
+    for n, row in enumerate(np.asarray(segments)):
+        edges = np.flatnonzero(np.diff(row)) + 1
+        for a, b in zip(np.r_[0, edges], np.r_[edges, len(row)], strict=True):
+            if row[a] >= 0:
+                runs.append((n, int(a), int(b)))
+    return Runs(tuple(runs))
 
 
 def pack_rows(rows: list[np.ndarray], width: int) -> Packed:

@@ -19,11 +19,11 @@ from entroweight.models.checkpoint import save_checkpoint
 from entroweight.models.estimator import EntropyEstimator
 from entroweight.models.llama import Llama
 from entroweight.models.mixer import MaskedMixer
-from entroweight.models.packing import Layout, block_causal, block_runs, flex_block_causal
+from entroweight.models.packing import Layout, block_causal, flex_block_causal
 from entroweight.scorers import Batching, hf, make_scorer
 from entroweight.scorers.base import packs_shard_wide
 from entroweight.scorers.forward import next_token_ce
-from entroweight.scorers.packing import Packed, pack_rows
+from entroweight.scorers.packing import Packed, block_runs, pack_rows
 from entroweight.scorers.registry import BUILTIN
 
 
