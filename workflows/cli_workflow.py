@@ -7,7 +7,6 @@ work, 3 another run holds RUN_DIR's lock.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -86,10 +85,12 @@ def report_cmd(run_dir, out, samples):
 
     from .cli_common import check_output
     from .report import ReportError, check_report_out, write_report
-    from .spec import REPORT_FILE
+    from .report_data import load_run
+    from .spec import REPORT_FILE, ReportSpec
 
-    recorded = _recorded_report(run_dir)  # what the run's own report step writes: the defaults
     try:
+        _, wf = load_run(run_dir)  # a directory that is not a run is refused before anything is checked
+        recorded = wf.report or ReportSpec()  # what the run's own report step writes: the defaults
         if out is not None:  # RUN_DIR/report.html, its default, lies inside what it reads by design
             check_output(out, [("RUN_DIR", run_dir)], "report", may_lie_inside=True, file=True)
             check_report_out(out)
@@ -108,18 +109,6 @@ def report_cmd(run_dir, out, samples):
     except ReportError as e:
         _fail(str(e))
     click.echo(f"wrote {path}")
-
-
-def _recorded_report(run_dir):
-    """The run's `report:` settings as run.json records them (the spec's defaults where it records
-    none or cannot be read: `report` then refuses the run itself)."""
-    from .spec import ReportSpec
-
-    try:
-        recorded = json.loads((Path(run_dir) / "run.json").read_bytes())["config"].get("report") or {}
-        return ReportSpec.model_validate(recorded)
-    except (OSError, ValueError, KeyError, AttributeError, TypeError):
-        return ReportSpec()
 
 
 COMMANDS = [run_cmd, report_cmd]
