@@ -342,6 +342,39 @@ def test_a_file_a_directory_or_glob_leaves_out_is_said_and_a_dead_link_refused(
     assert not (tmp_path / "out2").exists()
 
 
+SOURCE_COMMANDS = sorted(
+    name for name, c in main.commands.items() if any(p.name == "sources" for p in c.params)
+)
+
+
+@pytest.mark.parametrize("command", [*SOURCE_COMMANDS, "run --dry-run"])
+def test_every_command_that_lists_sources_says_what_it_leaves_out_or_reads_once(
+    tmp_path, c4_lines, tokenizer_dir, command
+):
+    """A file of no source suffix is not read, and a file two sources name (the file and its
+    directory) is read once: every command that lists sources says both on stderr. The workflow
+    run said neither, and a file named twice was read once without a word by every command."""
+    assert SOURCE_COMMANDS == ["tokenize", "train-tokenizer"], "a new command of SOURCES: add it here"
+    src = tmp_path / "src"
+    write(src / "b.jsonl", c4_lines[:6])
+    write(src / "c.jsonl.gzip", c4_lines[6:9])
+    sources = [str(src), str(src / "b.jsonl")]
+    out = str(tmp_path / "out")
+    args = {
+        "tokenize": ["tokenize", *sources, "--tokenizer", str(tokenizer_dir), "--out", out],
+        "train-tokenizer": ["train-tokenizer", *sources, "--vocab-size", "300", "--out", out],
+    }.get(command)
+    if args is None:
+        spec = {"run_dir": out, "sources": sources, "tokenizer": {"path": str(tokenizer_dir)}}
+        (tmp_path / "wf.yaml").write_text(json.dumps(spec))
+        args = ["run", str(tmp_path / "wf.yaml"), "--dry-run"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    assert f"note: 1 file(s) of no source suffix not read: {src}/c.jsonl.gzip" in res.stderr + res.output
+    said = f"1 file(s) named by more than one source, read once: {src / 'b.jsonl'}"
+    assert said in res.stderr + res.output, res.output
+
+
 def test_beam_shows_shard_progress(tmp_path, c4_lines, tokenizer_dir):
     # one task per JSON-lines file (it cuts its own shards as it reads): the bar counts tasks
     src = tmp_path / "src"

@@ -213,20 +213,23 @@ def _walk(root: str) -> list[str]:
     return sorted(files)
 
 
-def expand_sources(specs: list[str], skipped: list[str] | None = None) -> list[str]:
+def expand_sources(specs: list[str], notes: list[str] | None = None) -> list[str]:
     """Files (sorted, deduplicated) and hub ids named by the SOURCE arguments (`source_files`)."""
-    return list(source_files(specs, skipped))
+    return list(source_files(specs, notes))
 
 
 def source_files(
-    specs: list[str], skipped: list[str] | None = None
+    specs: list[str], notes: list[str] | None = None
 ) -> dict[str, tuple[int, int | None] | None]:
     """{file: (size, mtime in ns or None)} of the files named by the SOURCE arguments, sorted per
     argument and deduplicated, and {hub id: None}. From listings and stats only: no file is opened.
-    A directory's or glob's files of no source suffix (a README, a `_SUCCESS`) are left out, and
-    added to `skipped` for the caller to say; a link among them to nothing is refused (a lost mount
-    would drop its files without a word)."""
+    A directory's or glob's files of no source suffix (a README, a `_SUCCESS`) are left out, and a
+    file named by two sources is read once: both are said in `notes` for the caller to show (a
+    misnamed data file, or a file meant to count twice, is no silent loss); a link among them to
+    nothing is refused (a lost mount would drop its files without a word)."""
     out: dict[str, tuple[int, int | None] | None] = {}
+    skipped: list[str] = []
+    repeated: list[str] = []
     for spec in specs:
         if storage.blank(spec):
             raise SourceError(
@@ -234,11 +237,14 @@ def source_files(
             )
         if spec.startswith("hf:"):
             parse_hub_id(spec)
+            repeated += [spec] if spec in out else []
             out[spec] = None
             continue
         if storage.is_url(spec):
             # object stores keep no stable mtime across listings: the size stands alone
-            out.update((f, (size, None)) for f, size in _expand_url(spec, skipped).items())
+            listed = _expand_url(spec, skipped)
+            repeated += [f for f in listed if f in out]
+            out.update((f, (size, None)) for f, size in listed.items())
             continue
         spec = str(storage.path(spec)) if spec.startswith("file://") else spec  # a local path, as elsewhere
         if is_glob(spec):
@@ -265,8 +271,7 @@ def source_files(
                 + "; restore what it points to, or remove the link"
             )
         files = [m for m in matches if file_format(m) and os.path.isfile(m)]
-        if skipped is not None:
-            skipped += [m for m in matches if os.path.isfile(m) and not file_format(m)]
+        skipped += [m for m in matches if os.path.isfile(m) and not file_format(m)]
         if not files:
             raise SourceError(f"{spec!r} names no readable input (suffixes: {', '.join(sorted(SUFFIXES))})")
         real_dirs: dict[str, str] = {}  # a directory resolved, and checked for a stage's marker, once
@@ -280,9 +285,22 @@ def source_files(
                     )
                 real_dirs[parent] = os.path.realpath(parent or ".")
             real = os.path.realpath(f) if os.path.islink(f) else os.path.join(real_dirs[parent], name)
+            if real in out:
+                repeated.append(f)
             st = os.stat(real)
             out[real] = (st.st_size, st.st_mtime_ns)
+    if notes is not None:
+        if skipped:  # a directory's README is no loss, but a misnamed data file would be one
+            notes.append(f"{len(skipped)} file(s) of no source suffix not read: {_some(skipped)}")
+        if repeated:
+            notes.append(
+                f"{len(repeated)} file(s) named by more than one source, read once: {_some(repeated)}"
+            )
     return out
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 # ---------------------------------------------------------------- planning: files -> shards

@@ -23,6 +23,7 @@ from .cli_common import (
     check_output,
     engine_options,
     run_stage_cli,
+    say_listing,
     stage_options,
 )
 
@@ -93,6 +94,7 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
         )
     rejected: collections.Counter = collections.Counter()
     try:
+        say_listing(sources)
         texts = corpus_texts(list(sources), max_docs, text_column, rejected)
         tok = train_tokenizer(texts, vocab_size, algorithm, base, progress=sys.stderr.isatty())
     except (SourceError, ValueError) as e:
@@ -152,17 +154,13 @@ def tokenize(
 ):
     """Tokenize SOURCES into left-padded (or packed) sequences as zstd parquet shards."""
     from entroweight.pipelines.tokenize import TokenizeStage
-    from entroweight.transforms.sources import SourceError, expand_sources
+    from entroweight.transforms.sources import SourceError
     from entroweight.transforms.tokenizer import TokenizerError
 
     reads = [("the source", s) for s in sources] + [("--tokenizer", tokenizer)]
     check_output(out, reads, "tokenize", overwrite=eng["overwrite"])
     try:
-        skipped: list[str] = []
-        expand_sources(list(sources), skipped)  # cheap (no file is read): refuse before --out is created
-        if skipped:  # a directory's README is no loss, but a misnamed data file would be one: say it
-            shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
-            click.echo(f"note: {len(skipped)} file(s) of no source suffix not read: {shown}", err=True)
+        say_listing(sources)  # cheap (no file is read): refuse before --out is created
         stage = TokenizeStage(
             list(sources),
             tokenizer,

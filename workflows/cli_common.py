@@ -363,6 +363,17 @@ def document_step_options(f):
     )(f)
 
 
+def say_listing(sources) -> None:
+    """List SOURCES (refusing a missing one: SourceError) and say on stderr what the listing left out
+    or read once, before anything is read or written."""
+    from entroweight.transforms.sources import expand_sources
+
+    notes: list[str] = []
+    expand_sources(list(sources), notes)
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
+
+
 def check_output(out, reads, command: str, overwrite: bool = False, flag: str = "--out", **kw):
     """The path rule (entroweight.storage.check_output), refused with exit 2: every command that
     writes calls it first, before it reads or creates anything. Returns the other command's output

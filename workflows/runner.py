@@ -109,10 +109,13 @@ class Runner:
     def run(self) -> list[Step]:
         root = self.wf.root
         self._check_sources_apart()
+        notes: list[str] = []
         try:  # listings only, no file opened: a missing source is refused by the dry run as well
-            expand_sources(list(self.wf.sources))
+            expand_sources(list(self.wf.sources), notes)
         except SourceError as e:
             raise WorkflowError(f"sources: {e}") from None
+        for note in notes:
+            self.echo(f"note: {note}")
         if self.wf.train is not None and self.wf.accuracy is not None:
             check_accuracy(self.wf.accuracy)  # before any step writes (its step would, after hours)
         self._check_run_dir()
