@@ -61,7 +61,9 @@ class CrossTokenizerScorer(Scorer):
         aggregate: Literal[AGGREGATES] = Field(
             "mean", description="Model-token CE onto data tokens: mean or sum."
         )
-        context: int = Field(2048, ge=4, description="Model tokens per window.")
+        context: int = Field(
+            2048, ge=4, description="Model tokens per window (at most the model's positions)."
+        )
         stride: int | None = Field(
             None, ge=1, description="New tokens per later window (default context / 2)."
         )
@@ -122,7 +124,13 @@ class CrossTokenizerScorer(Scorer):
             self._max_positions = getattr(self._model.config, "max_position_embeddings", None)
 
     def metadata(self) -> dict[str, Any]:
-        return {**super().metadata(), **self.source.metadata()}
+        # the windows as scored: --context and --stride as asked (config) cut to the model's positions
+        context, stride = self._window()
+        return {
+            **super().metadata(),
+            **self.source.metadata(),
+            "windows": {"context": context, "stride": stride},
+        }
 
     def attention_skips_fill(self) -> bool:
         return hf.attention_skips_fill(self._model)
@@ -198,10 +206,7 @@ class CrossTokenizerScorer(Scorer):
     def windows(self, m: int) -> list[tuple[int, int, int]]:
         """(context start, first scored, end) model-token ranges; the first window starts with the
         start token and scores everything in it, each later one scores `stride` new tokens."""
-        context, stride = self.context, self.stride
-        limit = getattr(self, "_max_positions", None)
-        if limit and context > limit:
-            context, stride = limit, min(stride, limit // 2)
+        context, stride = self._window()
         first = min(m, context - 1)
         out = [(0, 0, first)]
         while out[-1][2] < m:
@@ -209,6 +214,13 @@ class CrossTokenizerScorer(Scorer):
             end = min(m, a + stride)
             out.append((max(0, end - context), a, end))
         return out
+
+    def _window(self) -> tuple[int, int]:
+        """(context, stride) of the windows: as asked, cut to the positions the loaded model reads."""
+        limit = getattr(self, "_max_positions", None)
+        if limit and self.context > limit:
+            return limit, min(self.stride, limit // 2)
+        return self.context, self.stride
 
     def _model_losses(
         self, texts_ids: list[np.ndarray], batching: Batching

@@ -150,3 +150,20 @@ def test_smollm2_weighted_c4_loads_with_datasets_and_trains(tmp_path, c4_path, t
         "--tokenizer", tokenizer_dir, "--out", ckpt, "--steps", 3, "--batch-size", 4, "--device", "cpu",
     )  # fmt: skip
     assert (ckpt / "model.safetensors").exists()
+
+
+def test_the_windows_recorded_are_the_windows_scored(scorer):
+    """--context past the model's positions is cut to them: the file metadata records the windows
+    as scored (it recorded the --context asked, which no window had)."""
+    limit = scorer._model.config.max_position_embeddings
+    assert scorer.metadata()["windows"] == {"context": scorer.context, "stride": scorer.stride}
+    context, stride = scorer.context, scorer.stride
+    scorer.context, scorer.stride = 4 * limit, 2 * limit
+    try:
+        said = scorer.metadata()["windows"]
+        windows = scorer.windows(3 * limit)
+    finally:
+        scorer.context, scorer.stride = context, stride
+    assert said == {"context": limit, "stride": limit // 2}
+    assert max(end - start for start, _, end in windows) == said["context"]
+    assert {end - first for _, first, end in windows[1:-1]} == {said["stride"]}
