@@ -257,3 +257,5 @@ def _readers_refuse_the_hole(out, tmp_path):
     assert r.exit_code == 2 and "incomplete" in r.output and not ckpt.exists(), r.output
     r = CliRunner().invoke(main, ["inspect", str(out)])
     assert "missing_shards" in r.output, r.output
+    # the figures describe part of the directory: said on stderr, where a script reading --json sees it
+    assert "note: 1 shard(s) of" in r.stderr and "entroweight verify" in r.stderr, r.stderr

@@ -193,6 +193,13 @@ def inspect(path, as_json):
         info = summarize(path)
     except (FileNotFoundError, DataDirError) as e:  # a shard that differs or does not decode
         _fail(str(e))
+    if missing := info.get("missing_shards"):  # the figures are of the rest: said where a script sees it
+        n = f"{len(missing)} shard(s)" if isinstance(missing, list) else "shards"
+        click.echo(
+            f"note: {n} of {path} missing or not matching their manifest; the figures are of the rest "
+            f"(`entroweight verify {path}` says which and why)",
+            err=True,
+        )
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
