@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from entroweight import storage
@@ -23,6 +23,9 @@ from entroweight.storage import sha256 as sha256_file
 from . import REGISTRY, build_model
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+# the model config the weights were saved with, in the safetensors header: config.json edited by hand
+# (mask_pads, rope_theta: settings the weights' shapes do not show) is refused, not used as written
+SAVED_WITH = "entroweight_model_config"
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
 
 
@@ -44,7 +47,7 @@ def save_checkpoint(model: torch.nn.Module, kind: str, out_dir: str | Path, **me
         seen[ptr] = k
         unique[k] = v
     tmp = out / (WEIGHTS + ".tmp")
-    save_file(unique, str(tmp))
+    save_file(unique, str(tmp), metadata={SAVED_WITH: _as_json(model.config)})
     plain_mode(tmp)
     tmp.replace(out / WEIGHTS)
     config = {"kind": kind, "model": dataclasses.asdict(model.config), **meta}
@@ -174,7 +177,33 @@ def load_weights(model: torch.nn.Module, weights: Path, kind: str, map_location:
             + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
             + f"; {CONFIG} was edited, or the weights are of another model"
         )
+    _check_saved_with(model, weights)
     model.load_state_dict(state, strict=False)
+
+
+def _as_json(config) -> str:
+    return json.dumps(dataclasses.asdict(config), sort_keys=True)
+
+
+def _check_saved_with(model: torch.nn.Module, weights: Path) -> None:
+    """Refuse a model config other than the one the weights were saved with (weights saved before it
+    was recorded are taken as config.json describes them)."""
+    if weights.name != WEIGHTS:
+        return
+    with safe_open(str(weights), "pt") as f:
+        saved = (f.metadata() or {}).get(SAVED_WITH)
+    if saved is None:
+        return
+    saved, now = json.loads(saved), json.loads(_as_json(model.config))
+    if changed := sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k)):
+        said = "; ".join(
+            f"{k} {json.dumps(now.get(k))} where the weights were saved with {json.dumps(saved.get(k))}"
+            for k in changed
+        )
+        raise CheckpointError(
+            f"{weights.parent / CONFIG} does not describe the model its weights were saved as ({said}): "
+            "the file was edited; re-copy the checkpoint, or train a model of these settings"
+        )
 
 
 def _one_line(e: Exception) -> str:

@@ -128,6 +128,15 @@ EDITS = {
     "d_model edited": (lambda c: _edit_config(c, model={"d_model": 32}), "model.safetensors does not fit"),
     "a layer added": (lambda c: _edit_config(c, model={"n_layers": 2}), "model.safetensors does not fit"),
     "d_model a string": (lambda c: _edit_config(c, model={"d_model": "16"}), "config.json does not describe"),
+    # settings the weights' shapes do not show: the safetensors header records what they were saved as
+    "mask_pads edited": (
+        lambda c: _edit_config(c, model={"mask_pads": True}),
+        "config.json does not describe the model its weights were saved as (mask_pads true where the weights were saved with false",
+    ),
+    "rope_theta edited": (
+        lambda c: _edit_config(c, model={"rope_theta": 500000.0}),
+        "config.json does not describe the model its weights were saved as (rope_theta 500000.0 where the weights were saved with 10000.0",
+    ),
     **{
         f"kind edited to {kind}": (lambda c, k=kind: _edit_config(c, kind=k), "config.json does not describe")
         for kind in ("mixer", "estimator", "autoencoder")
