@@ -23,9 +23,10 @@ from entroweight.storage import sha256 as sha256_file
 from . import REGISTRY, build_model
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
-# the model config the weights were saved with, in the safetensors header: config.json edited by hand
-# (mask_pads, rope_theta: settings the weights' shapes do not show) is refused, not used as written
-SAVED_WITH = "entroweight_model_config"
+# the kind and model config the weights were saved as, in the safetensors header: config.json edited
+# by hand (mask_pads, rope_theta, a llama called tfree: what the weights' shapes do not show) is
+# refused, not used as written
+SAVED_WITH = "entroweight_model"
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
 
 
@@ -47,7 +48,7 @@ def save_checkpoint(model: torch.nn.Module, kind: str, out_dir: str | Path, **me
         seen[ptr] = k
         unique[k] = v
     tmp = out / (WEIGHTS + ".tmp")
-    save_file(unique, str(tmp), metadata={SAVED_WITH: _as_json(model.config)})
+    save_file(unique, str(tmp), metadata={SAVED_WITH: _saved_as(kind, model)})
     plain_mode(tmp)
     tmp.replace(out / WEIGHTS)
     config = {"kind": kind, "model": dataclasses.asdict(model.config), **meta}
@@ -177,16 +178,16 @@ def load_weights(model: torch.nn.Module, weights: Path, kind: str, map_location:
             + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
             + f"; {CONFIG} was edited, or the weights are of another model"
         )
-    _check_saved_with(model, weights)
+    _check_saved_as(model, weights, kind)
     model.load_state_dict(state, strict=False)
 
 
-def _as_json(config) -> str:
-    return json.dumps(dataclasses.asdict(config), sort_keys=True)
+def _saved_as(kind: str, model: torch.nn.Module) -> str:
+    return json.dumps({"kind": kind, **dataclasses.asdict(model.config)}, sort_keys=True)
 
 
-def _check_saved_with(model: torch.nn.Module, weights: Path) -> None:
-    """Refuse a model config other than the one the weights were saved with (weights saved before it
+def _check_saved_as(model: torch.nn.Module, weights: Path, kind: str) -> None:
+    """Refuse a kind or model config other than the weights were saved as (weights saved before it
     was recorded are taken as config.json describes them)."""
     if weights.name != WEIGHTS:
         return
@@ -194,10 +195,11 @@ def _check_saved_with(model: torch.nn.Module, weights: Path) -> None:
         saved = (f.metadata() or {}).get(SAVED_WITH)
     if saved is None:
         return
-    saved, now = json.loads(saved), json.loads(_as_json(model.config))
+    saved, now = json.loads(saved), json.loads(_saved_as(kind, model))
     if changed := sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k)):
+        changed = ["kind"] if "kind" in changed else changed  # another kind's fields all differ
         said = "; ".join(
-            f"{k} {json.dumps(now.get(k))} where the weights were saved with {json.dumps(saved.get(k))}"
+            f"{k} {json.dumps(now.get(k))} where the weights were saved as {json.dumps(saved.get(k))}"
             for k in changed
         )
         raise CheckpointError(
