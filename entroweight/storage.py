@@ -258,12 +258,9 @@ def check_output(
                 f"{flag} {out} {how} {what} {read}, which {command} reads; write to a location apart "
                 "from what it reads"
             )
-    if is_local(out) and (above := _file_above(path(out))) is not None:
-        raise OutputRefused(
-            f"{flag} {out} lies below {above}, which is a file: name a location in a directory"
-        )
+    check_place(out, flag, file)
     if apart:
-        _check_apart(out, flag, reads if may_lie_inside else ())
+        check_apart(out, flag, reads if may_lie_inside else ())
     try:
         owner = output_owner(out)
     except OutputRefused:
@@ -295,6 +292,18 @@ def check_output(
     raise OutputRefused(
         f"{flag} {out} holds the output of {named(owner)}, not of `{command}`; write elsewhere{advice}"
     )
+
+
+def check_place(out, flag: str = "--out", file: bool = False) -> None:
+    """Refuse a local `out` where nothing can be made: a directory (`file`: the one file written) that
+    is an existing file, or a location below a file (a data file taken for a directory)."""
+    if not is_local(out):
+        return
+    p = path(out)
+    if not file and p.exists() and not p.is_dir():
+        raise OutputRefused(f"{flag} {out} is a file: name a directory to write into")
+    if (above := _file_above(p)) is not None:
+        raise OutputRefused(f"{flag} {out} lies below {above}, which is a file: name a location in a directory")
 
 
 def _file_above(p: Path) -> Path | None:
@@ -353,7 +362,7 @@ def named(owner: str) -> str:
     return owner if " " in owner else f"`{owner}`"
 
 
-def _check_apart(out, flag: str, reads) -> None:
+def check_apart(out, flag: str, reads=()) -> None:
     """Refuse an `out` inside a directory that holds a command's output (but those of `reads`)."""
     allowed = {k for _, read in reads if read is not None for k in _forms(read)}
     for above in parents(out):

@@ -137,13 +137,21 @@ def test_no_command_writes_where_it_reads(tmp_path, command, name, relation):
     assert f"--out {out} {base} {name} {target}" in line, line
 
 
+@pytest.mark.parametrize("where", ["below", "is"])
 @pytest.mark.parametrize("command", sorted(ROWS))
-def test_no_command_writes_below_a_file(tmp_path, command):
-    """An --out below an existing file (a data file taken for a directory) is refused by every writing
-    command up front, naming the file (report crashed with FileExistsError on mkdir)."""
+def test_no_command_writes_below_or_into_a_file(tmp_path, command, where):
+    """An --out below an existing file (a data file taken for a directory), or one that is a file where
+    a directory is written, is refused by every writing command up front, naming the file (report
+    crashed with FileExistsError on mkdir). report writes one file: an existing one it replaces."""
+    if where == "is" and command == "report":
+        pytest.skip("report's --out is the one file it writes")
     inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
     blocker = tmp_path / "corpus.jsonl.gz"
     blocker.write_bytes(b"not a directory")
+    if where == "is":
+        line = refused(tmp_path, _argv(command, str(blocker), inputs))
+        assert f"{blocker}" in line and "is a file" in line, line
+        return
     out = blocker / "sub" / ("r.html" if command == "report" else "out")
     line = refused(tmp_path, _argv(command, str(out), inputs))
     assert f"lies below {blocker}, which is a file" in line, line

@@ -106,6 +106,40 @@ def test_a_missing_source_is_refused_by_the_dry_run_and_the_run_alike(tmp_path):
         assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("where", ["a file", "below a file", "inside a run", "inside a step's output"])
+def test_a_run_dir_where_no_run_can_write_is_refused_by_the_dry_run_and_the_run_alike(tmp_path, where):
+    """A run_dir that is a file or lies below one (the dry run planned every step, the run then
+    failed on mkdir), or that lies inside another run or a stage's output (the run wrote its steps
+    among that output's shards: the other run then failed verification on every rerun, exit 1): both
+    refuse it, in the same words naming run_dir, and nothing is written."""
+    (tmp_path / "data.jsonl").write_text("x\n")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    other = tmp_path / "other"
+    other.mkdir()
+    run_dir = {
+        "a file": tmp_path / "notes.txt",
+        "below a file": tmp_path / "notes.txt" / "run",
+        "inside a run": other / "run",
+        "inside a step's output": other / "scores" / "loss" / "run",
+    }[where]
+    if where == "inside a run":
+        (other / "run.json").write_text("{}")
+    if where == "inside a step's output":
+        (other / "scores" / "loss").mkdir(parents=True)
+        (other / "scores" / "loss" / ".stage.json").write_text(json.dumps({"stage": "score"}))
+    wf = write_yaml(
+        tmp_path / "wf.yaml", {**BASE, "run_dir": str(run_dir), "sources": [str(tmp_path / "data.jsonl")]}
+    )
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    said = []
+    for extra in (["--dry-run"], []):
+        code, out = run_cli("run", wf, *extra)
+        assert code == 2 and f"run_dir {run_dir}" in out and "Traceback" not in out, out
+        said.append(out.strip().splitlines()[-1])
+    assert said[0] == said[1]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_unknown_key_is_refused_with_its_path():
     msg = refusal({**BASE, "scores": [{"name": "a", "scorer": "causal_loss"}, {"name": "b", "scorr": "x"}]})
     assert "scores[1].scorr: unknown key" in msg

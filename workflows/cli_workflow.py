@@ -89,11 +89,12 @@ def report_cmd(run_dir, out, samples):
     from .spec import REPORT_FILE, ReportSpec
 
     try:
-        _, wf = load_run(run_dir)  # a directory that is not a run is refused before anything is checked
-        recorded = wf.report or ReportSpec()  # what the run's own report step writes: the defaults
         if out is not None:  # RUN_DIR/report.html, its default, lies inside what it reads by design
             check_output(out, [("RUN_DIR", run_dir)], "report", may_lie_inside=True, file=True)
             check_report_out(out)
+        _, wf = load_run(run_dir)
+        recorded = wf.report or ReportSpec()  # what the run's own report step writes: the defaults
+        if out is not None:
             own = {storage.key(storage.path(run_dir) / name) for name in {REPORT_FILE, recorded.out}}
             if storage.relation(out, run_dir) == "lies inside" and storage.key(out) not in own:
                 _fail(  # the one exception: elsewhere inside, it would mix into what the run rewrites

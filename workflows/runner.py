@@ -197,9 +197,13 @@ class Runner:
         record): the steps would write among another directory's files, and its stages would then
         refuse them (a data step's output holding a user's file) on every rerun."""
         try:
+            # a run_dir inside another output (a run's, a step's) would mix into what that one reads
+            storage.check_place(self.wf.root, "run_dir")
+            storage.check_apart(self.wf.root, "run_dir")
             owner = storage.output_owner(self.wf.root)
         except storage.OutputRefused as e:
-            raise WorkflowError(f"run_dir: {e}") from None
+            msg = str(e)
+            raise WorkflowError(msg if msg.startswith("run_dir") else f"run_dir: {msg}") from None
         if owner not in (None, "run"):  # a stage's shards hold a lock too: not one of a run's
             raise WorkflowError(
                 f"run_dir {self.wf.root} holds the output of {storage.named(owner)}, not a workflow run's: "
