@@ -303,7 +303,9 @@ def check_place(out, flag: str = "--out", file: bool = False) -> None:
     if not file and p.exists() and not p.is_dir():
         raise OutputRefused(f"{flag} {out} is a file: name a directory to write into")
     if (above := _file_above(p)) is not None:
-        raise OutputRefused(f"{flag} {out} lies below {above}, which is a file: name a location in a directory")
+        raise OutputRefused(
+            f"{flag} {out} lies below {above}, which is a file: name a location in a directory"
+        )
 
 
 def _file_above(p: Path) -> Path | None:
