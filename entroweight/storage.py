@@ -271,18 +271,20 @@ def check_output(
         return None
     replaced = owner is not None and owner != command and owner not in owners
     # `out` replaced whole: another command's output, or (`whole`) this command's own
-    if not file and (owner is None or (overwrite and (replaced or whole))):
+    removed = bool(overwrite and (replaced or whole))
+    if not file and (owner is None or not replaced or removed):  # written into, or replaced whole
         theirs = foreign_files(out, owner, command, hidden=whole)
         if theirs and owner is None:
             raise OutputRefused(
                 f"{flag} {out} holds files of no entroweight command ({_some(theirs)}), which `{command}` "
                 "would mix its own among or replace: write to a new or empty directory"
             )
-        if theirs:
+        if theirs:  # what verify calls "not a shard of this directory", and a workflow step's check
             raise OutputRefused(
                 f"{flag} {out} holds the output of {named(owner)} and files no command wrote ("
-                f"{_some(theirs)}), which --overwrite would remove with it: move them out first, or "
-                "write elsewhere"
+                f"{_some(theirs)}), which "
+                + ("--overwrite would remove with it" if removed else f"`{command}` would write among")
+                + ": move them out first, or write elsewhere"
             )
     if not replaced:
         return None

@@ -493,7 +493,8 @@ def test_a_second_concurrent_run_exits_3(tmp_path, tokenizer_dir):
 
 
 def test_a_data_stage_that_fails_verification_fails_the_run(tmp_path, tokenizer_dir):
-    """verify_dir runs after each data stage: a stray file in the tokens directory is a problem (exit 1)."""
+    """verify_dir runs after each data stage: a shard no manifest names in the tokens directory is a
+    problem (exit 1). (A file of no shard's name is a user's, refused before any step runs.)"""
     spec = {
         "run_dir": str(tmp_path / "run"),
         "sources": [str(c4_subset(tmp_path / "a.json.gz", 0, 20))],
@@ -504,10 +505,10 @@ def test_a_data_stage_that_fails_verification_fails_the_run(tmp_path, tokenizer_
     p = write_yaml(tmp_path / "wf.yaml", spec)
     code, out = run_cli("run", p)
     assert code == 0 and "verified" in out
-    (tmp_path / "run" / "tokens" / "stray.parquet").write_bytes(b"not a shard")
+    (tmp_path / "run" / "tokens" / "part-09999-00000.parquet").write_bytes(b"not a shard")
     code, out = run_cli("run", p)
     assert code == 1
-    assert "failed verification" in out and "stray.parquet" in out
+    assert "failed verification" in out and "part-09999-00000.parquet" in out
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["steps"][-1]["status"] == "failed"
 
@@ -598,6 +599,28 @@ def test_a_refused_run_is_refused_before_any_step_writes(small_run, tmp_path, ch
         assert code == 2 and says in out, out
         assert "ran" not in out and "Traceback" not in out
         assert _files(small_run["root"]) == before
+
+
+@pytest.mark.parametrize("out", ["tokens", "models/causal", "scores/causal_loss"])
+def test_a_users_file_in_a_steps_output_is_refused_by_the_dry_run_and_the_run_alike(small_run, out):
+    """A file no command wrote in a step's output (a user's notes): the dry run said every step was up
+    to date, and the run failed the stage's verification after it (exit 1, the advice "move it out",
+    on every rerun). Every step whose output is a command's (tokenize, score, a model) refuses it in
+    the plan, exit 2, the same words in both, nothing written."""
+    notes = small_run["root"] / out / "notes.txt"
+    notes.write_text("mine\n")
+    try:
+        wf = write_yaml(small_run["root"].parent / "wf.yaml", small_run["spec"])
+        before = _files(small_run["root"])
+        said = []
+        for dry in (["--dry-run"], []):
+            code, text = run_cli("run", wf, *dry)
+            assert code == 2 and f"{notes.parent} holds files no command wrote (notes.txt)" in text, text
+            said.append(text.strip().splitlines()[-1])
+            assert _files(small_run["root"]) == before
+        assert said[0] == said[1]
+    finally:
+        notes.unlink()
 
 
 @pytest.mark.parametrize(

@@ -234,6 +234,7 @@ class Runner:
         """One step through the protocol; the dry run is decided here, once for every kind."""
         self.steps.append(step)
         step.prepare()
+        self._refuse_users_files(step)
         self._refuse_retraining(step)
         waiting = [u for u in step.upstream if u in self.stale]
         if self.dry_run and waiting:
@@ -266,6 +267,24 @@ class Runner:
             f"would train again ({'; '.join(damaged) or 'its settings or data changed'}), so it would be made "
             "again; pass --overwrite to redo it, or use another run_dir"
         )
+
+    def _refuse_users_files(self, step: Step) -> None:
+        """A step's output holding files no command wrote (a user's notes) is refused in the plan, by
+        the dry run as by the run: the stage's verification failed on it after the run (exit 1, on
+        every rerun), and --overwrite would remove it. The rule of every command's `--out`
+        (`storage.foreign_files`)."""
+        if step.command is None or not step.out.is_dir():
+            return
+        try:
+            theirs = storage.foreign_files(step.out, storage.output_owner(step.out), step.command)
+        except storage.OutputRefused as e:
+            raise WorkflowError(f"{step.kind} {step.name}: {e}") from None
+        if theirs:
+            shown = ", ".join(theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+            raise WorkflowError(
+                f"{step.kind} {step.name}: {step.out} holds files no command wrote ({shown}), which the "
+                "step would write among or remove: move them out of the run directory first"
+            )
 
     def _refuse_retraining(self, step: Step) -> None:
         """A finished checkpoint whose step's settings were edited since would be trained again and

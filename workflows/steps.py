@@ -19,7 +19,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from entroweight.models.checkpoint import WEIGHTS
 from entroweight.options import setting_changes
@@ -105,6 +105,8 @@ class Step:
     upstream: list[str] = field(default_factory=list)
     status: str = "pending"  # up to date | ran | would run | failed
     timed = True  # "ran" is said with the seconds it took
+    # the command whose output `out` is, as storage.OUTPUT_FILES knows its files (None: not checked)
+    command: ClassVar[str | None] = None
     detail: str = ""
     seconds: float = 0.0
     manifests: list[dict] | None = None
@@ -226,6 +228,10 @@ class DataStep(Step):
 
     timed = False  # the stage's summary line has its own throughput
 
+    @property
+    def command(self) -> str:  # type: ignore[override]
+        return self.kind  # tokenize, score: the stage's name
+
     def __init__(self, *args, build, **kw):
         super().__init__(*args, **kw)
         self.build = build  # () -> Stage: built only when its upstream is there
@@ -270,6 +276,8 @@ class TrainStep(Step):
     """A model trained on a data step's output (an estimator, a causal scorer, an experiment run); up
     to date when its finished checkpoint was trained with this config on this data and its weights
     are the file it wrote (`damage`)."""
+
+    command = "train"
 
     def __init__(self, *args, make_config, nproc: int, **kw):
         super().__init__(*args, **kw)
