@@ -50,6 +50,7 @@ class ShardInput(BaseModel):
     stop: int | None = None  # one past the last row; None: to the end
     size: int | None = None  # file size when planned: a changed file recomputes
     mtime_ns: int | None = None
+    version: str | None = None  # an object's version in its store's listing (an ETag): a rewrite recomputes
     # a stage's output read by another stage: the shard's sha256 as its manifest records it, checked as
     # the worker reads it (schemas/datadir.py `read_checked`); a changed shard is another input
     sha256: str | None = None

@@ -7,6 +7,7 @@ The same run on s3:// and on local disk gives byte-identical parquet; the object
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -106,6 +107,30 @@ def test_a_shard_without_its_manifest_is_redone_and_a_wrong_size_too(s3_bucket, 
     summary = tokenize(c4_60, tokenizer_dir, out)
     assert summary.shards_run == 2 and summary.shards_done_before == 1
     assert parquet_bytes(out) == reference
+
+
+def test_a_source_object_rewritten_at_the_same_size_is_tokenized_again(
+    tmp_path, s3_bucket, c4_60, tokenizer_dir
+):
+    """A source object changed since it was tokenized (one byte, the same size) is read again, as a
+    local file whose mtime moved is: its listing's ETag is recorded in the manifest. Before, only the
+    size was, and every rerun, --overwrite included, kept the old tokens with "nothing to do"."""
+    s3 = s3fs()
+    src = f"{s3_bucket}/src/c4.jsonl"
+    lines = gzip.decompress(c4_60.read_bytes())
+    s3.pipe(src.removeprefix("s3://"), lines)
+    out = f"{s3_bucket}/tokens"
+    tokenize(src, tokenizer_dir, out)
+    before = parquet_bytes(out)
+    at = lines.index(b'{"text":"The') + len(b'{"text":"')  # the first document's first letter
+    changed = lines[:at] + b"A" + lines[at + 1 :]  # one byte: "The" -> "Ahe", the same size
+    s3.pipe(src.removeprefix("s3://"), changed)
+    summary = tokenize(src, tokenizer_dir, out)
+    assert summary.shards_run >= 1 and parquet_bytes(out) != before
+    local = tmp_path / "c4.jsonl"
+    local.write_bytes(changed)
+    tokenize(local, tokenizer_dir, tmp_path / "tokens")
+    assert parquet_bytes(out) == parquet_bytes(tmp_path / "tokens")  # the new text, as read from disk
 
 
 def test_second_run_on_a_leased_out_exits_3(s3_bucket, c4_60, tokenizer_dir):

@@ -137,10 +137,11 @@ def is_stage_output(path: str | Path) -> bool:
     return (storage.path(path).parent / STAGE_MARKER).exists()
 
 
-def _expand_url(spec: str, skipped: list[str] | None = None) -> dict[str, int]:
-    """{url: size} of the data files a URL names (s3://bucket/prefix/*.jsonl.gz, a prefix, an object),
-    from the listing alone (one LIST per 1,000 objects, no request per file); hidden files and stage
-    outputs skipped as for local directories."""
+def _expand_url(spec: str, skipped: list[str] | None = None) -> dict[str, tuple[int, str | None]]:
+    """{url: (size, version)} of the data files a URL names (s3://bucket/prefix/*.jsonl.gz, a prefix,
+    an object), from the listing alone (one LIST per 1,000 objects, no request per file); hidden files
+    and stage outputs skipped as for local directories. The version (`object_version`) marks an object
+    rewritten since it was planned, as a local file's mtime does."""
     fs, inner = storage.filesystem(spec)
     proto = spec.split("://", 1)[0]
     walked = False  # a directory's walk skips stage outputs already
@@ -170,7 +171,7 @@ def _expand_url(spec: str, skipped: list[str] | None = None) -> dict[str, int]:
     else:
         raise SourceError(f"no such file, directory or hub id: {spec}")
     files = {
-        f"{proto}://{f}": int(info.get("size") or 0)
+        f"{proto}://{f}": (int(info.get("size") or 0), object_version(info))
         for f, info in sorted(found.items())
         if file_format(f) and info.get("type", "file") == "file"
     }
@@ -220,8 +221,8 @@ def expand_sources(specs: list[str], notes: list[str] | None = None) -> list[str
 
 def source_files(
     specs: list[str], notes: list[str] | None = None
-) -> dict[str, tuple[int, int | None] | None]:
-    """{file: (size, mtime in ns or None)} of the files named by the SOURCE arguments, sorted per
+) -> dict[str, tuple[int, int | None, str | None] | None]:
+    """{file: (size, mtime in ns or None, an object's version or None)} of the files named by the SOURCE arguments, sorted per
     argument and deduplicated, and {hub id: None}. From listings and stats only: no file is opened.
     A directory's or glob's files of no source suffix (a README, a `_SUCCESS`) are left out, and a
     file named by two sources is read once: both are said in `notes` for the caller to show (a
@@ -244,7 +245,7 @@ def source_files(
             # object stores keep no stable mtime across listings: the size stands alone
             listed = _expand_url(spec, skipped)
             repeated += [f for f in listed if f in out]
-            out.update((f, (size, None)) for f, size in listed.items())
+            out.update((f, (size, None, version)) for f, (size, version) in listed.items())
             continue
         spec = str(storage.path(spec)) if spec.startswith("file://") else spec  # a local path, as elsewhere
         if is_glob(spec):
@@ -288,7 +289,7 @@ def source_files(
             if real in out:
                 repeated.append(f)
             st = os.stat(real)
-            out[real] = (st.st_size, st.st_mtime_ns)
+            out[real] = (st.st_size, st.st_mtime_ns, None)
     if notes is not None:
         if skipped:  # a directory's README is no loss, but a misnamed data file would be one
             notes.append(f"{len(skipped)} file(s) of no source suffix not read: {_some(skipped)}")
@@ -304,6 +305,15 @@ def _some(names: list[str], n: int = 5) -> str:
 
 
 # ---------------------------------------------------------------- planning: files -> shards
+
+
+def object_version(info: dict) -> str | None:
+    """What an object store's listing says changes when the object is rewritten (its size may not):
+    S3's ETag, GCS's generation or etag, the hub's blob id; None where the store says none."""
+    for field in ("ETag", "generation", "etag", "blob_id", "md5Hash"):
+        if info.get(field):
+            return str(info[field]).strip('"')
+    return None
 
 
 def _open_binary(path: str, fmt: str):
@@ -366,7 +376,7 @@ def plan_inputs(
     specs: list[str],
     shard_docs: int | None = None,
     hub: dict[str, HubFiles] | None = None,
-    files: dict[str, tuple[int, int | None] | None] | None = None,
+    files: dict[str, tuple[int, int | None, str | None] | None] | None = None,
 ) -> list[ShardInput]:
     """One ShardInput per task, from listings and parquet footers only (no file body is opened):
     a JSON-lines file whole (its rows cannot be counted without reading it all: the task that reads
@@ -383,7 +393,7 @@ def plan_inputs(
             resolved = (hub or {}).get(spec) or resolve_hub([spec])[spec]
             shards += hub_shards(resolved, shard_docs)
             continue
-        common = dict(uri=spec, fmt=file_format(spec), size=stat[0], mtime_ns=stat[1])
+        common = dict(uri=spec, fmt=file_format(spec), size=stat[0], mtime_ns=stat[1], version=stat[2])
         if spec in footers:
             shards += _row_group_shards(ShardInput(**common), footers[spec], shard_docs)
         else:  # unreadable footer: one shard, which then fails with the reader's message
