@@ -220,7 +220,7 @@ def test_an_incomplete_run_says_what_is_missing(tiny_run, tmp_path):  # noqa: F8
             "eval/weighted-causal/seed-1.json"]  # fmt: skip
     assert sorted(missing_outputs(wf)) == sorted(gone)
     page = write_report(run, tmp_path / "part.html", samples=0).read_text()
-    assert "<b>Incomplete run:</b> 4 outputs the workflow plans are missing (" in page
+    assert "<b>Incomplete run:</b> 4 outputs the workflow plans are missing or incomplete (" in page
     assert all(g in page for g in gone)
     # the headline and the verdict say how many seeds the comparisons read (they said "2 seeds")
     assert "2 seeds planned per run, as few as 1 evaluated in a comparison" in page
@@ -230,6 +230,44 @@ def test_an_incomplete_run_says_what_is_missing(tiny_run, tmp_path):  # noqa: F8
         f.unlink()
     page = write_report(run, tmp_path / "none.html", samples=0).read_text()
     assert "2 seeds planned per run, as few as 0 evaluated in a comparison" in page
+
+
+def test_a_data_output_with_shards_gone_is_named_with_how_many_and_which(tiny_run, tmp_path):  # noqa: F811
+    """A score's shard and a tokens shard deleted from a finished run: the report said nothing (exit 0,
+    no banner) while its Scorers table counted fewer shards, sequences and tokens, and the provenance
+    said every document was processed. The banner names each directory, how many of its planned
+    shards are missing and which, and says the figures are of the rest; a complete run has none."""
+    from entroweight.schemas.datadir import DataDir
+    from entroweight.workflows.report_data import missing_outputs
+    from entroweight.workflows.spec import parse_workflow
+
+    whole = write_report(tiny_run["run_dir"], tmp_path / "whole.html", samples=0).read_text()
+    assert "Incomplete run" not in whole and "class='missing'" not in whole
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run["run_dir"], run)
+    gone = {}  # directory -> (the shard deleted, by the name its manifest gives it; shards planned)
+    for directory, i in (("scores/causal_loss", 1), ("tokens", -1)):
+        parts = DataDir(run / directory).parts
+        assert len(parts) == 3, directory  # the tiny run: 120 docs in shards of 40
+        (run / directory / parts[i].name).unlink()
+        gone[directory] = (parts[i].manifest.shard, len(parts))
+    assert set(gone) == {"scores/causal_loss", "tokens"}
+    record = json.loads((run / "run.json").read_text())
+    wf = parse_workflow({**record["config"], "run_dir": str(run)})
+    said = {
+        d: f"{d}: 1 of {n} shards missing or not matching their manifest ({shard})"
+        for d, (shard, n) in gone.items()
+    }
+    assert missing_outputs(wf) == [said["tokens"], said["scores/causal_loss"]]  # in the steps' order
+    code, out = run_cli("report", run, "--out", tmp_path / "part.html", "--samples", 0)
+    assert code == 0, out
+    page = (tmp_path / "part.html").read_text()
+    assert "<b>Incomplete run:</b> 2 outputs the workflow plans are missing or incomplete (" in page
+    assert all(s in page for s in said.values()), page[:3000]
+    assert "the figures are of the rest of its shards" in page
+    assert "scores/occlusion" not in page.split("<h2>", 1)[0]  # the whole one is not named
+    # the Scorers table reads the rest: 2 of causal_loss's 3 shards
+    assert "<tr><td>causal_loss</td><td>causal_loss</td><td class='num'>2</td>" in page
 
 
 def test_a_seeds_value_that_is_not_a_number_is_refused_naming_its_file(tiny_run, tmp_path):  # noqa: F811

@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from entroweight.schemas.datadir import DataDir, DataDirError
-from entroweight.schemas.manifest import STAGE_FILE
+from entroweight.schemas.manifest import SHARDS_FILE, STAGE_FILE
 from entroweight.schemas.weighted import (
     ENTROPY,
     EXCLUDED,
@@ -662,9 +662,12 @@ def bpb_section(wf: Workflow, text: str = "main") -> dict:
 
 def missing_outputs(wf: Workflow) -> list[str]:
     """The outputs the workflow plans that its run_dir lacks (relative to it), in the steps' order: a
-    run stopped part way, or outputs removed since. The tables use what is there; this says what is
-    not, so a seed or a section short is not read as the whole run."""
-    planned: list[Path] = [wf.score_dir(s.name) / STAGE_FILE for s in wf.scores]
+    run stopped part way, or outputs removed since; and each data output the report reads (the
+    tokens, every score) that is there with shards missing or not matching their manifest, with how
+    many and which (`incomplete_shards`). The tables use what is there; this says what is not, so a
+    seed, a section or a shard short is not read as the whole run."""
+    planned: list[Path] = [wf.tokens_dir() / STAGE_FILE]
+    planned += [wf.score_dir(s.name) / STAGE_FILE for s in wf.scores]
     planned += [wf.model_dir(m.name) / f for m in wf.models for f in (STATE, METRICS)]
     if wf.agreement is not None:
         planned.append(wf.root / wf.agreement.out)
@@ -678,8 +681,39 @@ def missing_outputs(wf: Workflow) -> list[str]:
     # (an empty metrics.jsonl has no curve to show: missing as well)
     gone = [p for p in planned if not p.exists() or (p.name == METRICS and p.stat().st_size == 0)]
     gone = [p for p in gone if not (p.name == METRICS and p.parent / STATE in gone)]  # its run named once
-    # a directory's record names the directory: a step's output, not its bookkeeping
-    return [str((p.parent if p.name in (STAGE_FILE, STATE) else p).relative_to(wf.root)) for p in gone]
+    gone_set, out = set(gone), []
+    for p in planned:
+        # a directory's record names the directory: a step's output, not its bookkeeping
+        name = str((p.parent if p.name in (STAGE_FILE, STATE) else p).relative_to(wf.root))
+        if p in gone_set:
+            out.append(name)
+        elif p.name == STAGE_FILE and (short := incomplete_shards(p.parent, name)):
+            out.append(short)
+    return out
+
+
+def incomplete_shards(directory: Path, name: str, shown: int = 5) -> str | None:
+    """`name: K of N shards missing or not matching their manifest (the first few)` for a data
+    output whose planned shards (its `.shards.json`) are not all committed (DataDir.missing: a
+    deleted part, one whose size differs from its manifest's, a run stopped part way); its
+    registry gone, that whether it is whole cannot be shown; None when it is whole."""
+    d = DataDir(directory)
+    try:
+        if d.registry_lost:
+            return (
+                f"{name}: no {SHARDS_FILE}, so which shards its run planned, and whether any is missing, "
+                "is unknown"
+            )
+        missing, n = d.missing, len(d.planned)
+    except DataDirError as e:  # its bookkeeping does not parse: named, as every reader of it does
+        raise ReportError(str(e)) from None
+    if not missing:
+        return None
+    which = ", ".join(missing[:shown]) + (", …" if len(missing) > shown else "")
+    return (
+        f"{name}: {len(missing)} of {n} shard{'s' if n != 1 else ''} missing or not matching their "
+        f"manifest ({which})"
+    )
 
 
 def report_data(run_dir: str | Path, n_samples: int = 3, max_tokens: int = 2_000_000) -> dict:
