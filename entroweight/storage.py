@@ -71,6 +71,11 @@ def path(location: str | os.PathLike) -> AnyPath:
             f"{s} has an empty part between slashes (or no bucket): write {protocol}://BUCKET/KEY with "
             "single slashes"
         )
+    if {".", ".."} & set(rest.rstrip("/").split("/")):  # a store keeps them as literal key parts
+        raise StorageError(
+            f"{s} has a '.' or '..' part, which {protocol}:// does not resolve (the keys would hold it "
+            "as written, beside or inside what it names): write the location without it"
+        )
     try:
         # no listings cache: other processes (workers, a concurrent run) write the same prefixes
         return UPath(s, use_listings_cache=False)

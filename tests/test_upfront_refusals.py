@@ -45,6 +45,50 @@ def _cases():
             None,
             "empty part between slashes",
         ),
+        # a store keeps '.' and '..' as literal key parts: `--out INPUT/.` wrote inside the input
+        *[
+            (
+                f"s3-{name}-part",
+                lambda t, b, d, out=out: ["tokenize", d["src"], "--tokenizer", d["tok"], "--out", out(b)],
+                None,
+                "has a '.' or '..' part",
+            )
+            for name, out in (
+                ("dot", lambda b: f"{b}/out/."),
+                ("dotdot", lambda b: f"{b}/x/../out"),
+                ("leading-dot", lambda b: f"{b}/./out"),
+            )
+        ],
+        # a store read (not written) without credentials: its client's traceback, exit 1
+        *[
+            (
+                f"s3-{name}-no-credentials",
+                argv,
+                no_credentials,
+                "cannot reach object storage: NoCredentialsError",
+            )
+            for name, argv in (
+                (
+                    "source",
+                    lambda t, b, d: [
+                        "tokenize",
+                        f"{b}/src.jsonl",
+                        "--tokenizer",
+                        d["tok"],
+                        "--out",
+                        str(t / "o"),
+                    ],
+                ),
+                (
+                    "train-tokenizer-source",
+                    lambda t, b, d: ["train-tokenizer", f"{b}/src.jsonl", "--out", str(t / "o")],
+                ),
+                (
+                    "train-tokenizer-flag",
+                    lambda t, b, d: ["train", d["tokens"], "--tokenizer", f"{b}/tok", "--out", str(t / "o")],
+                ),
+            )
+        ],
         (
             "export-data-missing-bucket",
             lambda t, b, d: [

@@ -58,15 +58,40 @@ class Commands(click.Group):
             _fail(e.format_message())
         except KeyboardInterrupt as e:  # Ctrl-C: the shell's 128 + SIGINT, where click said "Aborted!", 1
             how = "terminated" if isinstance(e, Terminated) else "interrupted"
+            again = "with --resume" if ctx.invoked_subcommand == "train" else "as it was"
             click.echo(
                 f"{how}: what was committed stays (finished shards, saved checkpoints); run the "
-                "command again to go on (train: with --resume)",
+                f"command again {again} to go on",
                 err=True,
             )
             ctx.exit(TERMINATED if isinstance(e, Terminated) else INTERRUPTED)
+        except Exception as e:  # a store that cannot be reached from anywhere it is read: one line
+            if (said := unreachable(e)) is None:
+                raise
+            _fail(said)
         finally:
             if catch:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+# the clients of object stores (S3's botocore, GCS's google-auth, their aiohttp): an error of theirs
+# that reaches the command is a store that cannot be reached (credentials, endpoint, bucket)
+STORE_CLIENTS = ("botocore", "aiobotocore", "aiohttp", "google")
+
+
+def unreachable(e: BaseException) -> str | None:
+    """The one line a store's client error is said in ("cannot reach object storage: ..."), or None
+    for any other error. The cause chain is walked: a reader may have wrapped it."""
+    seen = e
+    while seen is not None:
+        if type(seen).__module__.split(".")[0] in STORE_CLIENTS:
+            return (
+                f"cannot reach object storage: {type(seen).__name__}: {' '.join(str(seen).split())} "
+                "(credentials and endpoint come from the standard variables, e.g. AWS_ACCESS_KEY_ID, "
+                "AWS_ENDPOINT_URL)"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class Location(click.ParamType):
