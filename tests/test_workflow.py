@@ -478,15 +478,19 @@ def test_a_second_concurrent_run_exits_3(tmp_path, tokenizer_dir):
     try:
         assert holder.stdout.readline().strip() == "held"
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        res = subprocess.run(
-            [sys.executable, "-m", "entroweight.workflows.cli", "run", str(p)],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        assert res.returncode == 3, res.stderr
-        assert "another entroweight run holds" in res.stderr
-        assert not (tmp_path / "run" / "tokens").exists()
+        said = []
+        for dry in ([], ["--dry-run"]):  # the dry run said "3 of 3 step(s) would run", exit 0
+            res = subprocess.run(
+                [sys.executable, "-m", "entroweight.workflows.cli", "run", str(p), *dry],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
+            assert res.returncode == 3, res.stderr
+            assert "another entroweight run holds" in res.stderr
+            said.append(res.stderr.strip().splitlines()[-1])
+        assert said[0] == said[1]
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock"]
     finally:
         holder.kill()
         holder.wait()

@@ -120,6 +120,8 @@ class Runner:
             check_accuracy(self.wf.accuracy)  # before any step writes (its step would, after hours)
         self._check_run_dir()
         if self.dry_run:
+            if (storage.path(root) / LOCK_FILE).exists():  # a run holds it now: the run would exit 3
+                run_lock(root, 0).release()  # (the lock file is there already: nothing is written)
             self.echo(f"plan for {root} (dry run: nothing is written)")
             self._all_steps()
             n = sum(s.status == "would run" for s in self.steps)
