@@ -496,6 +496,26 @@ def test_a_second_concurrent_run_exits_3(tmp_path, tokenizer_dir):
         holder.wait()
 
 
+def test_the_dry_run_and_the_run_agree_on_the_report_once_run_json_is_gone(tmp_path, tokenizer_dir):
+    """run.json removed: the dry run said the report would run, and the run then called it up to date
+    (it had written a new run.json first). Both say it runs: the report reads the record."""
+    spec = {
+        "run_dir": str(tmp_path / "run"),
+        "sources": [str(c4_subset(tmp_path / "a.json.gz", 0, 20))],
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "tokenize": {"n_ctx": 32},
+    }
+    p = write_yaml(tmp_path / "wf.yaml", spec)
+    code, out = run_cli("run", p)
+    assert code == 0, out
+    (tmp_path / "run" / "run.json").unlink()
+    code, dry = run_cli("run", p, "--dry-run")
+    code, ran = run_cli("run", p)
+    assert code == 0 and "report report: would run" in dry and "report report: ran" in ran, dry + ran
+    code, dry = run_cli("run", p, "--dry-run")
+    assert "nothing to do" in dry, dry
+
+
 def test_a_data_stage_that_fails_verification_fails_the_run(tmp_path, tokenizer_dir):
     """verify_dir runs after each data stage: a shard no manifest names in the tokens directory is a
     problem (exit 1). (A file of no shard's name is a user's, refused before any step runs.)"""

@@ -119,6 +119,7 @@ class Runner:
         if self.wf.train is not None and self.wf.accuracy is not None:
             check_accuracy(self.wf.accuracy)  # before any step writes (its step would, after hours)
         self._check_run_dir()
+        self.ctx.had_record = (storage.path(root) / RUN_FILE).exists()
         if self.dry_run:
             if (storage.path(root) / LOCK_FILE).exists():  # a run holds it now: the run would exit 3
                 run_lock(root, 0).release()  # (the lock file is there already: nothing is written)
@@ -135,6 +136,7 @@ class Runner:
         # step refused half way would leave the steps before it redone for a run that cannot finish
         plan = Runner(self.wf, self.engine, self.engine_options, True, self.overwrite, echo=lambda _: None)
         plan.ctx.here = True  # ... and the devices it names are on this machine
+        plan.ctx.had_record = self.ctx.had_record
         plan._all_steps()
         # what earlier runs here wrote too (a step since removed from the workflow left its output)
         self.outputs = sorted(

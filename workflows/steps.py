@@ -87,6 +87,9 @@ class RunContext:
     #: the plan of a run about to start here (not a --dry-run, which may plan a GPU cluster's run on a
     #: laptop): the devices it names must be on this machine
     here: bool = False
+    #: whether run_dir held its record (run.json) before this run wrote its first one: the report read
+    #: it, so a report made before the record was removed is not this run's (the dry run's view too)
+    had_record: bool = False
 
     def tokenizer_file(self) -> str:
         """The tokenizer.json of the run (a directory's file, or a file given as is)."""
@@ -540,7 +543,7 @@ class ReportStep(Step):
         fresh = (
             self.out.exists()
             and not ran
-            and (self.wf.root / RUN_FILE).exists()
+            and self.run_ctx.had_record
             and _recorded_key(self.marker) == self.key()
         )
         return str(self.out) if fresh else None
