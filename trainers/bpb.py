@@ -53,7 +53,8 @@ def read_text(path: str | Path | None, max_bytes: int | None = None) -> str:
     if not path.is_file():
         what = "is not a regular file" if path.exists() else "does not exist"
         raise FileNotFoundError(
-            f"no text file {path} (it {what}); pass --text FILE (e.g. WikiText-2's wiki.test.raw)"
+            f"no text file {path} (it {what}); name a text file (--text FILE; a workflow's eval.text), "
+            "e.g. WikiText-2's wiki.test.raw"
         )
     if max_bytes is not None and max_bytes < 1:
         raise ValueError(f"--max-bytes must be at least 1, not {max_bytes}")

@@ -300,7 +300,7 @@ def seeds_said(wf: Workflow, tables: dict[str, dict], per: str) -> str:
         default=n,
     )
     if fewest < n:
-        return f"{n} seeds planned {per}, as few as {fewest} evaluated in a comparison"
+        return f"{n} seed{'s' if n != 1 else ''} planned {per}, as few as {fewest} evaluated in a comparison"
     return f"{n} seed{'s' if n != 1 else ''} {per}"
 
 
