@@ -137,6 +137,24 @@ def test_no_command_writes_where_it_reads(tmp_path, command, name, relation):
     assert f"--out {out} {base} {name} {target}" in line, line
 
 
+GLOB_READS = [(c, n) for c in sorted(ROWS) for n in ROWS[c][0] if n in ("the source", "--documents")]
+
+
+@pytest.mark.parametrize("glob", ["**", "*/*.jsonl"])
+@pytest.mark.parametrize(("command", "name"), GLOB_READS)
+def test_no_command_writes_where_a_glob_it_reads_may_match(tmp_path, command, name, glob):
+    """A glob read (SOURCES, --documents) that may match files inside --out: the first run wrote its
+    output there and every rerun read that output as documents ("tokenizer.json is not JSON lines").
+    Refused up front, as a workflow's run_dir is (`sources.relation_to`)."""
+    assert {c for c, _ in GLOB_READS} == {"tokenize", "train-tokenizer", "evaluate"}
+    inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
+    docs = _make_input(tmp_path / "docs", name)
+    inputs[name] = f"{docs}/{glob}"
+    out = docs / "out"
+    line = refused(tmp_path, _argv(command, str(out), inputs))
+    assert f"--out {out} lies where {name} {docs}/{glob} may match files" in line, line
+
+
 @pytest.mark.parametrize("where", ["below", "is"])
 @pytest.mark.parametrize("command", sorted(ROWS))
 def test_no_command_writes_below_or_into_a_file(tmp_path, command, where):

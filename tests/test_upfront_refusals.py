@@ -89,6 +89,12 @@ def _cases():
                 ),
             )
         ],
+        (  # a store's glob that may match inside --out: the rerun read the first run's output
+            "s3-glob-may-match-out",
+            lambda t, b, d: ["train-tokenizer", f"{b}/src/**", "--out", f"{b}/src/tk"],
+            None,
+            "may match files",
+        ),
         (
             "export-data-missing-bucket",
             lambda t, b, d: [

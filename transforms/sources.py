@@ -20,7 +20,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -102,7 +102,17 @@ def relation_to(directory: str | Path, spec: str) -> str:
     if spec.startswith("hf:") or storage.blank(spec):
         return ""
     spec = str(storage.path(spec)) if spec.startswith("file://") else spec
-    if storage.is_url(spec) or not is_glob(spec):
+    if storage.is_url(spec):
+        if not has_glob_chars(spec):
+            return storage.relation(directory, spec)
+        # a store's glob: its key parts against the directory's (a store has no links to follow)
+        where = storage.key(directory)
+        proto, rest = spec.split("://", 1)
+        if not where.startswith(f"{proto}://"):
+            return ""
+        inside = PurePosixPath(where.split("://", 1)[1]).parts
+        return "holds files it may match" if _may_match_inside(inside, PurePosixPath(rest).parts) else ""
+    if not is_glob(spec):
         return storage.relation(directory, spec)
     written = Path(os.path.abspath(spec)).parts
     first = next(i for i, part in enumerate(written) if has_glob_chars(part))

@@ -404,10 +404,18 @@ def check_output(out, reads, command: str, overwrite: bool = False, flag: str = 
     writes calls it first, before it reads or creates anything. Returns the other command's output
     that --overwrite replaces whole (the caller removes it before writing), else None."""
     from entroweight import storage
+    from entroweight.transforms.sources import has_glob_chars, relation_to
 
     ctx = click.get_current_context(silent=True)
     if ctx is not None and not any(p.name == "overwrite" for p in ctx.command.params):
         overwrite = None  # the command has no --overwrite: its refusals must not advise one
+    for what, read in reads:  # a glob read (SOURCES, --documents) may match what the run writes
+        if read is not None and has_glob_chars(str(read)) and not storage.blank(read):
+            if relation_to(out, str(read)).endswith("match"):
+                _fail(
+                    f"{flag} {out} lies where {what} {read} may match files, which {command} reads (a "
+                    "rerun would read its own output); write to a location apart from what it reads"
+                )
     try:
         foreign = storage.check_output(out, reads, command, flag=flag, overwrite=overwrite, apart=True, **kw)
     except (storage.OutputRefused, storage.StorageError) as e:
