@@ -881,9 +881,15 @@ class Lease:
                     break
                 continue
             if time.monotonic() >= deadline:
-                who = current.get("holder", "?")
-                until = time.strftime("%H:%M:%S", time.localtime(current.get("expires", 0)))
-                raise LockBusy(f"lease held by {who} until {until}, renewed while it runs")
+                who, expires = current.get("holder", "?"), float(current.get("expires", 0))
+                until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expires))
+                odd = (  # no live holder writes past its TTL: a clock ahead, or a lease made by hand
+                    f"; that is past the {self.ttl:.0f}-s lease a live run renews: if no run holds it, "
+                    f"remove {url(self.path)}"
+                    if expires - time.time() > 2 * self.ttl
+                    else ""
+                )
+                raise LockBusy(f"lease held by {who} until {until}, renewed while it runs{odd}")
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         self._beat = threading.Thread(target=self._renew, daemon=True, name="entroweight-lease")
         self._beat.start()

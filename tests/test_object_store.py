@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import fsspec
 import pytest
@@ -175,6 +176,23 @@ def test_an_expired_lease_is_taken_over(s3_bucket):
     finally:
         held.release()
     assert not storage.path(lease_path).exists()
+
+
+def test_a_lease_no_live_run_could_hold_says_so_and_a_wait_is_not_advised_twice(s3_bucket):
+    """A lease expiring far past the TTL a live run renews (a clock ahead, one written by hand) was
+    said as "until 21:54" (115 days away) with no way out; after --wait the refusal advised --wait."""
+    from entroweight.pipelines.stage import run_lock
+
+    out = f"{s3_bucket}/out"
+    far = time.time() + 1e7
+    storage.path(f"{out}/.lock").write_bytes(
+        json.dumps({"holder": "bob@elsewhere:1:ab", "expires": far}).encode()
+    )
+    with pytest.raises(LockHeld) as e:
+        run_lock(out, wait=0.2)
+    said = str(e.value)
+    assert time.strftime("%Y-%m-%d", time.gmtime(far)) in said and f"remove {out}/.lock" in said, said
+    assert "still held after --wait 0.2" in said and "pass --wait" not in said, said
 
 
 def test_an_aborted_upload_leaves_nothing(s3_bucket):
