@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -271,7 +272,7 @@ def plan_run(
     manifests = read_manifests(out, names)
     orphans, recut = _not_remade(stage, inputs, manifests, record.config_hash, names)
     if not overwrite:
-        _refuse_unless_overwrite(out, names, None, record, orphans, recut)
+        _refuse_unless_overwrite(out, names, None, record, orphans, recut, inputs)
     else:  # shards changed or damaged since their manifest (what `verify` finds) are redone
         manifests = _intact(out, manifests, record.config_hash)
     orphans += recut
@@ -382,9 +383,18 @@ def _recut_message(out: AnyPath, recut: list[ShardManifest]) -> str:
     )
 
 
-def _orphans_message(out: AnyPath, orphans: list[ShardManifest]) -> str:
+def _orphans_message(out: AnyPath, orphans: list[ShardManifest], inputs=()) -> str:
     gone = list(dict.fromkeys(i.uri for m in orphans for i in m.inputs))
     shown = _shown(gone)
+    read_now = {PurePosixPath(i.uri).name: i.uri for i in inputs}
+    if gone and all(PurePosixPath(u).name in read_now for u in gone):  # the same files elsewhere
+        was = sorted({str(PurePosixPath(u).parent) for u in gone})
+        now = sorted({str(PurePosixPath(read_now[PurePosixPath(u).name]).parent) for u in gone})
+        return (
+            f"{out} holds {len(orphans)} shard(s) made from {_shown(was)}, and this run reads files of "
+            f"the same names in {_shown(now)}: moved or copied since (a run directory moved?); pass "
+            "--overwrite to make them again from where they are now"
+        )
     if any(not storage.is_url(u) and not u.startswith("hf:") and not os.path.isabs(u) for u in gone):
         # score and weigh record where they read absolutely now (pipelines/weighted.py part_locations)
         return (
@@ -517,7 +527,7 @@ def preview_run(stage: Stage, out_dir: AnyPath, overwrite: bool = False) -> tupl
         raise StageError(str(e)) from None
     orphans, recut = _not_remade(stage, inputs, manifests, stage.config_hash, names)
     if not overwrite:
-        _refuse_unless_overwrite(out, names, None, record, orphans, recut)
+        _refuse_unless_overwrite(out, names, None, record, orphans, recut, inputs)
     else:
         manifests = _intact(out, manifests, stage.config_hash)
     todo, done, stale, _ = _sort_shards(stage, inputs, registry, manifests, names, stage.config_hash, out)
@@ -547,7 +557,7 @@ def _other_record(out: AnyPath, names: dict[str, int], record: StageRecord) -> S
 
 
 def _refuse_unless_overwrite(
-    out, names, old: StageRecord | None, record: StageRecord, orphans, recut
+    out, names, old: StageRecord | None, record: StageRecord, orphans, recut, inputs=()
 ) -> None:
     """What a run (and its preview) refuses without --overwrite: shards of another config (`old`; a
     record without any shard, a run that failed to start, protects nothing), shards of inputs it no
@@ -556,7 +566,7 @@ def _refuse_unless_overwrite(
     if old is not None and has_shards(out, names):
         raise StageError(_mismatch_message(out, old, record))
     if orphans:
-        raise StageError(_orphans_message(out, orphans))
+        raise StageError(_orphans_message(out, orphans, inputs))
     if recut:
         raise StageError(_recut_message(out, recut))
 

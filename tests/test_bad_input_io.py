@@ -375,6 +375,40 @@ def test_every_command_that_lists_sources_says_what_it_leaves_out_or_reads_once(
     assert said in res.stderr + res.output, res.output
 
 
+def test_shards_of_a_moved_source_are_said_to_be_moved_and_overwrite_remakes_them(
+    tmp_path, c4_lines, tokenizer_dir
+):
+    """A source directory moved (or a run directory copied) since its shards were made: the refusal
+    named "inputs this run does not read ... renamed, moved or deleted" and listed the old paths; it
+    now says where they were made from and where the same files are read now. A file of another name
+    keeps the general words."""
+    write(tmp_path / "src" / "a.jsonl", c4_lines[:6])
+    out = tmp_path / "out"
+    assert (
+        cli("tokenize", tmp_path / "src" / "a.jsonl", "--tokenizer", tokenizer_dir, "--out", out).exit_code
+        == 0
+    )
+
+    def rows():
+        import pyarrow.parquet as pq
+
+        return [
+            pq.read_table(p, columns=["input_ids", "n_pad"]).to_pylist() for p in sorted(out.glob("part-*"))
+        ]
+
+    before = rows()
+    (tmp_path / "src").rename(tmp_path / "moved")
+    args = ("tokenize", tmp_path / "moved" / "a.jsonl", "--tokenizer", tokenizer_dir, "--out", out)
+    res = cli(*args)
+    said = f"made from {tmp_path / 'src'}, and this run reads files of the same names in {tmp_path / 'moved'}"
+    assert res.exit_code == 2 and said in res.output and "moved or copied" in res.output, res.output
+    assert cli(*args, "--overwrite").exit_code == 0
+    assert rows() == before  # the same documents, made again from where they are
+    (tmp_path / "moved" / "a.jsonl").rename(tmp_path / "moved" / "b.jsonl")
+    res = cli("tokenize", tmp_path / "moved" / "b.jsonl", "--tokenizer", tokenizer_dir, "--out", out)
+    assert res.exit_code == 2 and "renamed, moved or deleted" in res.output, res.output
+
+
 def test_beam_shows_shard_progress(tmp_path, c4_lines, tokenizer_dir):
     # one task per JSON-lines file (it cuts its own shards as it reads): the bar counts tasks
     src = tmp_path / "src"
