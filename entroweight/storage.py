@@ -741,6 +741,85 @@ class LockBusy(Exception):
     """Another holder has the lock (its description in the message)."""
 
 
+class OutputHeld(LockBusy):
+    """Another run holds the output a command writes (the message names it and what to do)."""
+
+
+#: the lock a run holds on the output it writes (`holding_output`), a stage's and a workflow's too
+LOCK_FILE = ".lock"
+
+
+def lock_location(out, beside: bool = False) -> AnyPath:
+    """Where a run holds its lock on `out`: `out/.lock` (a file lock locally, a lease object on an
+    object store); `beside`: `.NAME.lock` next to it, for a command that replaces `out` whole (its
+    export renamed into place)."""
+    root = path(out)
+    return root.parent / f".{root.name}.lock" if beside else root / LOCK_FILE
+
+
+@contextlib.contextmanager
+def holding_output(out, wait: float = 0, beside: bool = False, advise_wait: bool = True):
+    """Hold the lock on `out` while the block writes it (`lock` at `lock_location`): another run
+    holding it is OutputHeld (exit 3) naming the holder, or with `wait` is queued behind; a dead
+    holder's lock is taken over; StorageError where it cannot be written. Locally the lock file (and
+    the directories made for it, where nothing else came into them) is removed before the lock is
+    released: a run refused, or one that wrote nothing, leaves nothing behind (a run waiting on the
+    removed file takes the lock anew: filelock checks that the file it locked still has a name)."""
+    at = lock_location(out, beside)
+    local = is_local(at)
+    made = []  # the directories that do not exist yet, deepest first: made for the lock file
+    if local:
+        for d in (Path(at).parent, *Path(at).parent.parents):
+            if d.exists():
+                break
+            made.append(d)
+    try:
+        held = lock(at, wait)
+    except LockBusy as e:
+        _remove_empty(made)
+        queue = ", or pass --wait SECONDS to queue behind it" if advise_wait else ""
+        raise OutputHeld(f"another entroweight run holds {out} ({e}); wait for it to finish{queue}") from None
+    except OSError as e:  # read-only, not a directory, no bucket
+        _remove_empty(made)
+        raise StorageError(f"cannot write to --out {out}: {e.strerror or e}") from None
+    try:
+        yield
+    finally:
+        try:
+            if local:  # a lease object is removed by its release
+                Path(at).unlink(missing_ok=True)
+        finally:
+            held.release()
+            _remove_empty(made)
+
+
+def _remove_empty(dirs) -> None:
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:  # something was written there (or it is gone): keep it, and what holds it
+            return
+
+
+def clear_output(out) -> None:
+    """Remove what `out` holds but the lock its run holds there (`holding_output`): --overwrite
+    replacing another command's output, where `remove_tree` would delete the lock with it."""
+    keep = lock_location(out).name
+    root = path(out)
+    if is_local(root):
+        for p in Path(root).iterdir() if Path(root).is_dir() else ():
+            if p.name == keep:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        return
+    for rel in walk(root):
+        if rel != keep:
+            remove(root / rel)
+
+
 class Lease:
     """A lock on an object store: an object created only if absent (a conditional put, `If-None-Match: *`,
     which S3 and GCS honour), naming its holder and when it expires. A heartbeat renews it while held;

@@ -33,7 +33,7 @@ from entroweight.schemas.manifest import (
 )
 from entroweight.storage import AnyPath, remove_stale_tmp, write_json_atomic
 
-LOCK_FILE = ".lock"
+LOCK_FILE = storage.LOCK_FILE
 
 
 class StageError(RuntimeError):

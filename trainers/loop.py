@@ -184,21 +184,23 @@ def _optimizer(model, cfg: TrainConfig, device) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, **kw)
 
 
-def train(cfg: TrainConfig, allow_config_change: bool = False) -> TrainResult:
+def train(cfg: TrainConfig, allow_config_change: bool = False, wait: float = 0) -> TrainResult:
     """Run (or with cfg.resume continue) a training run. A resume whose settings differ from the
     checkpoint's is refused unless `allow_config_change`; then config.json's `train_history` records
-    each config with the step it took effect."""
+    each config with the step it took effect. The run holds the lock on cfg.out while it writes
+    there (`_holding_out`): another run holding it is refused (storage.OutputHeld, exit 3), or
+    waited for `wait` seconds."""
     if allow_config_change and not cfg.resume:
         raise TrainError("--allow-config-change applies only with --resume")
     device = _device(cfg.device)
-    if _check_out_apart(cfg):  # another command's output, which --overwrite replaces whole
-        storage.remove_tree(cfg.out)
+    foreign = _check_out_apart(cfg)  # another command's output, which --overwrite replaces whole
     try:
-        if storage.is_url(cfg.out):
-            return _train_to_store(cfg, device, allow_config_change)
         rank, world, device, own_group = _setup_dist(device)
         try:
-            return _train(cfg, rank, world, device, allow_config_change)
+            with _holding_out(cfg, wait, foreign, rank, world, device):
+                if storage.is_url(cfg.out):
+                    return _train_to_store(cfg, rank, world, device, allow_config_change)
+                return _train(cfg, rank, world, device, allow_config_change)
         finally:
             if own_group:
                 torch.distributed.destroy_process_group()
@@ -220,7 +222,48 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _train_to_store(cfg: TrainConfig, device: torch.device, allow_config_change: bool) -> TrainResult:
+@contextlib.contextmanager
+def _holding_out(cfg: TrainConfig, wait: float, foreign: str | None, rank: int, world: int, device):
+    """The lock on the --out the user gave (a file lock in it locally, a lease object on an object
+    store: `storage.holding_output`, as a stage holds), for the whole run: by rank 0 only under
+    torchrun (one run, one holder: the ranks of a run never refuse each other). Rank 0 takes it, then
+    removes the other command's output --overwrite replaces (`foreign`), then tells the other ranks
+    whether the run goes on: every rank stops together where it is held."""
+    refused: Exception | None = None
+    with contextlib.ExitStack() as held:
+        if rank == 0:
+            try:
+                held.enter_context(storage.holding_output(cfg.out, wait))
+                if foreign:
+                    storage.clear_output(cfg.out)
+            except storage.OutputHeld as e:
+                refused = e
+            except OSError as e:  # StorageError: it says why
+                refused = TrainError(
+                    str(e)
+                    if isinstance(e, storage.StorageError)
+                    else f"cannot write to --out {cfg.out}: {e.strerror or e}"
+                )
+        if world > 1:
+            code = torch.tensor(
+                [0 if refused is None else 1 if isinstance(refused, storage.OutputHeld) else 2]
+            )
+            code = code.to(device)
+            torch.distributed.broadcast(code, src=0)
+            if rank and code.item() == 1:
+                refused = storage.OutputHeld(
+                    f"another entroweight run holds {cfg.out} (rank 0 found its lock held)"
+                )
+            elif rank and code.item() == 2:
+                refused = TrainError(f"rank 0 cannot write to --out {cfg.out}")
+        if refused is not None:
+            raise refused
+        yield
+
+
+def _train_to_store(
+    cfg: TrainConfig, rank: int, world: int, device: torch.device, allow_config_change: bool
+) -> TrainResult:
     """Train with --out on an object store: the run works in a local directory (a resume downloads
     the checkpoint into it first) and each checkpoint is uploaded as it is saved, trainer_state.json
     last, which commits it (a resume checks the other files against its sha256s). metrics.jsonl is
@@ -231,13 +274,12 @@ def _train_to_store(cfg: TrainConfig, device: torch.device, allow_config_change:
     with tempfile.TemporaryDirectory(prefix="entroweight-train-") as local:
         if cfg.resume and not storage.download_dir(url, Path(local)):
             raise TrainError(f"nothing to resume in {url} (no {STATE}); drop --resume to start a new run")
-        rank, world, device, own_group = _setup_dist(device)
+        # the lease this run holds on `url` came down with the checkpoint: not a file of it, and never
+        # uploaded back over the live lease
+        (Path(local) / storage.LOCK_FILE).unlink(missing_ok=True)
         publish = (lambda: storage.upload_dir(Path(local), url, last=(STATE,))) if rank == 0 else None
-        try:  # cfg keeps the URL: config.json records the --out the user gave, not this staging folder
-            result = _train(cfg, rank, world, device, allow_config_change, publish, workdir=Path(local))
-        finally:
-            if own_group:
-                torch.distributed.destroy_process_group()
+        # cfg keeps the URL: config.json records the --out the user gave, not this staging folder
+        result = _train(cfg, rank, world, device, allow_config_change, publish, workdir=Path(local))
     return dataclasses.replace(result, out=url, metrics=f"{url}/{METRICS}")
 
 

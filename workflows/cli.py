@@ -16,12 +16,14 @@ from entroweight import __version__
 
 from .cli_common import (
     COUNT,
+    SECONDS,
     Commands,
     GeneratedOptions,
     Location,
     _fail,
     check_output,
     engine_options,
+    holding_out,
     run_stage_cli,
     say_listing,
     stage_options,
@@ -72,8 +74,21 @@ def main():
     help="Replace the tokenizer (or another command's output) --out holds; what was tokenized with the "
     "old one no longer matches it.",
 )
-def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_column, out, overwrite):
+@click.option("--wait", type=SECONDS, default=0, help="Seconds to wait for another run's lock on --out.")
+def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_column, out, overwrite, wait):
     """Train a tokenizer of VOCAB_SIZE tokens (pad/bos/eos reserved) on SOURCES: BPE or LZ78."""
+    reads = [("the source", s) for s in sources] + [("--base", base)]
+    foreign = check_output(out, reads, "train-tokenizer", overwrite=overwrite)
+    with holding_out(out, wait):  # until it is written: another run's is refused (exit 3)
+        _train_tokenizer_held(
+            sources, vocab_size, base, max_docs, algorithm, text_column, out, overwrite, foreign
+        )
+
+
+def _train_tokenizer_held(
+    sources, vocab_size, base, max_docs, algorithm, text_column, out, overwrite, foreign
+):
+    """train-tokenizer once this run holds the lock on `out`: what --out holds is checked under it."""
     from entroweight import storage
     from entroweight.schemas.tokenizer import TOKENIZER_FILE
     from entroweight.transforms.sources import SourceError
@@ -84,8 +99,6 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
         train_tokenizer,
     )
 
-    reads = [("the source", s) for s in sources] + [("--base", base)]
-    foreign = check_output(out, reads, "train-tokenizer", overwrite=overwrite)
     held = storage.path(out) / TOKENIZER_FILE
     if held.exists() and not overwrite:  # data and models made with it would no longer match it
         _fail(
@@ -99,8 +112,8 @@ def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_col
         tok = train_tokenizer(texts, vocab_size, algorithm, base, progress=sys.stderr.isatty())
     except (SourceError, ValueError) as e:
         _fail(str(e))
-    if foreign:  # another command's output, which --overwrite replaces whole
-        storage.remove_tree(out)
+    if foreign:  # another command's output, which --overwrite replaces whole (the lock stays)
+        storage.clear_output(out)
     with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
         path, sha = save_tokenizer(tok, local)
     path = storage.path(out) / path.name

@@ -7,6 +7,7 @@ the lock on the output directory.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -426,6 +427,25 @@ def check_output(out, reads, command: str, overwrite: bool = False, flag: str = 
         except OSError as e:
             _fail(f"cannot write to {flag} {out}: {e.strerror or e}")
     return foreign
+
+
+@contextlib.contextmanager
+def holding_out(out, wait: float = 0, beside: bool = False):
+    """`storage.holding_output` for a command that writes a directory: refused with exit 3 while
+    another run holds `out`, 2 where it cannot be written; the refusal advises --wait where the
+    command has one."""
+    from entroweight import storage
+
+    ctx = click.get_current_context(silent=True)
+    advise = ctx is None or any(p.name == "wait" for p in ctx.command.params)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(storage.holding_output(out, wait, beside, advise))
+        except storage.OutputHeld as e:
+            _fail(str(e), EXIT_LOCKED)
+        except storage.StorageError as e:
+            _fail(str(e))
+        yield
 
 
 def run_stage_cli(stage, out, overwrite, wait, reads=(), **params):

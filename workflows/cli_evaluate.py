@@ -18,7 +18,7 @@ import click
 
 from entroweight.options import repeated
 
-from .cli_common import DEVICE, SEED, Location, _fail, check_output
+from .cli_common import DEVICE, SECONDS, SEED, Location, _fail, check_output, holding_out
 
 RESULTS = "accuracy.json"  # marks DIR as this command's output (entroweight.storage.OUTPUT_MARKS)
 ITEMS = "items.jsonl"
@@ -59,8 +59,28 @@ ITEMS = "items.jsonl"
 @click.option("--device", type=DEVICE, default="auto", show_default=True)
 @click.option("--out", required=True, type=Location(file_okay=False))
 @click.option("--overwrite", is_flag=True, help="Replace a --out that holds another command's output.")
-def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
+@click.option("--wait", type=SECONDS, default=0, help="Seconds to wait for another run's lock on --out.")
+def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
     """Accuracy of CKPT_DIR (a llama checkpoint) on lm-eval tasks, per item and in all."""
+    from entroweight.trainers.accuracy import OFFLINE_TASK
+
+    reads = [("CKPT_DIR", ckpt_dir)] + [("--documents", d) for d in documents]
+    foreign = check_output(out, reads, "evaluate", overwrite=overwrite)
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        _fail("--tasks names no task")
+    twice = repeated(names)
+    if twice:  # as the workflow's accuracy.tasks: a task given twice is a typo, not two evaluations
+        _fail(f"--tasks names {', '.join(twice)} more than once")
+    if OFFLINE_TASK in names and not documents:
+        _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
+    with holding_out(out, wait):  # for the whole evaluation: another run's is refused (exit 3)
+        _evaluate_held(ckpt_dir, names, documents, out, foreign, kw)
+
+
+def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
+    """The evaluation, once this run holds the lock on `out`: the checkpoint, the tasks and the items
+    checked, then written."""
     from entroweight import storage
     from entroweight.models.checkpoint import (
         CheckpointError,
@@ -75,16 +95,6 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
         unknown_tasks,
     )
 
-    reads = [("CKPT_DIR", ckpt_dir)] + [("--documents", d) for d in documents]
-    foreign = check_output(out, reads, "evaluate", overwrite=overwrite)
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    if not names:
-        _fail("--tasks names no task")
-    twice = repeated(names)
-    if twice:  # as the workflow's accuracy.tasks: a task given twice is a typo, not two evaluations
-        _fail(f"--tasks names {', '.join(twice)} more than once")
-    if OFFLINE_TASK in names and not documents:
-        _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
     try:
         require_lm_eval()
         config = read_checkpoint_config(ckpt_dir)
@@ -104,8 +114,8 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, **kw):
         items = _items(ckpt_dir, documents, config, **kw) if OFFLINE_TASK in names else None
     except (AccuracyError, CheckpointError, ValueError) as e:
         _fail(str(e))
-    if foreign:
-        storage.remove_tree(out)
+    if foreign:  # another command's output, which --overwrite replaces whole (the lock stays)
+        storage.clear_output(out)
     with storage.staged(out) as dest:  # an s3:// --out: written here, then uploaded
         res = _evaluate(ckpt_dir, names, dest, items, kw)
         if storage.is_url(out):  # lm-eval's scratch (caches and their locks) is not a result to upload

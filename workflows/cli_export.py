@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import Location, _fail, check_output
+from .cli_common import Location, _fail, check_output, holding_out
 
 
 @click.command("export-data")
@@ -27,10 +27,13 @@ def export_data_cmd(scored, fmt, out, overwrite):
     from entroweight.pipelines.export_data import ExportError, export_data
 
     check_output(out, [("SCORED", scored)], "export-data", overwrite=overwrite, whole=True)
-    try:
-        record = export_data(scored, out, fmt, overwrite=overwrite, bpb=workflow_bpb(scored))
-    except ExportError as e:
-        _fail(str(e))
+    # the lock beside --out, not in it: the export replaces --out whole (a temporary beside it renamed
+    # into place), and its checks count a hidden file in --out as a user's
+    with holding_out(out, beside=True):
+        try:
+            record = export_data(scored, out, fmt, overwrite=overwrite, bpb=workflow_bpb(scored))
+        except ExportError as e:
+            _fail(str(e))
     c = record["counts"]
     click.echo(
         f"wrote {out} ({fmt}): {c['documents']} documents, {c['rows']} rows, {c['real_tokens']} tokens, "

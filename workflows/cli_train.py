@@ -18,12 +18,18 @@ from entroweight.trainers.config import TrainConfig
 from .cli_common import (
     DEVICE,
     EXIT_FAILED_SHARDS,
+    EXIT_LOCKED,
+    SECONDS,
     Location,
     _fail,
     check_output,
     config_options,
     given_options,
+    holding_out,
 )
+
+WAIT_HELP = "Seconds to wait for another run's lock on --out."
+
 
 ALLOW_PICKLE_HELP = (
     "Load a checkpoint's .pt/.bin/.pth weights where it has no model.safetensors (torch.load with "
@@ -75,11 +81,13 @@ def _read_mapping(path: str | None, what: str) -> dict:
     help="With --resume: continue under settings (lr, steps, loss, ...) that differ from the checkpoint's; "
     "config.json's train_history records each config and the step it took effect.",
 )
+@click.option("--wait", type=SECONDS, default=0, help=WAIT_HELP)
 @click.pass_context
-def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, **options):
+def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, wait, **options):
     """Train a MODEL on token parquet DATA (directories or files) with LOSS; checkpoints to --out.
 
     Every option can also come from a --config file (what a workflow hands to torchrun)."""
+    from entroweight import storage
     from entroweight.models.checkpoint import CheckpointError
     from entroweight.trainers import DataError, TrainError, TrainFailed, train
 
@@ -98,7 +106,9 @@ def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, **
     if model_config_file:
         values["model_config"] = _read_mapping(model_config_file, "--model-config")
     try:
-        result = train(TrainConfig(**values), allow_config_change=allow_config_change)
+        result = train(TrainConfig(**values), allow_config_change=allow_config_change, wait=wait)
+    except storage.OutputHeld as e:  # another run trains into --out (under torchrun: rank 0 holds the lock)
+        _fail(str(e), EXIT_LOCKED)
     except (
         TrainFailed
     ) as e:  # the run started: exit 1 as a failed stage does (its last checkpoint stays valid)
@@ -196,11 +206,12 @@ def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle):
     from entroweight.trainers.export import export_hf
 
     check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf")
-    try:
-        with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
-            export_hf(ckpt_dir, local, tokenizer, allow_pickle=allow_pickle)
-    except (CheckpointError, ValueError) as e:
-        _fail(str(e))
+    with holding_out(out):  # two exports into one --out would mix their files
+        try:
+            with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
+                export_hf(ckpt_dir, local, tokenizer, allow_pickle=allow_pickle)
+        except (CheckpointError, ValueError) as e:
+            _fail(str(e))
     # lm-eval and transformers read a local directory or a hub id, not an object store's URL
     where = "a local copy of it" if storage.is_url(out) else out
     click.echo(
