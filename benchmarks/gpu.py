@@ -235,7 +235,7 @@ def corpus(work: Path, tok: Path, n_ctx: int, docs: int, tag: str) -> Path:
 
 def build_models(work: Path, size: Size, tok: Path, device: str) -> dict[str, str]:
     """Random-init checkpoints in the size's shapes, saved in bf16 (half the disk; loaded in either
-    dtype). Variants of one model share its weights file (a hard link) with another config."""
+    dtype). Variants of one model hold its weights under another config (`variant`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from entroweight.models.checkpoint import save_checkpoint
@@ -256,16 +256,17 @@ def build_models(work: Path, size: Size, tok: Path, device: str) -> dict[str, st
         )
 
     def variant(src, name, **changes):
-        """The same weights under another model config (n_ctx, mask_pads)."""
-        d = work / name
-        d.mkdir()
-        os.link(Path(models[src]) / "model.safetensors", d / "model.safetensors")
-        cfg = json.loads((Path(models[src]) / "config.json").read_text())
-        cfg["model"].update(changes)
-        if "n_ctx" in changes:
-            cfg["n_ctx"] = changes["n_ctx"]
-        (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        models[name] = str(d)
+        """The same weights under another model config (n_ctx, mask_pads), saved as such: a checkpoint
+        records the config its weights were saved as, and a config.json edited after is refused."""
+        from entroweight.models import build_model
+        from entroweight.models.checkpoint import load_checkpoint
+
+        model, cfg = load_checkpoint(models[src])
+        with where:
+            other = build_model(cfg["kind"], {**cfg["model"], **changes})
+        other.load_state_dict(model.state_dict())
+        del model
+        save(other, cfg["kind"], name, changes.get("n_ctx", cfg["n_ctx"]))
 
     with where:
         ours = Llama(Llama.Config(vocab_size=vocab, n_ctx=size.n_ctx, tie_embeddings=True, **size.llama))
