@@ -793,6 +793,23 @@ def holding_output(out, wait: float = 0, beside: bool = False, advise_wait: bool
             _remove_empty(made)
 
 
+def wait_unheld(out, wait: float = 0, advise_wait: bool = True) -> None:
+    """Wait up to `wait` seconds for no run to hold the lock on `out` (OutputHeld past it). Asked
+    before judging what `out` holds: a run still writing there has not yet marked it as its output,
+    so its files would read as a user's (exit 2, "write elsewhere"), and --overwrite would remove them
+    from under it."""
+    at = lock_location(out)
+    try:
+        if not at.exists():
+            return
+        lock(at, wait).release()
+    except LockBusy as e:
+        queue = ", or pass --wait SECONDS to queue behind it" if advise_wait else ""
+        raise OutputHeld(f"another entroweight run holds {out} ({e}); wait for it to finish{queue}") from None
+    except Exception:  # noqa: BLE001 - unreachable or unwritable: the checks after this say why
+        return
+
+
 def _remove_empty(dirs) -> None:
     for d in dirs:
         try:

@@ -69,12 +69,12 @@ def run_stage(
     module = engine_module(engine)
     with getattr(module, "session", _no_session)(**engine_options):
         out_dir = storage.path(out_dir)  # a local path or a URL (s3://, gs://, memory://)
-        if foreign:  # another command's output, which --overwrite replaces whole (never mixed into)
-            storage.check_writable(out_dir)
-            storage.remove_tree(out_dir)
         created = not out_dir.exists() if storage.is_local(out_dir) else not storage.listing(out_dir)
-        lock = run_lock(out_dir, wait)
+        created = created or bool(foreign)  # replaced whole: a run refused before any shard leaves none
+        lock = run_lock(out_dir, wait)  # first: the other command may be writing there now
         try:
+            if foreign:  # another command's output, which --overwrite replaces whole (never mixed into)
+                storage.clear_output(out_dir)  # all but the lock this run holds
             plan = plan_past_damage(stage, out_dir, overwrite=overwrite, inputs=inputs)
             start = time.perf_counter()
             results = module.run(plan, progress=progress, **engine_options) if plan.todo else []

@@ -93,6 +93,33 @@ def test_a_second_run_on_a_held_out_exits_3_and_writes_nothing(tmp_path, command
         assert mine.read_text() == "the first run's"
 
 
+@pytest.mark.parametrize("command", directory_writers())
+def test_overwrite_never_removes_what_a_running_command_writes(tmp_path, command, stage_argv):
+    """A train run writing into --out (its files there, not yet its mark), held: another command with
+    --overwrite removed them, lock file and all, and exited 0 (the stages cleared --out before taking
+    their lock); without --overwrite it called them a user's files (exit 2, "write elsewhere"). Both
+    exit 3 now, nothing touched."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("metrics.jsonl", "tokenizer.json"):  # what a training run writes before its mark
+        (out / name).write_text("the running train's")
+    argv = argv_of(command, out, tmp_path, stage_argv)
+    held = storage.lock(lock_location(out))
+    try:
+        for extra in (
+            ([], ["--overwrite"])
+            if any(p.name == "overwrite" for p in main.commands[command].params)
+            else ([],)
+        ):
+            before = snapshot(tmp_path)
+            result = CliRunner().invoke(main, argv + extra)
+            assert result.exit_code == 3, (command, extra, result.output)
+            assert "another entroweight run holds" in result.output, result.output
+            assert snapshot(tmp_path) == before, f"{command} {extra} touched a running command's --out"
+    finally:
+        held.release()
+
+
 @pytest.mark.parametrize("command", ["train", "train-tokenizer", "evaluate"])
 def test_wait_queues_behind_the_holder(tmp_path, command, stage_argv):
     """--wait SECONDS: the second run waits for the holder's release, then runs (here: on to its own

@@ -410,6 +410,11 @@ def check_output(out, reads, command: str, overwrite: bool = False, flag: str = 
     ctx = click.get_current_context(silent=True)
     if ctx is not None and not any(p.name == "overwrite" for p in ctx.command.params):
         overwrite = None  # the command has no --overwrite: its refusals must not advise one
+    has_wait = ctx is None or any(p.name == "wait" for p in ctx.command.params)
+    try:  # a run writing there now: exit 3 (its files are not yet marked as its output)
+        storage.wait_unheld(out, (ctx.params.get("wait") if ctx is not None else 0) or 0, has_wait)
+    except storage.OutputHeld as e:
+        _fail(str(e), EXIT_LOCKED)
     for what, read in reads:  # a glob read (SOURCES, --documents) may match what the run writes
         if read is not None and has_glob_chars(str(read)) and not storage.blank(read):
             if relation_to(out, str(read)).endswith("match"):
