@@ -191,21 +191,40 @@ def _check_saved_as(model: torch.nn.Module, weights: Path, kind: str) -> None:
     was recorded are taken as config.json describes them)."""
     if weights.name != WEIGHTS:
         return
-    with safe_open(str(weights), "pt") as f:
-        saved = (f.metadata() or {}).get(SAVED_WITH)
-    if saved is None:
-        return
-    saved, now = json.loads(saved), json.loads(_saved_as(kind, model))
-    if changed := sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k)):
-        changed = ["kind"] if "kind" in changed else changed  # another kind's fields all differ
-        said = "; ".join(
-            f"{k} {json.dumps(now.get(k))} where the weights were saved as {json.dumps(saved.get(k))}"
-            for k in changed
-        )
+    if said := _saved_as_differs(weights, json.loads(_saved_as(kind, model))):
         raise CheckpointError(
             f"{weights.parent / CONFIG} does not describe the model its weights were saved as ({said}): "
             "the file was edited; re-copy the checkpoint, or train a model of these settings"
         )
+
+
+def edited_config(ckpt_dir: str | Path) -> str | None:
+    """How a local checkpoint's config.json differs from the model its weights were saved as (None:
+    it does not, or the weights record nothing): what a workflow asks of a finished checkpoint
+    before it calls it up to date. Reads the header and config.json only."""
+    ckpt = Path(ckpt_dir)
+    try:
+        config = json.loads((ckpt / CONFIG).read_bytes())
+        return _saved_as_differs(ckpt / WEIGHTS, {"kind": config["kind"], **config["model"]})
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError):
+        return None  # unreadable: the loader says why, naming the file
+
+
+def _saved_as_differs(weights: Path, now: dict) -> str | None:
+    with safe_open(str(weights), "pt") as f:
+        saved = (f.metadata() or {}).get(SAVED_WITH)
+    if saved is None:
+        return None
+    saved = json.loads(saved)
+    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    changed = ["kind"] if "kind" in changed else changed  # another kind's fields all differ
+    return (
+        "; ".join(
+            f"{k} {json.dumps(now.get(k))} where the weights were saved as {json.dumps(saved.get(k))}"
+            for k in changed
+        )
+        or None
+    )
 
 
 def _one_line(e: Exception) -> str:

@@ -371,7 +371,7 @@ def test_every_command_that_lists_sources_says_what_it_leaves_out_or_reads_once(
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0 and "Traceback" not in res.output, res.output
     assert f"note: 1 file(s) of no source suffix not read: {src}/c.jsonl.gzip" in res.stderr + res.output
-    said = f"1 file(s) named by more than one source, read once: {src / 'b.jsonl'}"
+    said = f"1 file(s) reached more than once (named by two sources, or through a link), read once: {src / 'b.jsonl'}"
     assert said in res.stderr + res.output, res.output
 
 

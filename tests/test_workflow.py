@@ -625,7 +625,7 @@ def test_a_refused_run_is_refused_before_any_step_writes(small_run, tmp_path, ch
         assert _files(small_run["root"]) == before
 
 
-@pytest.mark.parametrize("out", ["tokens", "models/causal", "scores/causal_loss"])
+@pytest.mark.parametrize("out", ["tokenizer", "tokens", "models/causal", "scores/causal_loss"])
 def test_a_users_file_in_a_steps_output_is_refused_by_the_dry_run_and_the_run_alike(small_run, out):
     """A file no command wrote in a step's output (a user's notes): the dry run said every step was up
     to date, and the run failed the stage's verification after it (exit 1, the advice "move it out",
@@ -828,6 +828,10 @@ def _damage(weights: Path, how: str) -> None:
         weights.write_bytes(data[: len(data) // 2])
     elif how == "edited":  # one bit of a tensor, the size kept
         weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    elif how == "config edited":  # a setting the weights' shapes do not show: loaders refuse it
+        config = json.loads((weights.parent / "config.json").read_text())
+        config["model"]["rope_theta"] = 5000.0
+        (weights.parent / "config.json").write_text(json.dumps(config))
     else:
         weights.unlink()
 
@@ -836,6 +840,7 @@ DAMAGE = {
     "cut short": " as trained (cut short or edited)",
     "edited": "its sha256 is not the one trainer_state.json records",
     "gone": "model.safetensors is gone",
+    "config edited": "config.json does not describe the model its weights were saved as (rope_theta 5000.0",
 }
 
 

@@ -305,7 +305,7 @@ def source_files(
             notes.append(f"{len(skipped)} file(s) of no source suffix not read: {_some(skipped)}")
         if repeated:
             notes.append(
-                f"{len(repeated)} file(s) named by more than one source, read once: {_some(repeated)}"
+                f"{len(repeated)} file(s) reached more than once (named by two sources, or through a link), read once: {_some(repeated)}"
             )
     return out
 

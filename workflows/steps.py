@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from entroweight.models.checkpoint import WEIGHTS
+from entroweight.models.checkpoint import CONFIG, WEIGHTS, edited_config
 from entroweight.options import setting_changes
 from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.stage import preview_run, read_manifests
@@ -182,6 +182,10 @@ class HoldoutStep(Step):
 
 class TokenizerStep(Step):
     """A given tokenizer (checked), or one trained on the sources (less the held-out documents)."""
+
+    @property
+    def command(self) -> str | None:  # type: ignore[override]
+        return "train-tokenizer" if self.wf.tokenizer.train is not None else None  # a given one: the user's
 
     def key(self) -> str:
         key = {"train": self.wf.tokenizer.train.model_dump(mode="json")}
@@ -369,7 +373,8 @@ def _stat(path: Path) -> tuple[int, int] | tuple[None, None]:
 
 
 def weights_damage(ckpt: Path, made: dict, state: dict) -> str | None:
-    """Why a finished checkpoint's weights are not the file its training wrote (None: they are). Each
+    """Why a finished checkpoint's weights are not the file its training wrote, or its config.json not
+    the model they were saved as (`edited_config`) (None: they are). Each
     step that loads them checks their sha256 only then, so a file cut short or edited would stay "up to
     date" and fail every later run. The size recorded when it was trained (`made`) is checked always;
     the sha256 its trainer_state.json records, whenever the file's size or mtime is not what it was
@@ -379,6 +384,8 @@ def weights_damage(ckpt: Path, made: dict, state: dict) -> str | None:
     size, mtime = _stat(weights)
     if size is None:
         return f"{WEIGHTS} is gone"
+    if edited := edited_config(ckpt):  # settings the weights' shapes do not show (mask_pads, ...)
+        return f"{CONFIG} does not describe the model its weights were saved as ({edited})"
     if made.get("weights_bytes") not in (None, size):
         return f"{WEIGHTS} is {size} bytes, {made['weights_bytes']} as trained (cut short or edited)"
     if (size, mtime) == (made.get("weights_bytes"), made.get("weights_mtime_ns")):
