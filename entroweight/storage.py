@@ -798,8 +798,8 @@ def wait_unheld(out, wait: float = 0, advise_wait: bool = True) -> None:
     before judging what `out` holds: a run still writing there has not yet marked it as its output,
     so its files would read as a user's (exit 2, "write elsewhere"), and --overwrite would remove them
     from under it."""
-    at = lock_location(out)
     try:
+        at = lock_location(out)  # (a location refused as such: the path rule says why, next)
         if not at.exists():
             return
         lock(at, wait).release()
