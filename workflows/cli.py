@@ -16,7 +16,6 @@ from entroweight import __version__
 
 from .cli_common import (
     COUNT,
-    SECONDS,
     Commands,
     GeneratedOptions,
     Location,
@@ -27,6 +26,7 @@ from .cli_common import (
     run_stage_cli,
     say_listing,
     stage_options,
+    wait_option,
 )
 
 # Command modules added by other areas; each exports COMMANDS, a list of click commands.
@@ -74,7 +74,7 @@ def main():
     help="Replace the tokenizer (or another command's output) --out holds; what was tokenized with the "
     "old one no longer matches it.",
 )
-@click.option("--wait", type=SECONDS, default=0, help="Seconds to wait for another run's lock on --out.")
+@wait_option
 def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_column, out, overwrite, wait):
     """Train a tokenizer of VOCAB_SIZE tokens (pad/bos/eos reserved) on SOURCES: BPE or LZ78."""
     reads = [("the source", s) for s in sources] + [("--base", base)]

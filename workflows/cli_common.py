@@ -362,6 +362,12 @@ def engine_kwargs(params: dict) -> dict:
     return {"engine": engine, **{k: knobs[k] for k in engine_module(engine).OPTIONS}}
 
 
+#: --wait of every command that holds the lock on its --out (a stage's, train's, ...): queue behind a run
+wait_option = click.option(
+    "--wait", type=SECONDS, default=0, help="Seconds to wait for another run's lock on --out."
+)
+
+
 def stage_options(f):
     """What a stage command takes beside the engine: shared by every stage command."""
     f = click.option(
@@ -369,13 +375,7 @@ def stage_options(f):
         is_flag=True,
         help="Delete shards of another config in --out instead of refusing; with the same config, redo the shards whose files changed since their manifest (each shard read once).",
     )(f)
-    f = click.option(
-        "--wait",
-        type=SECONDS,
-        default=0,
-        help="Seconds to wait for another run's lock on --out.",
-    )(f)
-    return f
+    return wait_option(f)
 
 
 def document_step_options(f):

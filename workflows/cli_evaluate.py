@@ -18,7 +18,7 @@ import click
 
 from entroweight.options import repeated
 
-from .cli_common import DEVICE, SECONDS, SEED, Location, _fail, check_output, holding_out
+from .cli_common import DEVICE, SEED, Location, _fail, check_output, holding_out, wait_option
 
 RESULTS = "accuracy.json"  # marks DIR as this command's output (entroweight.storage.OUTPUT_MARKS)
 ITEMS = "items.jsonl"
@@ -59,7 +59,7 @@ ITEMS = "items.jsonl"
 @click.option("--device", type=DEVICE, default="auto", show_default=True)
 @click.option("--out", required=True, type=Location(file_okay=False))
 @click.option("--overwrite", is_flag=True, help="Replace a --out that holds another command's output.")
-@click.option("--wait", type=SECONDS, default=0, help="Seconds to wait for another run's lock on --out.")
+@wait_option
 def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
     """Accuracy of CKPT_DIR (a llama checkpoint) on lm-eval tasks, per item and in all."""
     from entroweight.trainers.accuracy import OFFLINE_TASK

@@ -19,17 +19,14 @@ from .cli_common import (
     DEVICE,
     EXIT_FAILED_SHARDS,
     EXIT_LOCKED,
-    SECONDS,
     Location,
     _fail,
     check_output,
     config_options,
     given_options,
     holding_out,
+    wait_option,
 )
-
-WAIT_HELP = "Seconds to wait for another run's lock on --out."
-
 
 ALLOW_PICKLE_HELP = (
     "Load a checkpoint's .pt/.bin/.pth weights where it has no model.safetensors (torch.load with "
@@ -81,7 +78,7 @@ def _read_mapping(path: str | None, what: str) -> dict:
     help="With --resume: continue under settings (lr, steps, loss, ...) that differ from the checkpoint's; "
     "config.json's train_history records each config and the step it took effect.",
 )
-@click.option("--wait", type=SECONDS, default=0, help=WAIT_HELP)
+@wait_option
 @click.pass_context
 def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, wait, **options):
     """Train a MODEL on token parquet DATA (directories or files) with LOSS; checkpoints to --out.
