@@ -777,8 +777,7 @@ def holding_output(out, wait: float = 0, beside: bool = False, advise_wait: bool
         held = lock(at, wait)
     except LockBusy as e:
         _remove_empty(made)
-        queue = ", or pass --wait SECONDS to queue behind it" if advise_wait else ""
-        raise OutputHeld(f"another entroweight run holds {out} ({e}); wait for it to finish{queue}") from None
+        raise OutputHeld(held_message(out, e, wait, advise_wait)) from None
     except OSError as e:  # read-only, not a directory, no bucket
         _remove_empty(made)
         raise StorageError(f"cannot write to --out {out}: {e.strerror or e}") from None
@@ -793,6 +792,17 @@ def holding_output(out, wait: float = 0, beside: bool = False, advise_wait: bool
             _remove_empty(made)
 
 
+def held_message(out, busy: LockBusy, wait: float = 0, advise_wait: bool = True) -> str:
+    """How every command (and a stage, and a workflow run) says that another run holds `out`."""
+    if wait:
+        advice = f"still held after --wait {wait:g}: give a longer --wait, or wait for it to finish"
+    else:
+        advice = "wait for it to finish" + (
+            ", or pass --wait SECONDS to queue behind it" if advise_wait else ""
+        )
+    return f"another entroweight run holds {out} (lock {LOCK_FILE}, {busy}); {advice}"
+
+
 def wait_unheld(out, wait: float = 0, advise_wait: bool = True) -> None:
     """Wait up to `wait` seconds for no run to hold the lock on `out` (OutputHeld past it). Asked
     before judging what `out` holds: a run still writing there has not yet marked it as its output,
@@ -804,8 +814,7 @@ def wait_unheld(out, wait: float = 0, advise_wait: bool = True) -> None:
             return
         lock(at, wait).release()
     except LockBusy as e:
-        queue = ", or pass --wait SECONDS to queue behind it" if advise_wait else ""
-        raise OutputHeld(f"another entroweight run holds {out} ({e}); wait for it to finish{queue}") from None
+        raise OutputHeld(held_message(out, e, wait, advise_wait)) from None
     except Exception:  # noqa: BLE001 - unreachable or unwritable: the checks after this say why
         return
 

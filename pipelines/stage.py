@@ -225,12 +225,7 @@ def run_lock(out_dir: AnyPath, wait: float = 0):
         storage.check_writable(out)
         return storage.lock(out / LOCK_FILE, wait)
     except storage.LockBusy as e:
-        advice = (
-            f"still held after --wait {wait:g}: give a longer --wait, or wait for it to finish"
-            if wait
-            else "wait for it to finish, or pass --wait SECONDS to queue behind it"
-        )
-        raise LockHeld(f"another entroweight run holds {out_dir} (lock {LOCK_FILE}, {e}); {advice}") from None
+        raise LockHeld(storage.held_message(out_dir, e, wait)) from None
     except OSError as e:  # read-only, not a directory, full, no bucket: refused before anything is written
         raise StageError(f"cannot write to --out {out_dir}: {e.strerror or e}") from None
 

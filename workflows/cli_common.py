@@ -400,6 +400,12 @@ def say_listing(sources) -> None:
         click.echo(f"note: {note}", err=True)
 
 
+def _takes(param: str) -> bool:
+    """Whether the command being run has `param` (outside a command: taken as having it)."""
+    ctx = click.get_current_context(silent=True)
+    return ctx is None or any(p.name == param for p in ctx.command.params)
+
+
 def check_output(out, reads, command: str, overwrite: bool = False, flag: str = "--out", **kw):
     """The path rule (entroweight.storage.check_output), refused with exit 2: every command that
     writes calls it first, before it reads or creates anything. Returns the other command's output
@@ -408,11 +414,10 @@ def check_output(out, reads, command: str, overwrite: bool = False, flag: str = 
     from entroweight.transforms.sources import has_glob_chars, relation_to
 
     ctx = click.get_current_context(silent=True)
-    if ctx is not None and not any(p.name == "overwrite" for p in ctx.command.params):
+    if not _takes("overwrite"):
         overwrite = None  # the command has no --overwrite: its refusals must not advise one
-    has_wait = ctx is None or any(p.name == "wait" for p in ctx.command.params)
     try:  # a run writing there now: exit 3 (its files are not yet marked as its output)
-        storage.wait_unheld(out, (ctx.params.get("wait") if ctx is not None else 0) or 0, has_wait)
+        storage.wait_unheld(out, (ctx.params.get("wait") if ctx is not None else 0) or 0, _takes("wait"))
     except storage.OutputHeld as e:
         _fail(str(e), EXIT_LOCKED)
     for what, read in reads:  # a glob read (SOURCES, --documents) may match what the run writes
@@ -441,11 +446,9 @@ def holding_out(out, wait: float = 0, beside: bool = False):
     command has one."""
     from entroweight import storage
 
-    ctx = click.get_current_context(silent=True)
-    advise = ctx is None or any(p.name == "wait" for p in ctx.command.params)
     with contextlib.ExitStack() as stack:
         try:
-            stack.enter_context(storage.holding_output(out, wait, beside, advise))
+            stack.enter_context(storage.holding_output(out, wait, beside, _takes("wait")))
         except storage.OutputHeld as e:
             _fail(str(e), EXIT_LOCKED)
         except storage.StorageError as e:
