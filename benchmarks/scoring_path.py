@@ -16,6 +16,10 @@ model; occlusion; decomposition), on one shard scored by `ScoreStage` as a run d
   the note gives the median of the eight paired ratios beside it;
 - feed: real tokens per second of the same path with the scorer's forward replaced by a stub that
   returns zeros of the right shape (what the CPU side can feed an accelerator);
+- busy share of a simulated device (`SimulatedDevice`): the same stub, its batches queued on a
+  device that takes 4x the host's own time over the same rows and that the host waits on as on an
+  accelerator (GIL released): 0.80 when the host's work runs in series with the forwards, 1 when
+  the device hides all of it (a one-segment shard's read and write cannot be hidden);
 - pad fraction: of the positions the forwards computed, the share that were not real tokens, as
   the stage records it (for cross_tokenizer, of the model-token positions: it scores windows of the
   text in its own tokens);
@@ -42,6 +46,9 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
+
+from entroweight.scorers.base import Later
+from entroweight.scorers.forward import HostCopy
 
 from .common import C4, alternate, bench_threads, bench_tokenizer, fastest, median, paired_median, row
 
@@ -123,11 +130,14 @@ def _stage(data: Path, name: str, options: dict, budget: int | None, dtype: str 
     return stage
 
 
-def _run_shard(stage, data: Path, out: Path) -> float:
-    """Seconds of the stage's process() on the shard (read, batch, forward, weigh, write)."""
+def _run_shard(stage, data: Path, out: Path, rows: int | None = None) -> float:
+    """Seconds of the stage's process() on the shard (read, batch, forward, weigh, write); its first
+    `rows` rows alone when given."""
     from entroweight.pipelines.stage import ShardTask
 
     (inp,) = stage.plan_inputs()
+    if rows is not None:
+        inp = inp.model_copy(update={"stop": rows})
     if out.exists():
         shutil.rmtree(out)
     out.mkdir()
@@ -137,22 +147,62 @@ def _run_shard(stage, data: Path, out: Path) -> float:
     return time.perf_counter() - start
 
 
+class SimulatedDevice:
+    """An accelerator on a CPU: work queued runs in order, each piece `s_per_token` seconds a real
+    token, while the host goes on; `wait(done)` sleeps until a piece is done (the GIL released, as a
+    host thread waiting on a device). With `s_per_token` 0 it is not there."""
+
+    def __init__(self):
+        self.s_per_token = 0.0
+        self.free_at = self.busy = 0.0
+        self.last_done = 0.0
+
+    def queue(self, tokens: int) -> float:
+        cost = tokens * self.s_per_token
+        self.free_at = max(time.perf_counter(), self.free_at) + cost
+        self.busy += cost
+        self.last_done = self.free_at
+        return self.free_at
+
+    @staticmethod
+    def wait(done: float) -> None:
+        time.sleep(max(0.0, done - time.perf_counter()))
+
+
+class _SimulatedCopy(HostCopy):
+    """cross_tokenizer's HostCopy of a batch's values, read once the simulated device made them."""
+
+    def __init__(self, device: SimulatedDevice, *tensors):
+        super().__init__(*tensors)
+        self.device, self.done = device, device.last_done
+
+    def arrays(self) -> list:
+        self.device.wait(self.done)
+        return super().arrays()
+
+
 class _Counting:
     """Wraps a scorer's score_batch: counts the positions its forwards compute (rows × the width the
     model runs at) and the real tokens among them, and with `stub` returns zeros instead of running
-    the model."""
+    the model (with `device.s_per_token` set, the values of a simulated accelerator: `Later`)."""
 
     def __init__(self, scorer, stub: bool = False):
         self.scorer, self.inner, self.stub = scorer, scorer.score_batch, stub
         self.computed = self.real = 0
+        self.device = SimulatedDevice()
         scorer.score_batch = self
 
     def __call__(self, ids, n_pad, *more):
         model_width = getattr(self.scorer, "n_ctx", 0)  # our estimators widen rows to their n_ctx
         self.computed += ids.shape[0] * max(ids.shape[1], model_width)
-        self.real += int((ids.shape[1] - n_pad).sum())
+        real = int((ids.shape[1] - n_pad).sum())
+        self.real += real
         if self.stub:
-            return np.zeros(ids.shape, dtype=np.float32)
+            zeros = np.zeros(ids.shape, dtype=np.float32)
+            if not self.device.s_per_token:
+                return zeros
+            done = self.device.queue(real)
+            return Later(lambda: self.device.wait(done) or zeros)
         return self.inner(ids, n_pad, *more)
 
     def restore(self):
@@ -172,8 +222,11 @@ class _CountingHF:
         self.inner = module.hf_token_losses
         self.inner_packed = getattr(module, "hf_packed_losses", None)
         self.computed = self.real = 0
+        self.device = SimulatedDevice()
         self.tokens: list[np.ndarray] = []
+        self.host_copy = module.HostCopy
         module.hf_token_losses = self
+        module.HostCopy = partial(_SimulatedCopy, self.device)
         if self.inner_packed is not None:
             module.hf_packed_losses = self.packed
 
@@ -182,6 +235,7 @@ class _CountingHF:
         self.real += int(mask.sum())
         self.tokens.append(x[mask.bool()].cpu().numpy())
         if self.stub:
+            self.device.queue(int(mask.sum()))
             return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         return self.inner(model, x, mask, dtype)
 
@@ -191,11 +245,13 @@ class _CountingHF:
         self.real += int(real.sum())
         self.tokens.append(packed.ids[real])
         if self.stub:
+            self.device.queue(int(real.sum()))
             return torch.zeros(packed.ids.shape, dtype=torch.float32)
         return self.inner_packed(model, packed, device, dtype)
 
     def restore(self):
         self.module.hf_token_losses = self.inner
+        self.module.HostCopy = self.host_copy
         if self.inner_packed is not None:
             self.module.hf_packed_losses = self.inner_packed
 
@@ -278,6 +334,26 @@ def _limit(name: str, model, tokens: np.ndarray, width: int, hf: bool, dtype: st
     if name == "decomposition":
         return _per_position_forward(model, tokens, width, BUDGET, dtype)
     return _packed_forward(model, tokens, width, BUDGET, hf, dtype)
+
+
+# the host's overlap with a device, simulated on a CPU: the stub forward queues its batch on a
+# `SimulatedDevice` that takes DEVICE_SHARE times the host's own time over the same rows:
+# the split the H200 showed cross_tokenizer (80 % busy, docs/scaling.md)
+DEVICE_SHARE = 4
+SERIAL_BUSY = DEVICE_SHARE / (DEVICE_SHARE + 1)
+SIM_ROWS = 4000
+
+
+def _simulated_busy(stub, stage, data: Path, out: Path) -> tuple[float, float, float]:
+    """(busy share, host seconds, wall seconds) of the stage over the first SIM_ROWS rows of `data`,
+    its forwards a simulated device of DEVICE_SHARE times the host's time (`stub.device_s`)."""
+    device, real = stub.device, stub.real
+    device.s_per_token = 0.0
+    host_s = _run_shard(stage, data, out, SIM_ROWS)
+    device.s_per_token, device.busy = DEVICE_SHARE * host_s / max(stub.real - real, 1), 0.0
+    wall_s = _run_shard(stage, data, out, SIM_ROWS)
+    device.s_per_token = 0.0
+    return device.busy / wall_s, host_s, wall_s
 
 
 def _written_values(out: Path) -> np.ndarray:
@@ -386,6 +462,7 @@ def bench_paths(quick: bool = False) -> list[dict]:
             feed_stage = _stage(big, name, options, BUDGET) if big is not d else stage
             stub = _counting(feed_stage.scorer, stub=True)
             t_feed = median([_run_shard(feed_stage, big, tmp / "feed") for _ in range(2)])
+            busy, host_s, wall_s = _simulated_busy(stub, feed_stage, big, tmp / "sim")
             stub.restore()
             t = pq.read_table(next(big.glob("part-*.parquet")), columns=["n_pad"])
             big_rows, big_real = t.num_rows, int(t.num_rows * width - pc.sum(t.column("n_pad")).as_py())
@@ -397,6 +474,18 @@ def bench_paths(quick: bool = False) -> list[dict]:
                     None,
                     None,
                     f"{big_rows} rows: read -> batch -> weigh -> write, forward = zeros",
+                )
+            )
+            out_rows.append(
+                row(
+                    "score-path",
+                    f"{label}: busy share of a device {DEVICE_SHARE}x the host's time (simulated)",
+                    busy,
+                    None,
+                    None,  # a diagnostic: where the host is a bottleneck (a one-segment shard's read
+                    # and write are in series with its forwards by construction)
+                    f"the first {SIM_ROWS} rows: the host alone {host_s:.2f} s, with the device {wall_s:.2f} s; "
+                    f"in series it would be {SERIAL_BUSY:.2f} busy, fully overlapped 1",
                 )
             )
     return out_rows

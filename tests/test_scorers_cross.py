@@ -167,3 +167,70 @@ def test_the_windows_recorded_are_the_windows_scored(scorer):
     assert said == {"context": limit, "stride": limit // 2}
     assert max(end - start for start, _, end in windows) == said["context"]
     assert {end - first for _, first, end in windows[1:-1]} == {said["stride"]}
+
+
+def _chains_of(ids):
+    """`continues` joining rows 0 and 1 into one text: four rows, three texts."""
+    return np.array([False, True] + [False] * (len(ids) - 2))
+
+
+def test_texts_in_waves_give_the_values_of_one_wave(scorer, data, monkeypatch):
+    """Re-tokenizing, forwards and regrouping in waves (each text its own) change no value: the same
+    values, exclusions and alignment counts as all the texts at once."""
+    import entroweight.scorers.cross_tokenizer as module
+
+    tok, ids, n_pad = data
+    whole = scorer.score(ids, n_pad, continues=_chains_of(ids))
+    monkeypatch.setattr(module, "WAVE_BATCHES", 0)  # every text a wave of its own
+    assert len(module.waves(np.split(np.arange(4), [2, 3]), np.ones(4, int), 1)) == 3
+    waved = scorer.score(ids, n_pad, continues=_chains_of(ids))
+    np.testing.assert_allclose(waved.values, whole.values, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(waved.excluded, whole.excluded) and waved.real == whole.real
+    a, b = waved.stats["alignment"].as_dict(), whole.stats["alignment"].as_dict()
+    assert {k: a[k] for k in ("bytes_total", "bytes_uncovered", "tokens_uncovered")} == {
+        k: b[k] for k in ("bytes_total", "bytes_uncovered", "tokens_uncovered")
+    }
+
+
+def test_the_host_work_of_other_waves_runs_while_the_model_runs_one(scorer, data, monkeypatch):
+    """While the model scores wave k, wave k + 1 is re-tokenized and wave k − 1 regrouped on other
+    threads: each forward call waits (up to 20 s) for both to finish, which a serial loop never lets
+    happen. (On an accelerator the host's half of cross_tokenizer otherwise idles the device.)"""
+    import threading
+
+    import entroweight.scorers.cross_tokenizer as module
+
+    tok, ids, n_pad = data
+    monkeypatch.setattr(module, "WAVE_BATCHES", 0)
+    n = len(module.waves(np.split(np.arange(4), [2, 3]), np.ones(4, int), 1))
+    texted = [threading.Event() for _ in range(n)]
+    regrouped = [threading.Event() for _ in range(n)]
+    seen = {"texts": 0, "regroup": 0, "model": 0}
+    overlapped = []
+    texts, regroup, model_losses = scorer._texts, scorer._regroup, scorer._model_losses
+
+    def counted(name, fn, done):
+        def call(*args, **kw):
+            k = seen[name]
+            seen[name] += 1
+            out = fn(*args, **kw)
+            done[k].set()
+            return out
+
+        return call
+
+    def forwards(*args, **kw):
+        k = seen["model"]
+        seen["model"] += 1
+        if k + 1 < n:
+            overlapped.append(("next re-tokenized", k, texted[k + 1].wait(20)))
+        if k > 0:
+            overlapped.append(("last regrouped", k, regrouped[k - 1].wait(20)))
+        return model_losses(*args, **kw)
+
+    monkeypatch.setattr(scorer, "_texts", counted("texts", texts, texted))
+    monkeypatch.setattr(scorer, "_regroup", counted("regroup", regroup, regrouped))
+    monkeypatch.setattr(scorer, "_model_losses", forwards)
+    scorer.score(ids, n_pad, continues=_chains_of(ids))
+    assert n == 3 and seen == {"texts": 3, "regroup": 3, "model": 3}
+    assert overlapped and all(ok for *_, ok in overlapped), overlapped
