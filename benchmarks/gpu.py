@@ -24,7 +24,10 @@ the local engine, as `entroweight score` runs it; the model loaded and warmed on
   over the padded rows (the embedding enters before the pads: their states are the row's own, no
   layout shares them); decomposition: one full window per real token (its own
   limit); two_model: one long and one short window per real token; excess_loss: both models;
-  cross_tokenizer: the model tokens of the text. **ratio** = real tok/s / limit tok/s;
+  cross_tokenizer: the model tokens its windows read (each text's, after its start token; a later
+  window of a long text reads `context - stride` tokens again as context, by definition: the same
+  tokens as `make bench`'s limit; until 2026-11-28 the text's tokens alone, which left that context
+  out of the limit). **ratio** = real tok/s / limit tok/s;
 - **MFU** = FLOPs of that limit / seconds / peak. FLOPs per token of a llama forward over rows of W
   tokens: 2·P + 2·L·W·d, P the matmul weights (attention, MLP and the head; not the embedding
   lookup), L layers, d the attention width (causal QKᵀ and AV: 2·W·d per layer per token on
@@ -695,15 +698,18 @@ def shard_tokens(data: Path) -> tuple[int, int, int, np.ndarray, list[np.ndarray
     return len(ids), ids.shape[1], real, np.concatenate(per_row), per_row
 
 
-def model_tokens_of(per_row: list[np.ndarray], data_tok: Path, model_tok: Path) -> np.ndarray:
-    """The model's tokens of the shard's text (each row decoded, encoded, after one start token)."""
-    from entroweight.transforms.tokenizer import load_tokenizer
+def window_tokens(path, scorer) -> np.ndarray:
+    """The model tokens cross_tokenizer's forwards read over the shard: each text's windows after its
+    start token, the context a later window reads again included (as `make bench`'s limit: the
+    forwards the scorer needs), recorded by one pass of the stage (`path`) with the model stubbed."""
+    from .scoring_path import counting
 
-    dt, mt = load_tokenizer(data_tok), load_tokenizer(model_tok)
-    texts = [dt.decode_bytes(r.tolist()).decode("utf-8", errors="ignore") for r in per_row]
-    start = mt.bos_id if mt.bos_id is not None else 0
-    enc = mt.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-    return np.concatenate([np.r_[start, e.ids] for e in enc]).astype(np.int64)
+    seen = counting(scorer, stub=True)
+    try:
+        path("count")
+    finally:
+        seen.restore()
+    return np.concatenate(seen.tokens)
 
 
 def manifest_extra(out: Path) -> dict:
@@ -744,8 +750,6 @@ def run_case(case: Case, dtype: str, ctx: dict) -> dict:
     data = ctx["data"][case.data, dtype]
     warm = ctx["data"][case.data, "warm"]
     options = {k: ctx["models"][v] for k, v in case.options.items()} | case.literal
-    # the tokenizer the data carries (as `entroweight score` finds it without --tokenizer)
-    tokenizer = data / ".tokenizer" / "tokenizer.json"
     rec = {"case": case.key, "label": case.label, "scorer": case.scorer, "dtype": dtype, "device": device}
     rows, width, real, packed, per_row = shard_tokens(data)
     rec |= {"rows": rows, "width": width, "real_tokens": real}
@@ -787,7 +791,7 @@ def run_case(case: Case, dtype: str, ctx: dict) -> dict:
             whole[r, width - len(ids) :] = ids
         limit_rows.append([torch.as_tensor(whole).to(device)])
     elif kind == "hf_text":
-        mt = model_tokens_of(per_row, tokenizer, Path(options["model"]) / "tokenizer.json")
+        mt = window_tokens(path, scorer)
         model_tokens = len(mt)
         limit_rows = [packed_rows(mt, width, device)]
     elif kind in ("windows", "windows2"):  # one window per real token: rows of w (and of w - 1)

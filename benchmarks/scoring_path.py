@@ -256,7 +256,7 @@ class _CountingHF:
             self.module.hf_packed_losses = self.inner_packed
 
 
-def _counting(scorer, stub: bool = False):
+def counting(scorer, stub: bool = False):
     return _CountingHF(scorer, stub) if scorer.name == "cross_tokenizer" else _Counting(scorer, stub)
 
 
@@ -409,7 +409,7 @@ def bench_paths(quick: bool = False) -> list[dict]:
             for dtype in os.environ.get("BENCH_SCORING_DTYPES", ",".join(DTYPES)).split(","):
                 stage = _stage(d, name, options, BUDGET, dtype)
                 packed = np.concatenate([ids[r, n_pad[r] :] for r in range(len(ids))])
-                seen = _counting(stage.scorer)
+                seen = counting(stage.scorer)
                 _run_shard(stage, d, tmp / "warm")  # warm-up
                 seen.restore()
                 if name == "cross_tokenizer":  # the bare forward runs over the model's tokens of the text
@@ -460,7 +460,7 @@ def bench_paths(quick: bool = False) -> list[dict]:
             # feed rate and pad fraction on a whole shard (all the sample's documents): forward = zeros
             big = data.get(("big", width), d)
             feed_stage = _stage(big, name, options, BUDGET) if big is not d else stage
-            stub = _counting(feed_stage.scorer, stub=True)
+            stub = counting(feed_stage.scorer, stub=True)
             t_feed = median([_run_shard(feed_stage, big, tmp / "feed") for _ in range(2)])
             busy, host_s, wall_s = _simulated_busy(stub, feed_stage, big, tmp / "sim")
             stub.restore()
