@@ -281,13 +281,13 @@ def check_output(
         theirs = foreign_files(out, owner, command, hidden=whole)
         if theirs and owner is None:
             raise OutputRefused(
-                f"{flag} {out} holds files of no entroweight command ({_some(theirs)}), which `{command}` "
+                f"{flag} {out} holds files of no entroweight command ({some_of(theirs)}), which `{command}` "
                 "would mix its own among or replace: write to a new or empty directory"
             )
         if theirs:  # what verify calls "not a shard of this directory", and a workflow step's check
             raise OutputRefused(
                 f"{flag} {out} holds the output of {named(owner)} and files no command wrote ("
-                f"{_some(theirs)}), which "
+                f"{some_of(theirs)}), which "
                 + ("--overwrite would remove with it" if removed else f"`{command}` would write among")
                 + ": move them out first, or write elsewhere"
             )
@@ -354,8 +354,9 @@ def run_outputs(directory) -> list[str] | None:
         return None
 
 
-def _some(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+def some_of(names: list[str], n: int = 3) -> str:
+    """The first `n` names, and how many more: what a message lists of a long list."""
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def _entries(directory) -> list[str]:

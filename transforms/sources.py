@@ -302,16 +302,14 @@ def source_files(
             out[real] = (st.st_size, st.st_mtime_ns, None)
     if notes is not None:
         if skipped:  # a directory's README is no loss, but a misnamed data file would be one
-            notes.append(f"{len(skipped)} file(s) of no source suffix not read: {_some(skipped)}")
+            notes.append(
+                f"{len(skipped)} file(s) of no source suffix not read: {storage.some_of(skipped, 5)}"
+            )
         if repeated:
             notes.append(
-                f"{len(repeated)} file(s) reached more than once (named by two sources, or through a link), read once: {_some(repeated)}"
+                f"{len(repeated)} file(s) reached more than once (named by two sources, or through a link), read once: {storage.some_of(repeated, 5)}"
             )
     return out
-
-
-def _some(names: list[str], n: int = 5) -> str:
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 # ---------------------------------------------------------------- planning: files -> shards
