@@ -22,7 +22,7 @@ import yaml
 
 from entroweight import __version__, storage
 from entroweight.pipelines.score import ScoreStage
-from entroweight.pipelines.stage import LOCK_FILE, has_shards, run_lock
+from entroweight.pipelines.stage import LOCK_FILE, LockHeld, has_shards, run_lock
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.weigh import WeighStage
 from entroweight.trainers.config import LossSettings, TrainSettings
@@ -121,8 +121,10 @@ class Runner:
         self._check_run_dir()
         self.ctx.had_record = (storage.path(root) / RUN_FILE).exists()
         if self.dry_run:
-            if (storage.path(root) / LOCK_FILE).exists():  # a run holds it now: the run would exit 3
-                run_lock(root, 0).release()  # (the lock file is there already: nothing is written)
+            try:  # a run holds it now: the run would exit 3 (asked as every command asks it)
+                storage.wait_unheld(root)
+            except storage.OutputHeld as e:
+                raise LockHeld(str(e)) from None
             self.echo(f"plan for {root} (dry run: nothing is written)")
             self._all_steps()
             n = sum(s.status == "would run" for s in self.steps)
