@@ -165,7 +165,7 @@ def test_the_windows_recorded_are_the_windows_scored(scorer):
     finally:
         scorer.context, scorer.stride = context, stride
     assert said == {"context": limit, "stride": limit // 2}
-    assert max(end - start for start, _, end in windows) == said["context"]
+    assert max(end - start for start, _, end in windows) + 1 == said["context"]  # and the start token
     assert {end - first for _, first, end in windows[1:-1]} == {said["stride"]}
 
 
@@ -234,3 +234,33 @@ def test_the_host_work_of_other_waves_runs_while_the_model_runs_one(scorer, data
     scorer.score(ids, n_pad, continues=_chains_of(ids))
     assert n == 3 and seen == {"texts": 3, "regroup": 3, "model": 3}
     assert overlapped and all(ok for *_, ok in overlapped), overlapped
+
+
+def test_every_window_is_read_after_the_start_token(scorer, data, monkeypatch):
+    """A text longer than a window: each later window, as the first, is read after the model's start
+    token. (A window begun mid-text made its first token the model's attention sink: a repetitive
+    text scored 16 nats a token there, above a uniform guess over the model's vocabulary.)"""
+    import entroweight.scorers.cross_tokenizer as module
+
+    tok = data[0]
+    ids = np.array([tok.tokenizer.encode("a" * 300, add_special_tokens=False).ids])
+    firsts = []  # the first model token of every sequence the forwards read
+    packed, rows = module.hf_packed_losses, module.hf_token_losses
+
+    def packed_first(model, p, device, dtype):
+        firsts.extend(int(p.ids[n, s]) for n, s in p.starts)
+        return packed(model, p, device, dtype)
+
+    def rows_first(model, x, mask, dtype):
+        firsts.extend(x[torch.arange(len(x)), mask.argmax(-1)].tolist())
+        return rows(model, x, mask, dtype)
+
+    monkeypatch.setattr(module, "hf_packed_losses", packed_first)
+    monkeypatch.setattr(module, "hf_token_losses", rows_first)
+    monkeypatch.setattr(scorer, "context", 16)
+    monkeypatch.setattr(scorer, "stride", 8)
+    m = len(scorer._model_tok.tokenizer.encode("a" * 300, add_special_tokens=False).ids)
+    values = scorer.score(ids, np.array([0])).values[0]
+    assert len(scorer.windows(m)) > 3 and len(firsts) == len(scorer.windows(m))
+    assert set(firsts) == {scorer._start}
+    assert 0 < values.max() < np.log(scorer._model.config.vocab_size)

@@ -174,8 +174,8 @@ def per_window_losses(scorer, texts_ids: list[np.ndarray]) -> list[np.ndarray]:
     out = []
     for ids in texts_ids:
         losses = np.zeros(len(ids))
-        for i, (c, a, e) in enumerate(scorer.windows(len(ids))):
-            seq = ([scorer._start] if i == 0 else []) + ids[c:e].tolist()
+        for c, a, e in scorer.windows(len(ids)):
+            seq = [scorer._start] + ids[c:e].tolist()
             with torch.no_grad():
                 logits = scorer._model(input_ids=torch.tensor([seq])).logits[0, :-1]
             ce = F.cross_entropy(logits.float(), torch.tensor(seq[1:]), reduction="none").numpy()
