@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from filelock import FileLock
+from safetensors import SafetensorError
 
 from entroweight import storage
 from entroweight.models.checkpoint import plain_mode
@@ -34,6 +35,10 @@ HUB_MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0
 
 class ModelLoadError(ValueError):
     """A model that cannot be loaded for scoring; the message says what to do."""
+
+
+# what a GGUF conversion records of itself: the file, its sha256, and the files written (name -> size)
+SOURCE_FILE = "entroweight_source.json"
 
 
 def cache_dir() -> Path:
@@ -123,7 +128,15 @@ def resolve_model(spec: str) -> Path | str:
 
 
 def _converted(out: Path) -> bool:
-    return (out / "config.json").exists() and (out / TOKENIZER_FILE).exists()
+    """Whether `out` holds a whole conversion: its files as `_convert` recorded them (a file cut or
+    removed since, by a full disk or by hand, makes it convert again, not fail to load)."""
+    if not ((out / "config.json").exists() and (out / TOKENIZER_FILE).exists()):
+        return False
+    try:
+        files = json.loads((out / SOURCE_FILE).read_text()).get("files", {})
+    except (OSError, ValueError):
+        return False
+    return all((out / name).is_file() and (out / name).stat().st_size == size for name, size in files.items())
 
 
 def convert_gguf(path: Path, out: Path | None = None) -> Path:
@@ -173,7 +186,9 @@ def _convert(path: Path, sha: str, tmp: Path) -> None:
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / "entroweight_source.json").write_text(json.dumps({"gguf": str(path), "sha256": sha}) + "\n")
+    files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+    record = {"gguf": str(path), "sha256": sha, "files": files}
+    (tmp / SOURCE_FILE).write_text(json.dumps(record) + "\n")
     for f in tmp.rglob("*"):
         if f.is_file():
             plain_mode(f)  # safetensors leaves 0600
@@ -197,7 +212,7 @@ def model_sha256(resolved: Path | str) -> str | None:
     """sha256 over a local directory's weight files (names and bytes); None for a hub id."""
     if not isinstance(resolved, Path):
         return None
-    src = resolved / "entroweight_source.json"
+    src = resolved / SOURCE_FILE
     if src.exists():
         return json.loads(src.read_text())["sha256"]
     h = hashlib.sha256()
@@ -246,6 +261,10 @@ def load_causal_lm(
             f"cannot load {resolved} ({why}); for a hub id, log in and download it first "
             "(e.g. `hf download meta-llama/Llama-3.2-1B`), or pass a local directory or .gguf file"
         ) from e
+    except SafetensorError as e:  # a weight file cut short or overwritten
+        converted = isinstance(resolved, Path) and (resolved / SOURCE_FILE).exists()
+        again = "remove this conversion of a .gguf file: it is made again" if converted else "copy it again"
+        raise ModelLoadError(f"cannot load {resolved}: a weight file is damaged ({e}); {again}") from e
     return model.to(device).eval()
 
 

@@ -337,3 +337,55 @@ def test_a_cut_parquet_file_given_as_data_is_refused_naming_it(tmp_path, tokens)
         *cli("train", cut, "--model", "llama", "--out", out, "--steps", 2), str(cut), "not a readable parquet"
     )
     assert not out.exists()
+
+
+def test_a_gguf_conversion_cut_short_is_converted_again(tmp_path, monkeypatch):
+    """A conversion in the cache whose files were cut (a full disk) or removed since is not used: it
+    is converted again (a weight file cut short failed to load with safetensors' traceback)."""
+    from pathlib import Path
+
+    from entroweight.scorers import hf
+
+    monkeypatch.setenv("ENTROWEIGHT_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    made = []
+
+    def convert(path, sha, tmp: Path):  # what a conversion writes and records (the real one: ~20 s)
+        made.append(tmp)
+        tmp.mkdir()
+        for name, size in (("config.json", 10), ("tokenizer.json", 20), ("model.safetensors", 5000)):
+            (tmp / name).write_bytes(b"x" * size)
+        files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+        (tmp / hf.SOURCE_FILE).write_text(json.dumps({"gguf": str(path), "sha256": sha, "files": files}))
+
+    monkeypatch.setattr(hf, "_convert", convert)
+    out = hf.convert_gguf(gguf)
+    assert hf.gguf_conversion(gguf) == out and hf.convert_gguf(gguf) == out and len(made) == 1
+    for damage in ("cut", "removed"):
+        weights = out / "model.safetensors"
+        weights.write_bytes(b"x" * 1000) if damage == "cut" else weights.unlink()
+        assert hf.gguf_conversion(gguf) is None, damage
+        assert hf.convert_gguf(gguf) == out and weights.stat().st_size == 5000
+    assert len(made) == 3
+
+
+def test_a_model_whose_weight_file_is_cut_short_is_refused_naming_it(tmp_path, tokens):
+    """An HF model directory with its safetensors cut short: exit 2 naming the directory, no
+    traceback, nothing written."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = tmp_path / "hf"
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=N_CTX + 1)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(model)
+    shutil.copy(tokens / CARRIED, model / "tokenizer.json")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    out = tmp_path / "scores"
+    refused(
+        *cli("score", tokens, "--scorer", "causal_loss", "--model", model, "--out", out),
+        str(model),
+        "damaged",
+    )
+    assert not out.exists()

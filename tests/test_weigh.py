@@ -20,6 +20,22 @@ def test_minmax_per_sequence_over_real_tokens_pads_zero():
     assert w.dtype == np.float32 and w.shape == VALUES.shape
 
 
+def test_minmax_weights_do_not_change_with_float_noise_in_the_values():
+    """Values agree to ~1e-5 relative across batch shapes: weights must not depend on that noise. A
+    row flat but for it weighs 1 everywhere (min-max stretched the noise to [0, 1]: the weights of a
+    repetitive text changed with --batch-tokens); any row moves by at most noise / its span."""
+    rng = np.random.default_rng(0)
+    flat = np.array([[17.22326, 17.22330, 17.22328, 17.22326], [1e-7, 2e-7, 0.0, 1e-6]])
+    for values in (flat, flat + rng.normal(0, 5e-5, flat.shape) * [[1], [1e-3]]):
+        assert np.all(weigh(values, np.zeros(2, int), WeighConfig()) == 1.0)
+    values = rng.uniform(0, 20, (200, 64))  # rows with a real spread: min-max as ever
+    noisy = values * (1 + rng.normal(0, 1e-5, values.shape))
+    w, w_noisy = (weigh(v, np.zeros(200, int), WeighConfig()) for v in (values, noisy))
+    assert np.abs(w - w_noisy).max() < 1e-3 and w.min() == 0.0 and w.max() == 1.0
+    spread = np.array([[1.0, 1.01, 1.02]])  # a spread of 1 % is a spread
+    np.testing.assert_allclose(weigh(spread, np.zeros(1, int), WeighConfig())[0], [1.0, 0.5, 0.0], atol=1e-6)
+
+
 def test_pad_values_never_move_the_range():
     bumped = VALUES.copy()
     bumped[0, :2] = [-100.0, 100.0]  # garbage under the pads

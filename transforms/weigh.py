@@ -9,7 +9,8 @@ scores whose unit is already a [0, 1]-ish distance, e.g. occlusion's cosine).
 whole dataset (x >= the (1 − keep) quantile of the reference quantiles), 0 on the rest.
 Then, in order: `clip` e to [lo, hi] and rescale, `invert` (w = e: Rho-1-style "keep the
 learnable" when the values are excess losses), `floor` (w >= floor on real tokens).
-A sequence whose values are all equal gets e = 0 (w = 1: unweighted).
+A sequence whose values are all equal gets e = 0 (w = 1: unweighted); so does one whose values
+span no more than float32 noise (`FLAT_RTOL`, `FLAT_ATOL`), which min-max would stretch to [0, 1].
 `shuffle` (a control): the row's weights, as above, permuted among its weighable positions (real and
 not excluded; pads and excluded positions keep weight 0 where they are), seeded by the shuffle seed and
 the row's `seq_id`: the same weights, with no information about which token gets which. The stored
@@ -45,6 +46,11 @@ class NonFiniteScores(ValueError):
 
 
 METHODS = ("minmax", "quantile", "raw", "topk")
+# `minmax`: a row whose values span no more than this is flat (weight 1 everywhere). Scores agree to
+# ~1e-5 relative across batch shapes (fp32; tests/test_token_budget.py): a row of a repetitive text,
+# its values equal but for that noise, was stretched to [0, 1] by it, and its weights changed with
+# --batch-tokens (values 17.2233 ± 5e-5 gave weights 1, 0, 0.5, 1 and then 0.67, 0, 1, 1)
+FLAT_RTOL, FLAT_ATOL = 1e-4, 1e-5
 # the methods on one scale for a whole dataset: they read reference quantiles of its values
 GLOBAL_SCALE = ("quantile", "topk")
 
@@ -184,7 +190,9 @@ def normalize(
         lo = np.where(mask, x, np.inf).min(axis=1, keepdims=True)
         hi = np.where(mask, x, -np.inf).max(axis=1, keepdims=True)
         span = hi - lo
-        ok = np.isfinite(span) & (span > 0)
+        ok = np.isfinite(span) & (
+            span > np.maximum(FLAT_RTOL * np.maximum(np.abs(lo), np.abs(hi)), FLAT_ATOL)
+        )
         e = np.where(ok, (x - np.where(ok, lo, 0)) / np.where(ok, span, 1), 0.0)
     else:
         q = np.asarray(cfg.quantiles, dtype=np.float64)
