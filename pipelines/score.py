@@ -182,7 +182,15 @@ class ScoreStage(Stage):
                 f"the {self.scorer.name} scorer reads the data's text and {self.data_dir} carries no tokenizer "
                 "(it was made before data carried one): pass --tokenizer (the tokenizer.json that tokenized it)"
             )
-        self.scorer.check_data_tokenizer(sha, self._tok)
+        try:
+            self.scorer.check_data_tokenizer(sha, self._tok)
+        except ScorerError:
+            if self._tok is not None or path is None:
+                raise
+            # the model's tokenizer is another file: compare the vocabularies with the tokenizer the
+            # data carries, as with --tokenizer (the refusal asked for --tokenizer the data had)
+            self._tok = load_tokenizer(path)
+            self.scorer.check_data_tokenizer(sha, self._tok)
         self._check_vocab()
         self._check_context()
         check_steps(self.steps, meta)

@@ -108,8 +108,9 @@ def test_loads_with_datasets_and_reruns_are_incremental(local_scored, small_data
 def test_refuses_data_of_another_tokenizer(tmp_path, small_data, llama3_tokenizer, tokenizer_dir):
     other = tiny_llama_dir(tmp_path / "llama3_tiny", llama3_tokenizer, vocab_size=128256)
     # refused as planning starts (a stage's constructor reads nothing), before anything is written
-    with pytest.raises(StageError, match="cross_tokenizer"):
-        stage(small_data, other, tokenizer=str(tokenizer_dir)).plan_inputs()
+    for given in (str(tokenizer_dir), None):  # --tokenizer, or the one the data carries: the same answer
+        with pytest.raises(StageError, match="differ: ids mean different text; use --scorer cross_tokenizer"):
+            stage(small_data, other, tokenizer=given).plan_inputs()
     with pytest.raises(StageError, match="is not the tokenizer"):
         stage(small_data, other, tokenizer=str(llama3_tokenizer)).plan_inputs()
     # data made before directories carried their tokenizer: the scorer that reads text asks for it
