@@ -42,21 +42,24 @@ def test_trains_logs_and_checkpoints(weighted_dir, tokenizer_dir, tmp_path):
     assert model.config.d_model == 64
 
 
-def test_resume_continues_to_the_same_result(weighted_dir, tmp_path):
+@pytest.mark.parametrize(
+    "stop", [6, 5]
+)  # at a log step, and between two (a row's loss sums both runs' steps)
+def test_resume_continues_to_the_same_result(weighted_dir, tmp_path, stop):
     full, part = tmp_path / "full", tmp_path / "part"
     train(cfg(weighted_dir, full, log_every=3, shuffle_buffer=100))
-    train(cfg(weighted_dir, part, log_every=3, shuffle_buffer=100, stop_at=6))
-    assert json.loads((part / "trainer_state.json").read_text())["step"] == 6
+    train(cfg(weighted_dir, part, log_every=3, shuffle_buffer=100, stop_at=stop))
+    assert json.loads((part / "trainer_state.json").read_text())["step"] == stop
     train(cfg(weighted_dir, part, log_every=3, shuffle_buffer=100, resume=True))
     a, b = load_file(str(full / "model.safetensors")), load_file(str(part / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     a, b = load_file(str(full / "optimizer.safetensors")), load_file(str(part / "optimizer.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
-    def losses(out):
-        return [(r["step"], r["loss"], r["lr"]) for r in metrics(out)]
+    def losses(out):  # the rows of the log steps (a run stopped between them logs a row where it stopped)
+        return [(r["step"], r["loss"], r["lr"]) for r in metrics(out) if r["step"] % 3 == 0]
 
-    assert losses(full) == losses(part)
+    assert losses(full) == losses(part) and len(losses(full)) == 4
 
 
 def test_refusals_say_what_to_do(weighted_dir, tokenized_dir, llama3_tokenizer, tmp_path):

@@ -540,6 +540,13 @@ def _train(
 
     def save():
         nonlocal saved
+        # each rank's loss summed since the last log step: a resumed run's next row averages the same
+        # steps as an uninterrupted run's
+        sums = [torch.zeros(1, device=device) for _ in range(world)]
+        if world > 1:
+            torch.distributed.all_gather(sums, loss_sum.reshape(1))
+        else:
+            sums = [loss_sum.reshape(1)]
         if rank == 0:
             st = {
                 "step": step,
@@ -547,6 +554,7 @@ def _train(
                 "world_size": world,
                 "tokens": tokens,
                 "seed": cfg.seed,
+                "log_window": {"loss_sums": [float(x) for x in sums], "micro_steps": n_micro},
             }
             with _failing(f"cannot save the checkpoint at step {step}", out, saved):
                 save_training_checkpoint(out, raw_model, cfg.model, optimizer, st, {**run.meta, "step": step})
@@ -559,8 +567,11 @@ def _train(
     mask_pads = bool(run.model_cfg.get("mask_pads"))  # a model that skips the left padding reads where it is
     last_stop = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
     t_run = t0 = time.perf_counter()
-    # summed on the device between log steps: the host reads them there (and once a step, below)
-    loss_sum, n_micro = torch.zeros((), device=device), 0
+    # summed on the device between log steps: the host reads them there (and once a step, below);
+    # a resumed run goes on with the sum its checkpoint saved (none before 2026-11-28: from 0)
+    window = (state or {}).get("log_window") or {"loss_sums": [0.0] * world, "micro_steps": 0}
+    loss_sum = torch.tensor(window["loss_sums"][rank], dtype=torch.float32, device=device)
+    n_micro = window["micro_steps"]
     real = torch.zeros((), dtype=torch.int64, device=device)
     real_total = 0  # real tokens of every rank, as the log rows sum them (the run's tokens/s)
     ce, last_loss = float("nan"), None
@@ -614,8 +625,11 @@ def _train(
                 f"step {step}/{cfg.steps} loss {_show(row['loss'])} ce {_show(row['ce'])} lr {lr:.2e} "
                 f"{row['tokens_per_s']:.0f} tok/s"
             )
-            t0, n_micro = time.perf_counter(), 0
-            loss_sum.zero_(), real.zero_()
+            t0 = time.perf_counter()
+            real.zero_()
+            if step % cfg.log_every == 0:  # a run stopped between log steps keeps its sum (save, above)
+                n_micro = 0
+                loss_sum.zero_()
         if (cfg.save_every and step % cfg.save_every == 0) or step == last_stop:
             save()
     seconds = time.perf_counter() - t_run
