@@ -375,3 +375,41 @@ def test_a_loss_parameter_of_another_loss_is_refused(weighted_dir, tmp_path):
     r = cli(*train_args(weighted_dir, tmp_path / "cli", "--loss", "ce", "--margin", "5"))
     assert r.exit_code == 2 and "margin (--margin) is hard_negative's" in r.output, r.output
     assert not (tmp_path / "cli").exists()
+
+
+def test_refusals_about_the_data_say_what_is_wrong_before_anything_is_written(
+    tmp_path, tokenizer_dir, llama3_tokenizer, tiny_ckpt, c4_path
+):
+    """Data of no rows (every document rejected): refused as such (it was refused with "use fewer"
+    ranks, after the run's tokenizer.json was written). Data of another tokenizer: the refusal names
+    what differs, the data or --tokenizer, and advises what fits the run (new or resumed)."""
+    import gzip
+    import shutil
+
+    from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_bpe
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n{"text": "   "}\n')
+    rows = tmp_path / "c4.jsonl"
+    with gzip.open(c4_path, "rt", encoding="utf-8") as f:
+        rows.write_text("".join(next(f) for _ in range(20)))
+    other = tmp_path / "tok300"  # another tokenizer (with a pad)
+    save_tokenizer(train_bpe(corpus_texts([str(c4_path)], max_docs=100), 300, llama3_tokenizer), other)
+    for src, tok, name in ((empty, tokenizer_dir, "none"), (rows, other, "other")):
+        r = cli("tokenize", src, "--tokenizer", tok, "--n-ctx", 64, "--out", tmp_path / name)
+        assert r.exit_code == 0, r.output
+    mc = tmp_path / "tiny.yaml"
+    mc.write_text("".join(f"{k}: {v}\n" for k, v in TINY.items()))
+    tiny = ("--model-config", mc, "--steps", 2, "--batch-size", 2, "--device", "cpu")
+    out = tmp_path / "run"
+    r = cli("train", tmp_path / "none", *tiny, "--out", out)
+    refused(r, "holds no rows", "every document was rejected")
+    assert not out.exists()
+    line = refused(cli("train", tmp_path / "other", *tiny, "--tokenizer", tokenizer_dir, "--out", out))
+    assert "drop --tokenizer" in line and "not --resume" not in line and not out.exists()
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tiny_ckpt, resumed)
+    line = refused(
+        cli("train", tmp_path / "other", *tiny, "--out", resumed, "--resume"), "the data's tokenizer"
+    )
+    assert "--tokenizer differs" not in line

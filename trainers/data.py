@@ -163,9 +163,15 @@ class DataInfo:
 
 
 def inspect_data(
-    paths, require=(), tokenizer_sha256: str | None = None, vocab_size: int | None = None
+    paths,
+    require=(),
+    tokenizer_sha256: str | None = None,
+    vocab_size: int | None = None,
+    tokenizer_advice: str = "give data of the model's tokenizer (re-tokenize it), or, to train on this "
+    "data, start a new run (not --resume)",
 ) -> DataInfo:
-    """Check every file's schema and provenance before any training; raise DataError saying what to do."""
+    """Check every file's schema and provenance before any training; raise DataError saying what to do
+    (`tokenizer_advice`: where the data's tokenizer is not `tokenizer_sha256`)."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
     parts: dict[str, Part] = {}
     given: dict[str, int] = {}
@@ -220,8 +226,7 @@ def inspect_data(
     if tokenizer_sha256 and sha and sha != tokenizer_sha256:
         raise DataError(
             f"the data was tokenized with tokenizer sha256 {sha[:12]}…, but the model/run uses "
-            f"{tokenizer_sha256[:12]}…; give data of the model's tokenizer (re-tokenize it), or, to train on "
-            "this data, start a new run (not --resume)"
+            f"{tokenizer_sha256[:12]}…; {tokenizer_advice}"
         )
     vocabs = {m.get("vocab_size") for m in metas}
     data_vocab = max((v for v in vocabs if v is not None), default=None)
@@ -232,6 +237,12 @@ def inspect_data(
         )
     # after what makes the inputs incompatible: the same documents in two inputs is refused either way
     _no_documents_twice(paths, given, parts)
+    if not any(n for g in groups for n in g):
+        shown = ", ".join(str(p) for p in paths)
+        raise DataError(
+            f"{shown} holds no rows (every document was rejected, or none was given: `entroweight inspect` "
+            "counts them): nothing to train on"
+        )
     n_ctxs = [m["n_ctx"] for m in metas if m.get("n_ctx")]
     pads = {m.get("pad_id") for m in metas}
     return DataInfo(
@@ -325,7 +336,10 @@ def make_units(files: list[Path], n_streams: int, row_groups: list | None = None
                 units.append(Unit(str(f), rg, 0, n))
     total = sum(u.rows for u in units)
     if total < n_streams:
-        raise DataError(f"{total} sequences cannot feed {n_streams} ranks × workers; use fewer, or more data")
+        raise DataError(
+            f"{total} sequences cannot feed {n_streams} ranks × data-loader workers; use fewer ranks or "
+            "workers, or more data"
+        )
     # fewer units than streams: split them so every rank/worker gets some
     while len(units) < n_streams:
         big = max(range(len(units)), key=lambda i: units[i].rows)

@@ -394,7 +394,15 @@ def _resolve(
             )
         base_model_cfg = prev["model"]
         if tok_sha and prev.get("tokenizer_sha256") and tok_sha != prev["tokenizer_sha256"]:
-            raise TrainError("--tokenizer differs from the one this checkpoint was trained with")
+            if cfg.tokenizer:
+                raise TrainError(
+                    "--tokenizer differs from the one this checkpoint was trained with; drop it (the "
+                    "checkpoint keeps its own)"
+                )
+            raise TrainError(
+                "the data's tokenizer (the copy it carries) differs from the one this checkpoint was trained "
+                "with; resume on the data it was trained on, or train this data in a new run (another --out)"
+            )
         tok_sha = tok_sha or prev.get("tokenizer_sha256")
         if tok_path is None and (out / TOKENIZER).is_file():
             tok_path = out / TOKENIZER
@@ -409,7 +417,13 @@ def _resolve(
         )
 
     try:
-        info = inspect_data(cfg.data, loss.columns, tok_sha)
+        if cfg.resume:
+            advice = "resume on data of the checkpoint's tokenizer, or train this data in a new run (another --out)"
+        elif cfg.tokenizer:
+            advice = "drop --tokenizer (the data carries the tokenizer that made it), or re-tokenize the data"
+        else:
+            advice = "give data of the model's tokenizer (re-tokenize it)"
+        info = inspect_data(cfg.data, loss.columns, tok_sha, tokenizer_advice=advice)
         _check_values(info.files, loss.columns, rank, world, device, info.parts)
     except DataError as e:
         raise TrainError(str(e)) from e
