@@ -396,7 +396,8 @@ def test_the_reference_is_placed_against_chance_with_its_interval():
 def test_an_out_of_a_users_files_is_refused_untouched(tiny_ckpt, c4_path, tmp_path, command):
     """export-hf and evaluate write files of fixed names (config.json, items.jsonl, ...) into --out: a
     directory of a user's files (no command's output) is refused, where a user's config.json was
-    replaced, exit 0. Their own output, and a stopped evaluate's items.jsonl, are still rewritten."""
+    replaced, exit 0. Their own output of the same checkpoint, and a stopped evaluate's items.jsonl,
+    are still rewritten; their output of another checkpoint only with --overwrite."""
     out = tmp_path / "mine"
     out.mkdir()
     (out / "config.json").write_text('{"mine": 1}')
@@ -412,3 +413,23 @@ def test_an_out_of_a_users_files_is_refused_untouched(tiny_ckpt, c4_path, tmp_pa
     for _ in range(2):  # a new directory, then the same again over its own output
         r = _cli(command, tiny_ckpt, *extra, "--out", fresh)
         assert r.exit_code == 0, r.output
+    # ... but an export or evaluation of another checkpoint is not replaced unasked (it was, exit 0)
+    if command == "export-hf":  # an export of other weights, from elsewhere
+        mark = fresh / "entroweight-export.json"
+        mark.write_text(
+            json.dumps({**json.loads(mark.read_text()), "weights_sha256": "0" * 64, "checkpoint": "/x/ck"})
+        )
+        other, named = tiny_ckpt, "/x/ck"
+    else:  # another checkpoint (a copy elsewhere)
+        import shutil
+
+        other, named = shutil.copytree(tiny_ckpt, tmp_path / "other"), str(tiny_ckpt)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in fresh.iterdir())
+    r = _cli(command, other, *extra, "--out", fresh)
+    assert (
+        r.exit_code == 2
+        and f"holds {'the export' if command == 'export-hf' else 'an evaluation'} of {named}" in r.output
+    )
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in fresh.iterdir()) == before
+    r = _cli(command, other, *extra, "--out", fresh, "--overwrite")
+    assert r.exit_code == 0, r.output

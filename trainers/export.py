@@ -12,7 +12,13 @@ from pathlib import Path
 import torch
 
 from entroweight import __version__, storage
-from entroweight.models.checkpoint import CheckpointError, a_model_of, load_checkpoint, plain_mode
+from entroweight.models.checkpoint import (
+    CheckpointError,
+    a_model_of,
+    load_checkpoint,
+    plain_mode,
+    read_checkpoint_config,
+)
 from entroweight.schemas.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES, PAD_CANDIDATES
 
 from .bpb import checkpoint_tokenizer
@@ -51,6 +57,24 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     for k, v in model.state_dict().items():
         out[k if k.startswith("lm_head.") else f"model.{k}"] = v
     return out
+
+
+def exported_from(out_dir, ckpt_dir) -> str | None:
+    """The checkpoint `out_dir` holds an export of, where that is another than `ckpt_dir` (other
+    weights, or another place where either records none); None when it holds no export, or one of
+    `ckpt_dir`'s (exporting it again writes the same files)."""
+    mark = storage.path(out_dir) / storage.EXPORT_HF_MARK
+    if not mark.exists():
+        return None
+    try:
+        made = json.loads(mark.read_text())
+    except ValueError:
+        return "an unknown checkpoint"
+    weights = read_checkpoint_config(ckpt_dir).get("weights_sha256")
+    same = weights == made.get("weights_sha256") if weights and made.get("weights_sha256") else None
+    if same is None:
+        same = made.get("checkpoint") == storage.key(ckpt_dir)
+    return None if same else str(made.get("checkpoint", "an unknown checkpoint"))
 
 
 def export_hf(ckpt_dir, out_dir, tokenizer=None, allow_pickle: bool = False) -> Path:

@@ -66,6 +66,12 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
 
     reads = [("CKPT_DIR", ckpt_dir)] + [("--documents", d) for d in documents]
     foreign = check_output(out, reads, "evaluate", overwrite=overwrite)
+    other = _evaluated(out, ckpt_dir)  # an evaluation of another checkpoint: replaced when asked
+    if other and not overwrite:
+        _fail(
+            f"--out {out} holds an evaluation of {other}; write elsewhere, or pass --overwrite to replace it"
+        )
+    foreign = foreign or ("evaluate" if other else None)
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         _fail("--tasks names no task")
@@ -76,6 +82,23 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
         _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
     with holding_out(out, wait):  # for the whole evaluation: another run's is refused (exit 3)
         _evaluate_held(ckpt_dir, names, documents, out, foreign, kw)
+
+
+def _evaluated(out, ckpt_dir) -> str | None:
+    """The checkpoint of the evaluation `out` holds, where that is another than `ckpt_dir`; None when
+    it holds none, or one of `ckpt_dir` (evaluated again, its results are rewritten)."""
+    from entroweight import storage
+
+    results = storage.path(out) / RESULTS
+    if not results.exists():
+        return None
+    try:
+        made = json.loads(results.read_text()).get("checkpoint")
+    except ValueError:
+        return "an unknown checkpoint"
+    return (
+        None if made and storage.key(made) == storage.key(ckpt_dir) else str(made or "an unknown checkpoint")
+    )
 
 
 def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
@@ -134,6 +157,7 @@ def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
 
 def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
     """The evaluation written into the local directory `dest`: the items, lm-eval's scratch, the results."""
+    from entroweight import storage
     from entroweight.models.checkpoint import CheckpointError
     from entroweight.trainers.accuracy import AccuracyError, evaluate_checkpoint, write_items
 
@@ -152,7 +176,7 @@ def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
         )
     except (AccuracyError, CheckpointError) as e:
         _fail(str(e))
-    res["checkpoint"] = str(ckpt_dir)
+    res["checkpoint"] = storage.key(ckpt_dir)  # where it lies, not as the shell named it
     tmp = dest / (RESULTS + ".tmp")
     tmp.write_text(json.dumps(res, indent=1))
     tmp.replace(dest / RESULTS)

@@ -196,14 +196,25 @@ def eval_bpb_cmd(ckpt_dir, unigram_data, as_json, **kw):
 @click.option("--out", required=True, type=Location(file_okay=False))
 @click.option("--tokenizer", default=None, help="Default: the tokenizer.json the checkpoint stores.")
 @click.option("--allow-pickle", is_flag=True, help=ALLOW_PICKLE_HELP)
-def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle):
+@click.option(
+    "--overwrite", is_flag=True, help="Replace a --out that holds another export or command's output."
+)
+def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle, overwrite):
     """Write CKPT_DIR as a Hugging Face LlamaForCausalLM directory (config, safetensors, tokenizer)."""
     from entroweight import storage
     from entroweight.models.checkpoint import CheckpointError
-    from entroweight.trainers.export import export_hf
+    from entroweight.trainers.export import export_hf, exported_from
 
-    check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf")
+    foreign = check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf", overwrite)
+    try:  # an export of another checkpoint: replaced when asked
+        other = exported_from(out, ckpt_dir)
+    except (CheckpointError, ValueError) as e:
+        _fail(str(e))
+    if other and not overwrite:
+        _fail(f"--out {out} holds the export of {other}; write elsewhere, or pass --overwrite to replace it")
     with holding_out(out):  # two exports into one --out would mix their files
+        if foreign or other:  # replaced whole (the lock stays)
+            storage.clear_output(out)
         try:
             with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
                 export_hf(ckpt_dir, local, tokenizer, allow_pickle=allow_pickle)
