@@ -746,7 +746,9 @@ def _check_values(files: list, columns, rank: int, world: int, device, parts=Non
         raise DataError(problems[0][1] + more)
     if "weight" in columns and positive == 0:
         dirs = {str(f).rsplit("/", 1)[0] for f in files}  # local paths or URLs, as strings
-        where = dirs.pop() if len(dirs) == 1 else f"the {len(files)} files"
+        where = (
+            str(files[0]) if len(files) == 1 else dirs.pop() if len(dirs) == 1 else f"the {len(files)} files"
+        )
         raise DataError(
             f"every weight in {where} is 0: a weighted loss would be 0 at every step and train nothing; "
             "weigh the data again (another --weighting), or train with --loss ce"
