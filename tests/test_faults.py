@@ -173,7 +173,9 @@ def test_a_stop_mid_run_exits_128_plus_the_signal_and_the_rerun_goes_on(
     and turned into a failed pipeline: exit 1, "3 shard(s) failed"."""
     out = tmp_path / "out"
     args = tokenize_args(inputs, tokenizer_dir, out, "--engine", engine)
-    proc = cli(args, env={"ENTROWEIGHT_TEST_SHARD_DELAY": "0.5"})
+    # each shard's manifest 1.5 s after its parquet: the stop lands with two shards to go, also on a
+    # loaded machine (at 0.5 s a CI run finished all three before its stop arrived)
+    proc = cli(args, env={"ENTROWEIGHT_TEST_SHARD_DELAY": "1.5"})
     wait_for(lambda: out.exists() and read_manifests(out), timeout=120)
     os.killpg(proc.pid, sig)
     _, stderr = proc.communicate(timeout=60)
