@@ -556,11 +556,10 @@ def _train(
         nonlocal saved
         # each rank's loss summed since the last log step: a resumed run's next row averages the same
         # steps as an uninterrupted run's
-        sums = [torch.zeros(1, device=device) for _ in range(world)]
+        sums = [loss_sum.reshape(1)]
         if world > 1:
+            sums = [torch.zeros(1, device=device) for _ in range(world)]
             torch.distributed.all_gather(sums, loss_sum.reshape(1))
-        else:
-            sums = [loss_sum.reshape(1)]
         if rank == 0:
             st = {
                 "step": step,
