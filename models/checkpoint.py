@@ -112,6 +112,38 @@ def read_checkpoint_config(ckpt_dir: str | Path) -> dict:
     return config
 
 
+def made_from(ckpt_dir: str | Path) -> dict:
+    """What an output made from the checkpoint records of it (an export's mark, an evaluation's
+    results): where it lies and its weights' sha256, which `another_checkpoint` compares."""
+    try:
+        weights = read_checkpoint_config(ckpt_dir).get("weights_sha256")
+    except CheckpointError:  # refused by the command that reads it; here only a record is wanted
+        weights = None
+    return {"checkpoint": storage.key(ckpt_dir), "weights_sha256": weights}
+
+
+def another_checkpoint(record: str | Path, ckpt_dir: str | Path) -> str | None:
+    """The checkpoint the JSON file `record` (an output's `made_from`) names, where it is another than
+    `ckpt_dir`: other weights, or, where either records no weights, another place. None where there is
+    no record, or it is `ckpt_dir`'s (made again, the output is rewritten). A record that does not
+    parse names 'an unknown checkpoint'."""
+    path = storage.path(record)
+    if not path.exists():
+        return None
+    try:
+        made = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        made = None
+    if not isinstance(made, dict) or not made.get("checkpoint"):
+        return "an unknown checkpoint"
+    ours = made_from(ckpt_dir)
+    if made.get("weights_sha256") and ours["weights_sha256"]:
+        same = made["weights_sha256"] == ours["weights_sha256"]
+    else:  # an evaluation of an earlier version recorded the path as it was typed: resolved here
+        same = storage.key(made["checkpoint"]) == ours["checkpoint"]
+    return None if same else str(made["checkpoint"])
+
+
 def load_checkpoint(
     ckpt_dir: str | Path, map_location: str = "cpu", verify: bool = True, allow_pickle: bool = False
 ):

@@ -413,24 +413,34 @@ def test_an_out_of_a_users_files_is_refused_untouched(tiny_ckpt, c4_path, tmp_pa
     for _ in range(2):  # a new directory, then the same again over its own output
         r = _cli(command, tiny_ckpt, *extra, "--out", fresh)
         assert r.exit_code == 0, r.output
-    # ... but an export or evaluation of another checkpoint is not replaced unasked (it was, exit 0)
-    if command == "export-hf":  # an export of other weights, from elsewhere
-        mark = fresh / "entroweight-export.json"
-        mark.write_text(
-            json.dumps({**json.loads(mark.read_text()), "weights_sha256": "0" * 64, "checkpoint": "/x/ck"})
-        )
-        other, named = tiny_ckpt, "/x/ck"
-    else:  # another checkpoint (a copy elsewhere)
-        import shutil
+    # ... but an export or evaluation of another checkpoint is not replaced unasked (it was, exit 0).
+    # One rule for both (`another_checkpoint`): other weights are another checkpoint; where the record
+    # names no weights (an evaluation of an earlier version), another place is
+    import shutil
 
-        other, named = shutil.copytree(tiny_ckpt, tmp_path / "other"), str(tiny_ckpt)
-    before = sorted((p.name, p.stat().st_mtime_ns) for p in fresh.iterdir())
-    r = _cli(command, other, *extra, "--out", fresh)
-    assert (
-        r.exit_code == 2
-        and f"holds {'the export' if command == 'export-hf' else 'an evaluation'} of {named}" in r.output
+    record = fresh / ("entroweight-export.json" if command == "export-hf" else "accuracy.json")
+    made = json.loads(record.read_text())
+    assert made["weights_sha256"] and made["checkpoint"] == str(tiny_ckpt.resolve())
+    copy = shutil.copytree(tiny_ckpt, tmp_path / "copy")  # the same weights elsewhere: the same checkpoint
+    r = _cli(command, copy, *extra, "--out", fresh)
+    assert r.exit_code == 0, r.output
+    for other in (
+        {"weights_sha256": "0" * 64, "checkpoint": "/x/ck"},
+        {"weights_sha256": None, "checkpoint": "/x/ck"},
+    ):
+        record.write_text(json.dumps({**made, **other}))
+        before = sorted((p.name, p.stat().st_mtime_ns) for p in fresh.iterdir())
+        r = _cli(command, tiny_ckpt, *extra, "--out", fresh)
+        assert (
+            r.exit_code == 2
+            and f"holds {'the export' if command == 'export-hf' else 'an evaluation'} of /x/ck" in r.output
+        ), r.output
+        assert sorted((p.name, p.stat().st_mtime_ns) for p in fresh.iterdir()) == before
+    record.write_text(json.dumps({**made, "weights_sha256": None, "checkpoint": str(tiny_ckpt)}))
+    r = _cli(command, tiny_ckpt, *extra, "--out", fresh)  # no weights recorded, the same place: its own
+    assert r.exit_code == 0, r.output
+    record.write_text(json.dumps({**made, "weights_sha256": "0" * 64}))
+    r = _cli(command, tiny_ckpt, *extra, "--out", fresh, "--overwrite")  # replaced when asked
+    assert r.exit_code == 0 and json.loads(record.read_text())["weights_sha256"] == made["weights_sha256"], (
+        r.output
     )
-    assert sorted((p.name, p.stat().st_mtime_ns) for p in fresh.iterdir()) == before
-    if command == "export-hf":  # (evaluate's --overwrite replaces another command's output the same way)
-        r = _cli(command, other, *extra, "--out", fresh, "--overwrite")
-        assert r.exit_code == 0 and json.loads(mark.read_text())["weights_sha256"] != "0" * 64, r.output

@@ -16,8 +16,8 @@ from entroweight.models.checkpoint import (
     CheckpointError,
     a_model_of,
     load_checkpoint,
+    made_from,
     plain_mode,
-    read_checkpoint_config,
 )
 from entroweight.schemas.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES, PAD_CANDIDATES
 
@@ -59,24 +59,6 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def exported_from(out_dir, ckpt_dir) -> str | None:
-    """The checkpoint `out_dir` holds an export of, where that is another than `ckpt_dir` (other
-    weights, or another place where either records none); None when it holds no export, or one of
-    `ckpt_dir`'s (exporting it again writes the same files)."""
-    mark = storage.path(out_dir) / storage.EXPORT_HF_MARK
-    if not mark.exists():
-        return None
-    try:
-        made = json.loads(mark.read_text())
-    except ValueError:
-        return "an unknown checkpoint"
-    weights = read_checkpoint_config(ckpt_dir).get("weights_sha256")
-    same = weights == made.get("weights_sha256") if weights and made.get("weights_sha256") else None
-    if same is None:
-        same = made.get("checkpoint") == storage.key(ckpt_dir)
-    return None if same else str(made.get("checkpoint", "an unknown checkpoint"))
-
-
 def export_hf(ckpt_dir, out_dir, tokenizer=None, allow_pickle: bool = False) -> Path:
     """Write config.json, model.safetensors and tokenizer files of a LlamaForCausalLM to `out_dir`."""
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
@@ -102,11 +84,7 @@ def export_hf(ckpt_dir, out_dir, tokenizer=None, allow_pickle: bool = False) -> 
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mark = {
-        "checkpoint": storage.key(ckpt_dir),
-        "weights_sha256": config.get("weights_sha256"),
-        "code_version": __version__,
-    }
+    mark = {**made_from(ckpt_dir), "code_version": __version__}
     (out / storage.EXPORT_HF_MARK).write_text(
         json.dumps(mark, indent=2) + "\n"
     )  # first: a stopped export is ours

@@ -62,11 +62,13 @@ ITEMS = "items.jsonl"
 @wait_option
 def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
     """Accuracy of CKPT_DIR (a llama checkpoint) on lm-eval tasks, per item and in all."""
+    from entroweight import storage
+    from entroweight.models.checkpoint import another_checkpoint
     from entroweight.trainers.accuracy import OFFLINE_TASK
 
     reads = [("CKPT_DIR", ckpt_dir)] + [("--documents", d) for d in documents]
     foreign = check_output(out, reads, "evaluate", overwrite=overwrite)
-    other = _evaluated(out, ckpt_dir)  # an evaluation of another checkpoint: replaced when asked
+    other = another_checkpoint(storage.path(out) / RESULTS, ckpt_dir)  # replaced when asked
     if other and not overwrite:
         _fail(
             f"--out {out} holds an evaluation of {other}; write elsewhere, or pass --overwrite to replace it"
@@ -82,23 +84,6 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
         _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
     with holding_out(out, wait):  # for the whole evaluation: another run's is refused (exit 3)
         _evaluate_held(ckpt_dir, names, documents, out, foreign, kw)
-
-
-def _evaluated(out, ckpt_dir) -> str | None:
-    """The checkpoint of the evaluation `out` holds, where that is another than `ckpt_dir`; None when
-    it holds none, or one of `ckpt_dir` (evaluated again, its results are rewritten)."""
-    from entroweight import storage
-
-    results = storage.path(out) / RESULTS
-    if not results.exists():
-        return None
-    try:
-        made = json.loads(results.read_text()).get("checkpoint")
-    except ValueError:
-        return "an unknown checkpoint"
-    return (
-        None if made and storage.key(made) == storage.key(ckpt_dir) else str(made or "an unknown checkpoint")
-    )
 
 
 def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
@@ -157,8 +142,7 @@ def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
 
 def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
     """The evaluation written into the local directory `dest`: the items, lm-eval's scratch, the results."""
-    from entroweight import storage
-    from entroweight.models.checkpoint import CheckpointError
+    from entroweight.models.checkpoint import CheckpointError, made_from
     from entroweight.trainers.accuracy import AccuracyError, evaluate_checkpoint, write_items
 
     dest.mkdir(parents=True, exist_ok=True)
@@ -176,7 +160,7 @@ def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
         )
     except (AccuracyError, CheckpointError) as e:
         _fail(str(e))
-    res["checkpoint"] = storage.key(ckpt_dir)  # where it lies, not as the shell named it
+    res.update(made_from(ckpt_dir))  # where it lies (not as the shell named it), and its weights
     tmp = dest / (RESULTS + ".tmp")
     tmp.write_text(json.dumps(res, indent=1))
     tmp.replace(dest / RESULTS)

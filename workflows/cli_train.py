@@ -202,14 +202,12 @@ def eval_bpb_cmd(ckpt_dir, unigram_data, as_json, **kw):
 def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle, overwrite):
     """Write CKPT_DIR as a Hugging Face LlamaForCausalLM directory (config, safetensors, tokenizer)."""
     from entroweight import storage
-    from entroweight.models.checkpoint import CheckpointError
-    from entroweight.trainers.export import export_hf, exported_from
+    from entroweight.models.checkpoint import CheckpointError, another_checkpoint
+    from entroweight.trainers.export import export_hf
 
     foreign = check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf", overwrite)
-    try:  # an export of another checkpoint: replaced when asked
-        other = exported_from(out, ckpt_dir)
-    except (CheckpointError, ValueError) as e:
-        _fail(str(e))
+    # an export of another checkpoint: replaced when asked
+    other = another_checkpoint(storage.path(out) / storage.EXPORT_HF_MARK, ckpt_dir)
     if other and not overwrite:
         _fail(f"--out {out} holds the export of {other}; write elsewhere, or pass --overwrite to replace it")
     with holding_out(out):  # two exports into one --out would mix their files
