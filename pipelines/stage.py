@@ -238,6 +238,14 @@ class RunPlan:
     done: list[ShardManifest]
     stale: list[str] = field(default_factory=list)  # shards whose input changed: recomputed
     registry: dict[str, str] = field(default_factory=dict)  # .shards.json as planned
+    #: (previews) shards of `todo` whose output went missing while their manifest, of this config and
+    #: these inputs, stayed: a stage's output is a function of both, so their run writes what it records
+    lost: list[str] = field(default_factory=list)
+
+    def remakes_as_recorded(self) -> bool:
+        """Whether all this run writes is shards its manifests already record (`lost`): what reads
+        the output (a model's data fingerprint, `workflows.steps`) finds it as it was."""
+        return {t.shard for t in self.todo} <= set(self.lost)
 
 
 def plan_run(
@@ -502,6 +510,29 @@ class _Streamed:
         return task, chain, changed, dead
 
 
+def _as_recorded(task: ShardTask, recorded: dict[str, ShardManifest], config_hash: str) -> bool:
+    """Whether every shard `task` writes has a manifest of this config and of the input rows it would
+    read: its output went missing, and the run writes it again as the manifest records it. A streamed
+    task writes its shards in a chain from its start row to the input's end."""
+    (rest,) = task.inputs if len(task.inputs) == 1 else (None,)
+    if rest is None:
+        return False
+    whole = rest.model_copy(update={"start": 0, "stop": None})
+    shard, pos = task.shard, rest.start
+    while True:
+        m = recorded.get(shard)
+        if m is None or m.config_hash != config_hash or len(m.inputs) != 1:
+            return False
+        (mi,) = m.inputs
+        if task.every is None:  # one shard: the input as it is now
+            return mi == rest
+        if mi.start != pos or mi.model_copy(update={"start": 0, "stop": None}) != whole:
+            return False
+        if mi.stop is None:
+            return True
+        shard, pos = next_shard(shard), mi.stop
+
+
 def preview_run(stage: Stage, out_dir: AnyPath, overwrite: bool = False) -> tuple[RunPlan, str]:
     """What `plan_run` would plan, writing nothing (a dry run), and a note. Without `overwrite` it
     refuses what `plan_run` refuses, in the same words (`_refuse_unless_overwrite`); with it, the
@@ -526,6 +557,8 @@ def preview_run(stage: Stage, out_dir: AnyPath, overwrite: bool = False) -> tupl
     else:
         manifests = _intact(out, manifests, stage.config_hash)
     todo, done, stale, _ = _sort_shards(stage, inputs, registry, manifests, names, stage.config_hash, out)
+    recorded = {m.shard: m for m in manifests}
+    lost = [t.shard for t in todo if _as_recorded(t, recorded, stage.config_hash)]
     note = (
         f" ({len(orphans)} shard(s) of inputs no longer read: --overwrite removes them)"
         if orphans
@@ -533,7 +566,7 @@ def preview_run(stage: Stage, out_dir: AnyPath, overwrite: bool = False) -> tupl
         if recut
         else ""
     )
-    return RunPlan(stage, out, todo, done, stale, registry), note
+    return RunPlan(stage, out, todo, done, stale, registry, lost), note
 
 
 def _record_of(stage: Stage) -> StageRecord:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -1036,3 +1037,32 @@ def test_sources_beside_the_run_dir_are_accepted(tmp_path, tokenizer_dir):
     spec = {"run_dir": str(tmp_path / "run"), "sources": sources, "tokenizer": {"path": str(tokenizer_dir)}}
     code, out = run_cli("run", write_yaml(tmp_path / "wf.yaml", spec | {"report": None}), "--dry-run")
     assert code == 0 and "would run" in out, out
+
+
+@pytest.mark.parametrize("lost", ["tokens", "scores/causal_loss"])
+def test_a_shard_gone_missing_is_remade_and_nothing_after_it_runs_again(small_run, lost):
+    """Rule: the plan says what the run does. A data step's shard whose parquet went missing (its
+    manifest kept) is remade as its manifest records it, so what reads that step is up to date: the
+    dry run said the model would train again and refused the scores, and so did the run (it plans
+    first), where the remade shard is byte-identical and nothing needs training."""
+    root = small_run["root"]  # (a copy elsewhere is a moved run directory, refused) left as it was
+    wf = root.parent / "wf.yaml"
+    weights = root / "models" / "causal" / "model.safetensors"
+    trained = weights.stat().st_mtime_ns
+    shard = sorted((root / lost).glob("part-*.parquet"))[0]
+    digest = hashlib.sha256(shard.read_bytes()).hexdigest()
+    shard.unlink()
+    kind = "tokenize tokens" if lost == "tokens" else "score causal_loss"
+    for dry in (["--dry-run"], []):
+        code, out = run_cli("run", wf, *dry)
+        assert code == 0, out
+        steps = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+        want = "would run" if dry else "ran"
+        assert steps[kind].startswith(want), out
+        # no model trains again; a data step that reads it may run (its inputs' files are new), and
+        # its dry run says it waits for it
+        after = [k for k, v in steps.items() if v.startswith(want) and k != kind]
+        assert all(k.startswith(("tokenize", "score")) for k in after), out
+        assert not dry or all(steps[k] == f"would run - after {kind.split()[1]}" for k in after), out
+    assert hashlib.sha256(shard.read_bytes()).hexdigest() == digest
+    assert weights.stat().st_mtime_ns == trained

@@ -104,6 +104,8 @@ class Runner:
         self.steps: list[Step] = self.ctx.steps
         self.outputs: list[str] = []  # the names the steps write directly in run_dir (run.json's)
         self.stale: set[str] = set()  # steps that would run (dry run: what reads them must wait)
+        # ... and those that would run only to remake what their records hold (`Step.output_as_recorded`)
+        self.remade: set[str] = set()
 
     # -- the whole run
     def run(self) -> list[Step]:
@@ -242,7 +244,9 @@ class Runner:
         step.prepare()
         self._refuse_users_files(step)
         self._refuse_retraining(step)
-        waiting = [u for u in step.upstream if u in self.stale]
+        waiting = [
+            u for u in step.upstream if u in self.stale or (u in self.remade and not step.plans_from_records)
+        ]
         if self.dry_run and waiting:
             self._refuse_redoing(step, waiting)
             self.stale.add(step.name)
@@ -251,7 +255,7 @@ class Runner:
         if detail is not None:
             return self._say(step, "up to date", detail)
         if self.dry_run:
-            self.stale.add(step.name)
+            (self.remade if step.output_as_recorded else self.stale).add(step.name)
             return self._say(step, "would run", step.plan())
         t0 = time.perf_counter()
         status, detail = step.run()

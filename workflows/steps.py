@@ -107,6 +107,12 @@ class Step:
     run_ctx: RunContext = field(repr=False)
     upstream: list[str] = field(default_factory=list)
     status: str = "pending"  # up to date | ran | would run | failed
+    #: (dry run) the step would run, but only to write what its records already say it holds (a data
+    #: step's shards that went missing): a step that plans from those records alone plans as if it
+    #: were up to date
+    output_as_recorded = False
+    #: whether `done` reads of its upstream's output the records alone (manifests), not its files
+    plans_from_records: ClassVar[bool] = False
     timed = True  # "ran" is said with the seconds it took
     # the command whose output `out` is, as storage.OUTPUT_FILES knows its files (None: not checked)
     command: ClassVar[str | None] = None
@@ -256,10 +262,13 @@ class DataStep(Step):
             self._plan, note = preview_run(self.stage(), self.out, self.run_ctx.overwrite)
         except StageError as e:
             raise WorkflowError(f"{self.kind} {self.name}: {e}") from None
+        todo, done = len(self._plan.todo), len(self._plan.done)
+        self.output_as_recorded = bool(todo) and self._plan.remakes_as_recorded()
+        again = " (their output went missing: remade as their manifests record it)"
         self._plan_detail = (
-            f"{len(self._plan.todo)} part(s) of the input to run, {len(self._plan.done)} done{note}"
+            f"{todo} part(s) of the input to run{again if self.output_as_recorded else ''}, {done} done{note}"
         )
-        return None if self._plan.todo else f"all {len(self._plan.done)} part(s) of the input done"
+        return None if todo else f"all {done} part(s) of the input done"
 
     def plan(self):
         return self._plan_detail
@@ -285,6 +294,7 @@ class TrainStep(Step):
     are the file it wrote (`damage`)."""
 
     command = "train"
+    plans_from_records = True  # the data's fingerprint is its manifests' (`data_fingerprint`)
 
     def __init__(self, *args, make_config, nproc: int, **kw):
         super().__init__(*args, **kw)
