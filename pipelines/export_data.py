@@ -31,7 +31,7 @@ import yaml
 from entroweight import __version__, storage
 from entroweight.schemas import ROW_IN_DOC, document_starts
 from entroweight.schemas.arrow import documents_starting
-from entroweight.schemas.datadir import DataDir, DataDirError, Part
+from entroweight.schemas.datadir import DataDir, DataDirError, Part, no_rows
 from entroweight.schemas.exports import EXPORT_RECORD, MEGATRON_PREFIX, megatron_weight_prefix
 from entroweight.schemas.weighted import WEIGHT, describe_encoding, matrix, real_mask, row_lengths
 from entroweight.transforms.writer import write_json_atomic
@@ -182,10 +182,10 @@ def _megatron(source: Source, out: Path, record: dict) -> None:
 
 # LitData has no empty dataset: its writer writes no index for no item, its reader refuses an index
 # without chunks ("No chunks found")
+# LitData's StreamingDataset refuses an index without chunks
 _NO_LITDATA_ROWS = (
-    "{src} holds no rows (every document was rejected or dropped: see `entroweight inspect {src}`), and "
-    "LitData cannot hold an empty dataset (its StreamingDataset refuses an index without chunks): "
-    "nothing to export; --format hf and megatron write an empty dataset"
+    ", and LitData cannot hold an empty dataset: nothing to export; --format hf and megatron write an "
+    "empty dataset"
 )
 
 
@@ -205,7 +205,7 @@ def _litdata(source: Source, out: Path, record: dict) -> None:
             writer.add_item(index, sample)
             index += 1
     if index == 0:  # merge() would wait forever for the index a writer of no item never writes
-        raise ExportError(_NO_LITDATA_ROWS.format(src=source.path))
+        raise ExportError(no_rows(source.path) + _NO_LITDATA_ROWS)
     writer.done()
     writer.merge()
 
@@ -345,7 +345,7 @@ def export_data(
     check_request(src, out, fmt, overwrite)
     source = open_scored(src)
     if fmt == "litdata" and not any(p.manifest.rows_out for p in source.parts):  # before any writing
-        raise ExportError(_NO_LITDATA_ROWS.format(src=src))
+        raise ExportError(no_rows(src) + _NO_LITDATA_ROWS)
     if storage.is_url(out):
         with tempfile.TemporaryDirectory(prefix="entroweight-export-") as local:
             record = export_data(src, Path(local) / "export", fmt, overwrite, bpb)

@@ -422,6 +422,15 @@ class DataDir:
         return self
 
 
+def no_rows(location) -> str:
+    """How every reader says that `location` holds no rows to read (each reader adds what it cannot
+    do without them): its documents were all rejected or dropped, which the manifests count."""
+    return (
+        f"{location} holds no rows (every document was rejected or dropped, or none was given: "
+        f"`entroweight inspect {location}` counts them)"
+    )
+
+
 def data_dir(location) -> DataDir:
     return location if isinstance(location, DataDir) else DataDir(location)
 

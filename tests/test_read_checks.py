@@ -354,6 +354,27 @@ def with_no_rows(tmp_path_factory, with_an_empty_shard):
     return out
 
 
+@pytest.mark.parametrize("command", ["weigh --weighting quantile", "score --weighting quantile", "train"])
+def test_a_reader_that_needs_rows_says_the_data_holds_none(with_no_rows, tmp_path, tiny_llama, command):
+    """Rule: a reader that cannot work on data of no rows (every document rejected or dropped) says
+    so, in one wording (`schemas.datadir.no_rows`), exit 2, nothing written; `weigh --weighting
+    quantile` said "holds no `entropy` column: score it without --drop-entropy first", where the
+    column was there (a refusal whose advice re-scores for nothing). export-data's litdata case is
+    the test below."""
+    name, *flags = command.split()
+    out = tmp_path / "out"
+    args = {
+        "weigh": ("weigh", with_no_rows, *flags, "--out", out),
+        # the quantiles of another scored directory, read before the data is scored
+        "score": ("score", with_no_rows, "--scorer", "causal_loss", "--checkpoint", tiny_llama,
+                  *flags, "--quantiles-from", with_no_rows, "--out", out),
+        "train": ("train", with_no_rows, "--model-config", tiny_yaml(tmp_path), "--steps", 1, "--out", out),
+    }[name]  # fmt: skip
+    r = cli(*args)
+    assert r.exit_code == 2 and "holds no rows (every document was rejected or dropped" in r.output, r.output
+    assert "--drop-entropy" not in r.output and not out.exists()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_data_of_no_rows_exports_or_is_refused_never_hangs(with_no_rows, tmp_path, fmt):
     """Every format on data whose shards all hold 0 rows: megatron and hf write an empty dataset;

@@ -33,7 +33,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from entroweight import storage
 from entroweight.schemas.compat import Incompatible, check_compatible, check_part_config, facts
-from entroweight.schemas.datadir import DataDirError, Part, data_files, open_data_file
+from entroweight.schemas.datadir import DataDirError, Part, data_files, no_rows, open_data_file
 from entroweight.schemas.weighted import WEIGHT, matrix, real_mask, weight_dtype, weights_matrix
 
 
@@ -239,10 +239,7 @@ def inspect_data(
     _no_documents_twice(paths, given, parts)
     if not any(n for g in groups for n in g):
         shown = ", ".join(str(p) for p in paths)
-        raise DataError(
-            f"{shown} holds no rows (every document was rejected, or none was given: `entroweight inspect` "
-            "counts them): nothing to train on"
-        )
+        raise DataError(f"{no_rows(shown)}: nothing to train on")
     n_ctxs = [m["n_ctx"] for m in metas if m.get("n_ctx")]
     pads = {m.get("pad_id") for m in metas}
     return DataInfo(

@@ -272,14 +272,15 @@ def entropy_quantiles(scored: str | Path, n: int = 101, max_tokens: int = 5_000_
     output, local or a URL) or one file's real tokens, the positions its scorer excluded left out (the
     reference for `quantile` weighting; read from the first `max_tokens` such tokens)."""
 
-    from entroweight.schemas.datadir import data_files
+    from entroweight.schemas.datadir import data_files, no_rows
     from entroweight.schemas.weighted import ENTROPY, EXCLUDED, excluded_mask, matrix
 
     hint = "quantiles are read from the entropies of a scored directory"
     d, files = data_files(scored, kind="weighted", complete=False, hint=hint)
-    chunks, total = [], 0
+    chunks, total, entropies = [], 0, False
     for f in files:
         table = d.read_table(f, (ENTROPY, "n_pad", EXCLUDED))  # each shard checked (DataDirError)
+        entropies |= ENTROPY in table.column_names
         if ENTROPY not in table.column_names or table.num_rows == 0:
             continue
         e = matrix(table.column(ENTROPY), np.float32)
@@ -290,7 +291,9 @@ def entropy_quantiles(scored: str | Path, n: int = 101, max_tokens: int = 5_000_
         total += vals.size
         if total >= max_tokens:
             break
-    if not chunks:
+    if not total:  # no column, or a column of no real tokens: each says what to do about it
+        if entropies:
+            raise ValueError(f"{no_rows(scored)}: no entropies to take quantiles from")
         raise ValueError(
             f"{scored} holds no `entropy` column: score it without --drop-entropy first (in a workflow, "
             "with_entropy: true)"
