@@ -758,6 +758,33 @@ def lock_location(out, beside: bool = False) -> AnyPath:
     return root.parent / f".{root.name}.lock" if beside else root / LOCK_FILE
 
 
+def take_output(out, wait: float = 0, beside: bool = False):
+    """The lock a run holds on the output `out` it writes, at `lock_location(out, beside)`, taken once
+    no run holds `out` at the other place either: a command that replaces `out` whole (export-data)
+    locks beside it, every other writer in it, and one run per output holds across both. Each run
+    takes its own place, then asks after the other: of two runs starting at once, one or both are
+    refused (LockBusy), never neither. (Asking after in-place locks alone, an export renamed itself
+    over a training run that had started in the meantime, both exit 0.)"""
+    held = lock(lock_location(out, beside), wait)
+    try:
+        _wait_free(lock_location(out, not beside), wait)
+    except BaseException:
+        held.release()
+        raise
+    return held
+
+
+def _wait_free(at: AnyPath, wait: float) -> None:
+    """Wait up to `wait` seconds for no run to hold the lock at `at` (LockBusy past it). No lock file
+    or lease there: free, nothing written."""
+    try:
+        there = at.exists()
+    except Exception:  # noqa: BLE001 - beside a bucket's root, say: no run can hold a lock there
+        return
+    if there:
+        lock(at, wait).release()
+
+
 @contextlib.contextmanager
 def holding_output(out, wait: float = 0, beside: bool = False, advise_wait: bool = True):
     """Hold the lock on `out` while the block writes it (`lock` at `lock_location`): another run
@@ -775,7 +802,7 @@ def holding_output(out, wait: float = 0, beside: bool = False, advise_wait: bool
                 break
             made.append(d)
     try:
-        held = lock(at, wait)
+        held = take_output(out, wait, beside)
     except LockBusy as e:
         _remove_empty(made)
         raise OutputHeld(held_message(out, e, wait, advise_wait)) from None
@@ -801,7 +828,7 @@ def held_message(out, busy: LockBusy, wait: float = 0, advise_wait: bool = True)
         advice = "wait for it to finish" + (
             ", or pass --wait SECONDS to queue behind it" if advise_wait else ""
         )
-    return f"another entroweight run holds {out} (lock {LOCK_FILE}, {busy}); {advice}"
+    return f"another entroweight run holds {out} ({busy}); {advice}"
 
 
 def wait_unheld(out, wait: float = 0, advise_wait: bool = True) -> None:
@@ -809,11 +836,9 @@ def wait_unheld(out, wait: float = 0, advise_wait: bool = True) -> None:
     before judging what `out` holds: a run still writing there has not yet marked it as its output,
     so its files would read as a user's (exit 2, "write elsewhere"), and --overwrite would remove them
     from under it."""
-    try:
-        at = lock_location(out)  # (a location refused as such: the path rule says why, next)
-        if not at.exists():
-            return
-        lock(at, wait).release()
+    try:  # (a location refused as such: the path rule says why, next)
+        for beside in (False, True):  # where any run writing `out` holds it (`take_output`)
+            _wait_free(lock_location(out, beside), wait)
     except LockBusy as e:
         raise OutputHeld(held_message(out, e, wait, advise_wait)) from None
     except Exception:  # noqa: BLE001 - unreachable or unwritable: the checks after this say why

@@ -94,6 +94,26 @@ def test_a_second_run_on_a_held_out_exits_3_and_writes_nothing(tmp_path, command
 
 
 @pytest.mark.parametrize("command", directory_writers())
+def test_a_run_holding_out_at_the_other_place_is_seen_too(tmp_path, command, stage_argv):
+    """export-data locks beside --out (it renames its export into place), every other writer in it:
+    each asked after its own place alone, so an export renamed itself over a train that had started
+    into the same --out meanwhile, and both exited 0 (an audit's finding). A run holding --out at
+    the other place than the command's own is refused as one at its own (exit 3, nothing written)."""
+    out = tmp_path / "out"
+    argv = argv_of(command, out, tmp_path, stage_argv)
+    held = storage.lock(lock_location(out, beside=command not in LOCK_BESIDE))
+    try:
+        before = snapshot(tmp_path)
+        result = CliRunner().invoke(main, argv)
+        after = snapshot(tmp_path)
+    finally:
+        held.release()
+    assert result.exit_code == 3, (command, result.output, result.exception)
+    assert "another entroweight run holds" in result.output and "Traceback" not in result.output
+    assert after == before, f"{command} wrote while another run held {out}"
+
+
+@pytest.mark.parametrize("command", directory_writers())
 def test_overwrite_never_removes_what_a_running_command_writes(tmp_path, command, stage_argv):
     """A train run writing into --out (its files there, not yet its mark), held: another command with
     --overwrite removed them, lock file and all, and exited 0 (the stages cleared --out before taking
