@@ -301,6 +301,18 @@ def check_output(
     )
 
 
+def as_meant(location: str) -> str:
+    """A local `location` as typed, but where a `..` follows a directory that does not exist
+    (`new/../x`): the path it means (`os.path.realpath`, which takes such a `..` as it reads). The
+    kernel cannot pass through a missing directory, so a command making the directories on the way
+    (mkdir -p) made `new` and left it behind, inside what another part of the path names."""
+    parts = Path(location).parts
+    for i, part in enumerate(parts):
+        if part == ".." and not Path(*parts[:i]).is_dir():
+            return os.path.realpath(location)
+    return location
+
+
 def check_place(out, flag: str = "--out", file: bool = False) -> None:
     """Refuse a local `out` where nothing can be made: a directory (`file`: the one file written) that
     is an existing file, or a location below a file (a data file taken for a directory)."""
@@ -754,7 +766,7 @@ def lock_location(out, beside: bool = False) -> AnyPath:
     """Where a run holds its lock on `out`: `out/.lock` (a file lock locally, a lease object on an
     object store); `beside`: `.NAME.lock` next to it, for a command that replaces `out` whole (its
     export renamed into place)."""
-    root = path(out)
+    root = path(key(out)) if is_local(out) else path(out)  # where a link leads: one place, however named
     return root.parent / f".{root.name}.lock" if beside else root / LOCK_FILE
 
 

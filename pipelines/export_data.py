@@ -352,7 +352,8 @@ def export_data(
             storage.remove_tree(out)  # --overwrite (checked above): the old export goes first
             storage.upload_dir(Path(local) / "export", out, last=(EXPORT_RECORD,))
         return record
-    out = Path(out)
+    # where it leads: the export renamed into place replaces a directory, not a link to one
+    out = Path(storage.key(out))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -428,3 +428,26 @@ def test_examples_train(scored, tmp_path):
     assert len(losses) == 4 and all(np.isfinite(losses))
     _, losses = megatron_loop(str(tmp_path / "m"), steps=4, batch_size=8, seq_length=32)
     assert len(losses) == 4 and all(np.isfinite(losses))
+
+
+def test_an_out_that_is_a_link_is_exported_where_it_leads(scored, tmp_path):
+    """export-data renames its export into place: over a symlink --out it was a traceback (`rmtree`
+    on a link, or a rename onto a dangling one) after the whole export was written (an audit's
+    finding). It writes where the link leads, and the link stays a link to it."""
+    cases = {"to-empty": tmp_path / "empty", "dangling": tmp_path / "nothere", "to-export": tmp_path / "done"}
+    cases["to-empty"].mkdir()
+    r = CliRunner().invoke(
+        main, ["export-data", str(scored), "--format", "hf", "--out", str(cases["to-export"])]
+    )
+    assert r.exit_code == 0, r.output
+    for name, target in cases.items():
+        link = tmp_path / f"link-{name}"
+        link.symlink_to(target, target_is_directory=True)
+        extra = ["--overwrite"] if name == "to-export" else []
+        r = CliRunner().invoke(
+            main, ["export-data", str(scored), "--format", "hf", "--out", str(link), *extra]
+        )
+        assert r.exit_code == 0 and "Traceback" not in r.output, (name, r.output, r.exception)
+        assert link.is_symlink() and link.resolve() == target.resolve(), name
+        assert (target / "export.json").is_file(), name
+    assert not list(tmp_path.glob(".*export-tmp"))

@@ -363,3 +363,21 @@ def test_a_file_url_is_its_path_for_every_input_and_out(tmp_path, command, name)
     # the input named as given (a source or --tokenizer keeps its URL) or as its path
     assert any(f"--out {out_flag} {how} {name} {n}," in line for n in (target, f"file://{target}")), line
     assert not any(p.name.startswith("file:") for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("command", writing_commands())
+def test_an_out_through_a_directory_that_does_not_exist_makes_no_directory_there(tmp_path, command):
+    """`--out DIR/new/../../x`: the kernel cannot pass through `new`, so making the directories on
+    the way (mkdir -p) made `new`, an empty directory inside what the command reads, and left it,
+    and a refused train left its lock in `x` (an audit's finding). The path is taken as it reads
+    (`storage.as_meant`): `x` beside DIR, nothing made in DIR."""
+    inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
+    first = next(iter(inputs.values()))
+    base = first if first.is_dir() else first.parent
+    out = f"{base}/new/../../x" + (".html" if command == "report" else "")
+    before = {p for p in base.rglob("*")}
+    result = CliRunner().invoke(main, _argv(command, out, inputs))
+    assert "Traceback" not in result.output, result.output
+    assert {p for p in base.rglob("*")} == before, f"{command} made something in {base}"
+    if result.exit_code == 2:  # refused (the inputs here are stand-ins): nothing written anywhere
+        assert not (base.parent / "x").exists() and not (base.parent / "x.html").exists(), command

@@ -115,7 +115,7 @@ class Location(click.ParamType):
         if str(value).startswith("file://"):
             value = str(storage.path(value))
         if not storage.is_url(value):
-            return self.local.convert(value, param, ctx)
+            return self.local.convert(storage.as_meant(str(value)), param, ctx)
         if self.local_only:
             self.fail(f"{value} is a URL; give a path on this machine", param, ctx)
         if self.exists:
