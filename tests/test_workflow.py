@@ -289,6 +289,14 @@ def test_outputs_cannot_leave_the_run_dir(where, value):
     assert "run_dir" in msg
 
 
+def test_a_local_path_through_a_directory_that_does_not_exist_is_taken_as_it_reads(tmp_path):
+    """run_dir (and every local path of a workflow) follows the commands' rule (`storage.as_meant`):
+    `new/../run` is `run`, and the run does not make `new` on the way."""
+    wf = parse_workflow({**BASE, "run_dir": f"{tmp_path}/new/../run"})
+    assert wf.run_dir == str(tmp_path.resolve() / "run")
+    assert parse_workflow({**BASE, "run_dir": "runs/x"}).run_dir == "runs/x"  # else as typed
+
+
 def test_references_are_checked():
     msg = refusal({**BASE, "scores": [{"name": "s", "scorer": "causal_loss", "checkpoint_from": "nope"}]})
     assert "scores[0].checkpoint_from: 'nope' is not a models step" in msg

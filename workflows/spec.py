@@ -88,12 +88,13 @@ class TrainTokenizer(_Strict):
 
 def _local(v: str | None) -> str | None:
     """A path the run reads or writes on this machine (a file:// URL: its path, as storage.path reads
-    it); another URL is refused: the run's directory, its lock and these files are local."""
+    it; a `..` after a directory that does not exist: the path it means, as a command's, `as_meant`);
+    another URL is refused: the run's directory, its lock and these files are local."""
     if v is not None and str(v).startswith("file://"):
-        return str(storage.path(v))
+        v = str(storage.path(v))
     if v is not None and storage.is_url(v):
         raise ValueError(f"{v!r} is a URL; give a path on this machine (stage commands take URLs)")
-    return v
+    return v if v is None else storage.as_meant(v)
 
 
 def _model_kind(v: str) -> str:
