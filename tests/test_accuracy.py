@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -444,3 +445,20 @@ def test_an_out_of_a_users_files_is_refused_untouched(tiny_ckpt, c4_path, tmp_pa
     assert r.exit_code == 0 and json.loads(record.read_text())["weights_sha256"] == made["weights_sha256"], (
         r.output
     )
+
+
+def test_a_task_whose_data_cannot_be_fetched_is_one_line(tiny_ckpt, tmp_path):
+    """A hub task (hellaswag) with no network: lm-eval's `datasets` raised ConnectionError through to
+    a traceback, exit 1 (a docs audit). One line naming the task and what to check, exit 2, and no
+    --out. The hub is made unreachable for certain: offline mode, in a process of its own."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env["HF_HOME"] = str(tmp_path / "hf")  # no cached copy of the task's data
+    out = tmp_path / "out"
+    cmd = ["evaluate", str(tiny_ckpt), "--tasks", "hellaswag", "--limit", "2", "--device", "cpu"]
+    r = subprocess.run(
+        [sys.executable, "-m", "entroweight.workflows.cli", *cmd, "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "cannot fetch the data of hellaswag" in r.stderr, r.stderr
+    assert not out.exists()

@@ -116,6 +116,28 @@ def test_a_key_given_twice_in_a_config_file_is_refused(weighted_dir, tmp_path, f
     assert not (tmp_path / "out").exists()
 
 
+def test_a_config_files_model_config_may_name_a_file(weighted_dir, tmp_path):
+    """`model_config:` in a --config file takes what `--model-config` and a workflow's `model_config:`
+    take, a file, as well as the fields inline: a path was refused ("Input should be a valid
+    dictionary", a docs audit). Its file is read as the flag's is, and the path rule applies to it."""
+    mc = tmp_path / "tiny.yaml"
+    mc.write_text("".join(f"{k}: {v}\n" for k, v in TINY.items()))
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model_config: {mc}\nsteps: 1\nbatch_size: 4\ndevice: cpu\n")
+    r = cli("train", weighted_dir, "--config", run, "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model"]["d_model"] == TINY["d_model"]
+    run.write_text(f"model_config: {tmp_path / 'none.yaml'}\nsteps: 1\n")
+    refused(
+        cli("train", weighted_dir, "--config", run, "--out", tmp_path / "o2"), "model_config (in --config"
+    )
+    inside = tmp_path / "cfgs" / "tiny.yaml"  # the path rule: --out holds the model_config it reads
+    inside.parent.mkdir()
+    inside.write_text(mc.read_text())
+    run.write_text(f"model_config: {inside}\nsteps: 1\n")
+    refused(cli("train", weighted_dir, "--config", run, "--out", inside.parent), "model_config (in --config")
+
+
 def test_resume_with_other_settings_is_refused_naming_them(weighted_dir, tmp_path):
     out = tmp_path / "run"
     r = cli(*train_args(weighted_dir, out, "--steps", 6, "--stop-at", 3, "--lr", "1e-3"))

@@ -245,6 +245,14 @@ def _simple_evaluate(hf_dir, tasks, tm, batch_size, device, num_fewshot, limit) 
             limit=limit,
             log_samples=True,
         )
+    except ConnectionError as e:  # `datasets` fetching a task's data: no network, or offline mode
+        first = " ".join(str(e).split())
+        others = [t for t in tasks if t != OFFLINE_TASK]
+        raise AccuracyError(
+            f"cannot fetch the data of {', '.join(others)} from the Hugging Face hub ({first}): check the "
+            f"network and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE (a dataset read once is cached), or "
+            f"evaluate {OFFLINE_TASK} alone, which reads no hub"
+        ) from None
     finally:
         torch.set_num_threads(threads)
 

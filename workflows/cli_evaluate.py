@@ -82,13 +82,15 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
         _fail(f"--tasks names {', '.join(twice)} more than once")
     if OFFLINE_TASK in names and not documents:
         _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
+    fresh = not storage.path(out).exists()  # (before the lock makes it)
     with holding_out(out, wait):  # for the whole evaluation: another run's is refused (exit 3)
-        _evaluate_held(ckpt_dir, names, documents, out, foreign, kw)
+        _evaluate_held(ckpt_dir, names, documents, out, foreign, fresh, kw)
 
 
-def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
+def _evaluate_held(ckpt_dir, names, documents, out, foreign, fresh, kw) -> None:
     """The evaluation, once this run holds the lock on `out`: the checkpoint, the tasks and the items
-    checked, then written."""
+    checked, then written. `fresh`: `out` did not exist, so an evaluation refused on the way (a task's
+    data out of reach) removes what it wrote there."""
     from entroweight import storage
     from entroweight.models.checkpoint import (
         CheckpointError,
@@ -124,10 +126,15 @@ def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
         _fail(str(e))
     if foreign:  # another command's output, which --overwrite replaces whole (the lock stays)
         storage.clear_output(out)
-    with storage.staged(out) as dest:  # an s3:// --out: written here, then uploaded
-        res = _evaluate(ckpt_dir, names, dest, items, kw)
-        if storage.is_url(out):  # lm-eval's scratch (caches and their locks) is not a result to upload
-            shutil.rmtree(dest / ".lm-eval", ignore_errors=True)
+    try:
+        with storage.staged(out) as dest:  # an s3:// --out: written here, then uploaded
+            res = _evaluate(ckpt_dir, names, dest, items, kw)
+            if storage.is_url(out):  # lm-eval's scratch (caches and their locks) is not a result to upload
+                shutil.rmtree(dest / ".lm-eval", ignore_errors=True)
+    except (AccuracyError, CheckpointError) as e:
+        if fresh:  # the lock's release then removes the directory it made
+            storage.clear_output(out)
+        _fail(str(e))
     for task, t in res["tasks"].items():
         metrics = ", ".join(
             f"{k} {m['value']:.4f}" + (f" ± {m['stderr']:.4f}" if m["stderr"] is not None else "")
@@ -142,24 +149,21 @@ def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
 
 def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
     """The evaluation written into the local directory `dest`: the items, lm-eval's scratch, the results."""
-    from entroweight.models.checkpoint import CheckpointError, made_from
-    from entroweight.trainers.accuracy import AccuracyError, evaluate_checkpoint, write_items
+    from entroweight.models.checkpoint import made_from
+    from entroweight.trainers.accuracy import evaluate_checkpoint, write_items
 
     dest.mkdir(parents=True, exist_ok=True)
     items_file = write_items(items, dest / ITEMS) if items is not None else None
-    try:
-        res = evaluate_checkpoint(
-            ckpt_dir,
-            names,
-            dest / ".lm-eval",
-            items_file=items_file,
-            batch_size=kw["batch_size"],
-            device=kw["device"],
-            num_fewshot=kw["num_fewshot"],
-            limit=kw["limit"],
-        )
-    except (AccuracyError, CheckpointError) as e:
-        _fail(str(e))
+    res = evaluate_checkpoint(  # AccuracyError, CheckpointError: said by the caller
+        ckpt_dir,
+        names,
+        dest / ".lm-eval",
+        items_file=items_file,
+        batch_size=kw["batch_size"],
+        device=kw["device"],
+        num_fewshot=kw["num_fewshot"],
+        limit=kw["limit"],
+    )
     res.update(made_from(ckpt_dir))  # where it lies (not as the shell named it), and its weights
     tmp = dest / (RESULTS + ".tmp")
     tmp.write_text(json.dumps(res, indent=1))

@@ -89,19 +89,24 @@ def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, wa
     from entroweight.trainers import DataError, TrainError, TrainFailed, train
 
     values = _read_mapping(config_file, "--config")
+    model_config_flag = "--model-config"
+    if isinstance(values.get("model_config"), str):  # a file, as --model-config and a workflow's take it
+        named = storage.as_meant(values.pop("model_config"))
+        if model_config_file is None:  # (the flag, given too, wins)
+            model_config_file, model_config_flag = named, f"model_config (in --config {config_file})"
     values |= given_options(ctx, options)
     if values.get("out"):  # the path rule first; the trainer applies it again (its own callers too)
         given = list(data) or _as_list(values.get("data"))
         reads = [("the data", d) for d in given] + [
             ("--tokenizer", values.get("tokenizer")),
             ("--config", config_file),
-            ("--model-config", model_config_file),
+            (model_config_flag, model_config_file),
         ]
         check_output(values["out"], reads, "train", overwrite=bool(values.get("overwrite")))
     if data:
         values["data"] = list(data)
     if model_config_file:
-        values["model_config"] = _read_mapping(model_config_file, "--model-config")
+        values["model_config"] = _read_mapping(model_config_file, model_config_flag)
     try:
         result = train(TrainConfig(**values), allow_config_change=allow_config_change, wait=wait)
     except storage.OutputHeld as e:  # another run trains into --out (under torchrun: rank 0 holds the lock)
