@@ -123,6 +123,10 @@ def test_cli_compare(tmp_path, scored):
     assert json.loads(r.output)["r2"] == pytest.approx(compare_dirs(scored["l1"], scored["cos"])["r2"])
     r = CliRunner().invoke(main, ["compare", str(scored["l1"]), str(scored["cos"]), "--column", "weight"])
     assert r.exit_code == 0 and "Spearman" in r.output and "R²" in r.output
+    # two runs of one scorer (L1 and cosine occlusion) told apart by their directories
+    assert (
+        r.output.splitlines()[0] == f"A {scored['l1']} (occlusion) vs B {scored['cos']} (occlusion), weight"
+    )
     r = CliRunner().invoke(main, ["compare", str(scored["l1"]), str(scored["other"])])
     assert r.exit_code == 2 and "different tokens" in r.output
 

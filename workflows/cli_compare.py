@@ -30,7 +30,10 @@ def compare_cmd(scored_dir_a, scored_dir_b, column, as_json):
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
-    click.echo(f"{result['scorer_a']} vs {result['scorer_b']} ({column})")
+    # each side by its directory and scorer: two runs of one scorer (L1 and cosine occlusion) differ
+    click.echo(
+        f"A {scored_dir_a} ({result['scorer_a']}) vs B {scored_dir_b} ({result['scorer_b']}), {column}"
+    )
     if result["pearson"] is None:  # a side of one value: no correlation to tell
         sides = " and ".join(result["constant"]) or "a side"
         click.echo(f"  undefined: {sides} holds one value for every token (R², Pearson, Spearman)")
