@@ -347,7 +347,8 @@ def foreign_files(directory, owner: str | None, command: str, hidden: bool = Fal
     names = [n for n in every if not n.startswith(".")]
     if owner is None:
         theirs = sorted(n for n in names if n not in LEFTOVERS.get(command, ()))
-        return theirs or (sorted(every) if hidden else [])
+        # a lock file is a run's (one killed with SIGKILL leaves it), never a user's
+        return theirs or (sorted(n for n in every if n != LOCK_FILE) if hidden else [])
     if owner == UNKNOWN_STAGE or ".stage.json" in listing(directory):
         return sorted(n for n in names if not n.startswith("part-"))
     if owner == "run":
@@ -778,8 +779,9 @@ def take_output(out, wait: float = 0, beside: bool = False):
     refused (LockBusy), never neither. (Asking after in-place locks alone, an export renamed itself
     over a training run that had started in the meantime, both exit 0.)"""
     held = lock(lock_location(out, beside), wait)
-    try:
-        _wait_free(lock_location(out, not beside), wait)
+    try:  # asked, not waited on: a run waiting there while holding its own place would go on, once
+        # the other is done, into what that one left (an export renamed over it), judged before
+        _wait_free(lock_location(out, not beside), 0)
     except BaseException:
         held.release()
         raise
@@ -788,13 +790,32 @@ def take_output(out, wait: float = 0, beside: bool = False):
 
 def _wait_free(at: AnyPath, wait: float) -> None:
     """Wait up to `wait` seconds for no run to hold the lock at `at` (LockBusy past it). No lock file
-    or lease there: free, nothing written."""
+    or lease there: free, nothing written. A local lock file the lock made anew while this waited
+    (its holder removed its own on the way out) is removed again; one that was there is left as it
+    was (a stage's, which stays with its output)."""
     try:
         there = at.exists()
     except Exception:  # noqa: BLE001 - beside a bucket's root, say: no run can hold a lock there
         return
-    if there:
-        lock(at, wait).release()
+    if not there:
+        return
+    local = is_local(at)
+    seen = _inode(at) if local else None
+    held = lock(at, wait)
+    try:
+        if local and _inode(at) != seen:
+            Path(at).unlink(missing_ok=True)
+    finally:
+        held.release()
+
+
+def _inode(p) -> tuple[int, int] | None:
+    """Which file lies at `p`: its inode and change time (a file made anew may reuse a freed inode)."""
+    try:
+        st = os.stat(p)
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
 
 
 @contextlib.contextmanager

@@ -134,7 +134,7 @@ def another_checkpoint(record: str | Path, ckpt_dir: str | Path) -> str | None:
         made = json.loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError):
         made = None
-    if not isinstance(made, dict) or not made.get("checkpoint"):
+    if not isinstance(made, dict) or not made.get("checkpoint") or not isinstance(made["checkpoint"], str):
         return "an unknown checkpoint"
     ours = made_from(ckpt_dir)
     if made.get("weights_sha256") and ours["weights_sha256"]:

@@ -131,6 +131,10 @@ def test_a_config_files_model_config_may_name_a_file(weighted_dir, tmp_path):
     refused(
         cli("train", weighted_dir, "--config", run, "--out", tmp_path / "o2"), "model_config (in --config"
     )
+    # its paths as the flags take them: a `..` after a missing directory makes no directory there
+    run.write_text(f"model_config: {mc}\nsteps: 1\nout: {tmp_path}/new/../o3\n")
+    assert cli("train", weighted_dir, "--config", run).exit_code == 0
+    assert (tmp_path / "o3" / "config.json").exists() and not (tmp_path / "new").exists()
     inside = tmp_path / "cfgs" / "tiny.yaml"  # the path rule: --out holds the model_config it reads
     inside.parent.mkdir()
     inside.write_text(mc.read_text())

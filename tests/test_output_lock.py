@@ -184,3 +184,56 @@ def test_a_train_step_lock_does_not_meet_its_workflows(tmp_path):
             pass
     finally:
         run.release()
+
+
+def test_a_run_holding_the_other_place_is_not_waited_on_while_holding_ones_own(tmp_path):
+    """take_output asks after the other place, it does not wait there: a `train --wait` that held
+    `out/.lock` while waiting on an export-data's `.out.lock` went on, once the export was done, into
+    the export renamed over it (both exit 0; an audit's finding). Refused at once instead (exit 3);
+    `wait_unheld`, asked before a command judges --out, is where --wait queues."""
+    out = tmp_path / "out"
+    for mine, other in ((False, True), (True, False)):
+        held = storage.lock(lock_location(out, beside=other))
+        try:
+            start = time.monotonic()
+            with pytest.raises(storage.LockBusy):
+                storage.take_output(out, wait=5, beside=mine)
+            assert time.monotonic() - start < 2
+        finally:
+            held.release()
+        storage.take_output(out, wait=0, beside=mine).release()  # free now
+
+
+def test_waiting_for_a_run_leaves_no_lock_file(tmp_path):
+    """Waiting on a run (`wait_unheld`, --wait) took the lock once it was free, and the lock made its
+    file anew where the run had removed its own: a `.out.lock` beside a finished output, an empty
+    `.lock` in a finished evaluation (an audit's finding). The file is removed as a run removes it."""
+    for beside in (False, True):
+        out = tmp_path / f"out-{beside}"
+        out.mkdir()
+        done = threading.Event()
+
+        def hold(out, beside, done):
+            with out_lock(out, beside=beside):
+                done.set()
+                time.sleep(0.5)
+
+        t = threading.Thread(target=hold, args=(out, beside, done))
+        t.start()
+        done.wait()
+        storage.wait_unheld(out, wait=10)
+        t.join()
+        assert not lock_location(out, beside=beside).exists(), beside
+        assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_a_lock_file_left_by_a_killed_run_is_no_users_file(tmp_path, scored):  # noqa: F811 - fixture
+    """A SIGKILLed train leaves `out/.lock` (nothing else): export-data, which replaces --out whole,
+    called it a user's file (exit 2, even with --overwrite; an audit's finding). A lock file is a
+    run's bookkeeping: the export goes ahead."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".lock").write_text("")
+    result = CliRunner().invoke(main, ["export-data", str(scored), "--format", "hf", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (out / "export.json").exists()

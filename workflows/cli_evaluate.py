@@ -68,12 +68,6 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
 
     reads = [("CKPT_DIR", ckpt_dir)] + [("--documents", d) for d in documents]
     foreign = check_output(out, reads, "evaluate", overwrite=overwrite)
-    other = another_checkpoint(storage.path(out) / RESULTS, ckpt_dir)  # replaced when asked
-    if other and not overwrite:
-        _fail(
-            f"--out {out} holds an evaluation of {other}; write elsewhere, or pass --overwrite to replace it"
-        )
-    foreign = foreign or ("evaluate" if other else None)
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         _fail("--tasks names no task")
@@ -82,15 +76,21 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
         _fail(f"--tasks names {', '.join(twice)} more than once")
     if OFFLINE_TASK in names and not documents:
         _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
-    fresh = not storage.path(out).exists()  # (before the lock makes it)
     with holding_out(out, wait):  # for the whole evaluation: another run's is refused (exit 3)
-        _evaluate_held(ckpt_dir, names, documents, out, foreign, fresh, kw)
+        # judged under the lock: a run this one waited for (--wait) may have written there meanwhile
+        other = another_checkpoint(storage.path(out) / RESULTS, ckpt_dir)  # replaced when asked
+        if other and not overwrite:
+            _fail(
+                f"--out {out} holds an evaluation of {other}; write elsewhere, or pass --overwrite to "
+                "replace it"
+            )
+        _evaluate_held(ckpt_dir, names, documents, out, foreign or ("evaluate" if other else None), kw)
 
 
-def _evaluate_held(ckpt_dir, names, documents, out, foreign, fresh, kw) -> None:
+def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
     """The evaluation, once this run holds the lock on `out`: the checkpoint, the tasks and the items
-    checked, then written. `fresh`: `out` did not exist, so an evaluation refused on the way (a task's
-    data out of reach) removes what it wrote there."""
+    checked, then written. One refused on the way (a task's data out of reach) removes what it wrote
+    (lm-eval's scratch, its items): a directory made for it goes with its lock."""
     from entroweight import storage
     from entroweight.models.checkpoint import (
         CheckpointError,
@@ -132,8 +132,10 @@ def _evaluate_held(ckpt_dir, names, documents, out, foreign, fresh, kw) -> None:
             if storage.is_url(out):  # lm-eval's scratch (caches and their locks) is not a result to upload
                 shutil.rmtree(dest / ".lm-eval", ignore_errors=True)
     except (AccuracyError, CheckpointError) as e:
-        if fresh:  # the lock's release then removes the directory it made
-            storage.clear_output(out)
+        if not storage.is_url(out):  # (a store's --out: nothing was uploaded)
+            shutil.rmtree(storage.path(out) / ".lm-eval", ignore_errors=True)
+            if items is not None:
+                (storage.path(out) / ITEMS).unlink(missing_ok=True)
         _fail(str(e))
     for task, t in res["tasks"].items():
         metrics = ", ".join(

@@ -89,6 +89,9 @@ def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, wa
     from entroweight.trainers import DataError, TrainError, TrainFailed, train
 
     values = _read_mapping(config_file, "--config")
+    for key in ("out", "tokenizer"):  # as the flags' Location takes them (a `..` after a missing dir)
+        if isinstance(values.get(key), str) and not storage.is_url(values[key]):
+            values[key] = storage.as_meant(values[key])
     model_config_flag = "--model-config"
     if isinstance(values.get("model_config"), str):  # a file, as --model-config and a workflow's take it
         named = storage.as_meant(values.pop("model_config"))
@@ -211,11 +214,13 @@ def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle, overwrite):
     from entroweight.trainers.export import export_hf
 
     foreign = check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf", overwrite)
-    # an export of another checkpoint: replaced when asked
-    other = another_checkpoint(storage.path(out) / storage.EXPORT_HF_MARK, ckpt_dir)
-    if other and not overwrite:
-        _fail(f"--out {out} holds the export of {other}; write elsewhere, or pass --overwrite to replace it")
     with holding_out(out):  # two exports into one --out would mix their files
+        # an export of another checkpoint (judged under the lock): replaced when asked
+        other = another_checkpoint(storage.path(out) / storage.EXPORT_HF_MARK, ckpt_dir)
+        if other and not overwrite:
+            _fail(
+                f"--out {out} holds the export of {other}; write elsewhere, or pass --overwrite to replace it"
+            )
         if foreign or other:  # replaced whole (the lock stays)
             storage.clear_output(out)
         try:
