@@ -134,14 +134,15 @@ def another_checkpoint(record: str | Path, ckpt_dir: str | Path) -> str | None:
         made = json.loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError):
         made = None
-    if not isinstance(made, dict) or not made.get("checkpoint") or not isinstance(made["checkpoint"], str):
+    where = made.get("checkpoint") if isinstance(made, dict) else None
+    if not where or not isinstance(where, str):
         return "an unknown checkpoint"
     ours = made_from(ckpt_dir)
     if made.get("weights_sha256") and ours["weights_sha256"]:
         same = made["weights_sha256"] == ours["weights_sha256"]
     else:  # an evaluation of an earlier version recorded the path as it was typed: resolved here
-        same = storage.key(made["checkpoint"]) == ours["checkpoint"]
-    return None if same else str(made["checkpoint"])
+        same = storage.key(where) == ours["checkpoint"]
+    return None if same else where
 
 
 def load_checkpoint(

@@ -182,7 +182,6 @@ def _megatron(source: Source, out: Path, record: dict) -> None:
 
 # LitData has no empty dataset: its writer writes no index for no item, its reader refuses an index
 # without chunks ("No chunks found")
-# LitData's StreamingDataset refuses an index without chunks
 _NO_LITDATA_ROWS = (
     ", and LitData cannot hold an empty dataset: nothing to export; --format hf and megatron write an "
     "empty dataset"

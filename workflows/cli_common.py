@@ -406,6 +406,20 @@ def _takes(param: str) -> bool:
     return ctx is None or any(p.name == param for p in ctx.command.params)
 
 
+def made_from_another(out, record: str, what: str, ckpt_dir, overwrite: bool) -> bool:
+    """Whether `out` holds `what` (`record`, the file export-hf and evaluate mark their output with)
+    made from another checkpoint than CKPT_DIR (`models.checkpoint.another_checkpoint`): refused with
+    exit 2 naming it, unless --overwrite, which replaces it. Asked under the lock on `out`: a run
+    this one waited for may have written there meanwhile."""
+    from entroweight import storage
+    from entroweight.models.checkpoint import another_checkpoint
+
+    other = another_checkpoint(storage.path(out) / record, ckpt_dir)
+    if other and not overwrite:
+        _fail(f"--out {out} holds {what} of {other}; write elsewhere, or pass --overwrite to replace it")
+    return other is not None
+
+
 def check_output(out, reads, command: str, overwrite: bool = False, flag: str = "--out", **kw):
     """The path rule (entroweight.storage.check_output), refused with exit 2: every command that
     writes calls it first, before it reads or creates anything. Returns the other command's output

@@ -18,7 +18,16 @@ import click
 
 from entroweight.options import repeated
 
-from .cli_common import DEVICE, SEED, Location, _fail, check_output, holding_out, wait_option
+from .cli_common import (
+    DEVICE,
+    SEED,
+    Location,
+    _fail,
+    check_output,
+    holding_out,
+    made_from_another,
+    wait_option,
+)
 
 RESULTS = "accuracy.json"  # marks DIR as this command's output (entroweight.storage.OUTPUT_MARKS)
 ITEMS = "items.jsonl"
@@ -62,8 +71,6 @@ ITEMS = "items.jsonl"
 @wait_option
 def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
     """Accuracy of CKPT_DIR (a llama checkpoint) on lm-eval tasks, per item and in all."""
-    from entroweight import storage
-    from entroweight.models.checkpoint import another_checkpoint
     from entroweight.trainers.accuracy import OFFLINE_TASK
 
     reads = [("CKPT_DIR", ckpt_dir)] + [("--documents", d) for d in documents]
@@ -77,13 +84,7 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
     if OFFLINE_TASK in names and not documents:
         _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
     with holding_out(out, wait):  # for the whole evaluation: another run's is refused (exit 3)
-        # judged under the lock: a run this one waited for (--wait) may have written there meanwhile
-        other = another_checkpoint(storage.path(out) / RESULTS, ckpt_dir)  # replaced when asked
-        if other and not overwrite:
-            _fail(
-                f"--out {out} holds an evaluation of {other}; write elsewhere, or pass --overwrite to "
-                "replace it"
-            )
+        other = made_from_another(out, RESULTS, "an evaluation", ckpt_dir, overwrite)
         _evaluate_held(ckpt_dir, names, documents, out, foreign or ("evaluate" if other else None), kw)
 
 

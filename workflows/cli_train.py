@@ -25,6 +25,7 @@ from .cli_common import (
     config_options,
     given_options,
     holding_out,
+    made_from_another,
     wait_option,
 )
 
@@ -210,17 +211,12 @@ def eval_bpb_cmd(ckpt_dir, unigram_data, as_json, **kw):
 def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle, overwrite):
     """Write CKPT_DIR as a Hugging Face LlamaForCausalLM directory (config, safetensors, tokenizer)."""
     from entroweight import storage
-    from entroweight.models.checkpoint import CheckpointError, another_checkpoint
+    from entroweight.models.checkpoint import CheckpointError
     from entroweight.trainers.export import export_hf
 
     foreign = check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf", overwrite)
     with holding_out(out):  # two exports into one --out would mix their files
-        # an export of another checkpoint (judged under the lock): replaced when asked
-        other = another_checkpoint(storage.path(out) / storage.EXPORT_HF_MARK, ckpt_dir)
-        if other and not overwrite:
-            _fail(
-                f"--out {out} holds the export of {other}; write elsewhere, or pass --overwrite to replace it"
-            )
+        other = made_from_another(out, storage.EXPORT_HF_MARK, "the export", ckpt_dir, overwrite)
         if foreign or other:  # replaced whole (the lock stays)
             storage.clear_output(out)
         try:
