@@ -76,9 +76,13 @@ def test_empty_documents(tmp_path, tokenizer_dir):
 
 
 def test_whitespace_only_documents(tmp_path, tokenizer_dir):
-    src = jsonl(tmp_path / "in.jsonl", [{"text": " \n\t "}, {"text": "\u00a0\u2003\u3000"}, {"text": GOOD}])
+    # whitespace, and invisible format characters (zero-width space, BOM, ZWJ, a bidi mark): no text
+    blank = [" \n\t ", "\u00a0\u2003\u3000", "\u200b\u200b", "\ufeff", " \u200d\u200e\n"]
+    # a visible character among them keeps the document (an emoji sequence joined by ZWJ is text)
+    kept = [GOOD, "\u200bword", "\U0001f469\u200d\U0001f4bb"]
+    src = jsonl(tmp_path / "in.jsonl", [{"text": t} for t in blank + kept])
     s, out = tokenize(tmp_path, [src], tokenizer_dir)
-    assert (s.rows_out, rejected(out)) == (1, {"empty": 2})
+    assert (s.rows_out, rejected(out)) == (len(kept), {"empty": len(blank)})
 
 
 def test_invalid_utf8_bytes_jsonl_and_parquet(tmp_path, tokenizer_dir):

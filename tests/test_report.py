@@ -352,6 +352,8 @@ def test_report_never_writes_over_what_it_reads(tiny_run, out, says):  # noqa: F
         ("r.htm", False),
         ("run.json", False),
         ("r.html.j2", False),
+        ("r.html/", False),
+        ("sub/r.html/", False),
     ],
 )
 def test_the_workflow_and_report_out_take_the_same_report_names(tmp_path, name, taken):
@@ -369,7 +371,7 @@ def test_the_workflow_and_report_out_take_the_same_report_names(tmp_path, name, 
         assert f"ending in {REPORT_SUFFIX}" in str(e)
         spec_takes = False
     try:
-        check_report_out(tmp_path / name)
+        check_report_out(f"{tmp_path}/{name}")  # as typed: a Path would drop a trailing /
         report_takes = True
     except ReportError as e:
         assert f"ending in {REPORT_SUFFIX}" in str(e)

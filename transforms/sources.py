@@ -18,6 +18,7 @@ import io
 import json
 import os
 import re
+import unicodedata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -538,7 +539,7 @@ class DocumentReader:
             if not _is_utf8(text):  # lone surrogates from JSON escapes, or invalid bytes in the line
                 self._reject(doc_id or fallback_id, "invalid_utf8", f"row {rowno}: invalid UTF-8 in the text")
                 continue
-            if not text or text.isspace():
+            if is_blank(text):
                 self._reject(doc_id or fallback_id, "empty", None)
                 continue
             url = row.get("url")
@@ -736,6 +737,13 @@ class TextColumn:
 
 def rejects_table(rejects: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA)
+
+
+def is_blank(text: str) -> bool:
+    """True for text with nothing to read: empty, or only whitespace and invisible format characters
+    (Unicode's Cf: zero-width spaces and joiners, a byte-order mark, bidi marks), which a tokenizer
+    still turns into tokens. Stops at the first visible character, so a real document costs one."""
+    return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
 
 
 def _is_utf8(value: str) -> bool:

@@ -202,10 +202,12 @@ def check_report_out(out: str | Path) -> None:
     nor a file the report reads (every record of a run is JSON, parquet or a checkpoint)."""
     if storage.blank(out):
         raise ReportError("--out is empty (an unset variable?): name the HTML file to write")
-    out = storage.path(out)
+    given, out = out, storage.path(out)
     if out.is_dir():
         raise ReportError(
             f"--out {out} is a directory; name the HTML file to write (e.g. {out}/{REPORT_FILE})"
         )
-    if not is_report_name(out):
-        raise ReportError(f"--out {out}: the report is one HTML file; name a file ending in {REPORT_SUFFIX}")
+    if not is_report_name(given):
+        raise ReportError(
+            f"--out {given}: the report is one HTML file; name a file ending in {REPORT_SUFFIX}"
+        )

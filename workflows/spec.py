@@ -47,8 +47,9 @@ REPORT_FILE = f"report{REPORT_SUFFIX}"  # its name when none is given
 
 
 def is_report_name(path: str | os.PathLike) -> bool:
-    """Whether `path` (a file name, a path or a URL) is named as the report must be."""
-    return PurePosixPath(str(path)).suffix.lower() == REPORT_SUFFIX
+    """Whether `path` (a file name, a path or a URL) is named as the report must be: a file (a name
+    that ends in / names a directory, which a Path would hide) whose suffix is REPORT_SUFFIX."""
+    return not str(path).endswith("/") and PurePosixPath(str(path)).suffix.lower() == REPORT_SUFFIX
 
 
 class SpecError(ValueError):
