@@ -141,6 +141,16 @@ OUTPUT_MARKS = (
     ("accuracy.json", "evaluate"),
     ("items.jsonl", "evaluate"),  # its first file: a run stopped before accuracy.json is still its own
 )
+#: What a JSON mark holds where its command wrote it: a key of its object (of its first line, for JSON
+#: lines). A user's file of the name (documents in an `items.jsonl`) marks nothing (`command_output`).
+MARK_KEYS = {
+    "run.json": "steps",
+    "trainer_state.json": "weights_sha256",
+    "export.json": "format",
+    "accuracy.json": "tasks",
+    "items.jsonl": "choices",
+}
+MARK_BYTES = 1 << 20  # a mark is a small record: a larger file of the name is a user's
 #: The owner of a directory holding a stage's shards but no stage record (`.stage.json` removed).
 UNKNOWN_STAGE = "a stage whose .stage.json is gone"
 #: The names (fnmatch patterns) each command writes directly in its output: any other name there is a
@@ -217,6 +227,29 @@ def output_owner(directory) -> str | None:
             ) from None
     if any(n == ".shards.json" or n.startswith(("part-", ".part-")) for n in names):
         return UNKNOWN_STAGE  # a stage's shards whose record is gone: whose they are is unknown
+    return None
+
+
+def command_output(directory, names) -> str | None:
+    """The command, other than a stage, whose output `directory` holds, `names` being the files
+    directly in it: a mark of OUTPUT_MARKS is there and reads as its command writes it (MARK_KEYS;
+    the other marks' names are this project's alone); else None. Sources skip such a directory (a
+    training run's metrics.jsonl, an evaluation's items): its files are records, not documents."""
+    for mark, command in OUTPUT_MARKS:
+        if command is None or mark not in names:
+            continue
+        want = MARK_KEYS.get(mark)
+        if want is None:
+            return command
+        try:
+            with open_input(path(directory) / mark) as f:
+                head = f.read(MARK_BYTES + 1)
+            text = head.split(b"\n", 1)[0] if mark.endswith(".jsonl") else head
+            record = json.loads(text) if len(text) <= MARK_BYTES else None
+        except (OSError, ValueError):
+            continue  # unreadable or not JSON: no record of ours
+        if isinstance(record, dict) and want in record:
+            return command
     return None
 
 

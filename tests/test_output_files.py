@@ -12,6 +12,7 @@ run's names are those its run.json records: tests/test_workflow.py.)
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 
 import pytest
@@ -93,3 +94,64 @@ def test_overwrite_keeps_a_users_file_inside_any_commands_output(outputs, owner,
     code, text = cli(*(again if owner == "export-data" else ["weigh", scored, "--out", d, "--overwrite"]))
     assert code == 0, text
     assert storage.output_owner(d) == ("export-data" if owner == "export-data" else "weigh")
+
+
+# -- an output inside the sources is no documents
+def _docs(n: int) -> str:
+    return "".join(json.dumps({"text": f"document {i} of a user's own corpus."}) + "\n" for i in range(n))
+
+
+def _tokenize(src, tmp_path, tokenizer_dir) -> tuple[int, str]:
+    r = CliRunner().invoke(
+        main, ["tokenize", str(src), "--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "t")]
+    )
+    return r.exit_code, r.output
+
+
+@pytest.mark.parametrize("owner", sorted({o for _, o in storage.OUTPUT_MARKS if o is not None}))
+def test_an_output_inside_a_source_directory_is_not_read_and_is_said(
+    outputs, owner, tmp_path, tokenizer_dir, s3_bucket
+):
+    """Rule: a source directory's documents are its user's files; another command's output inside it
+    (a training run's metrics.jsonl, an evaluation's items.jsonl, an export's parquet) is skipped, as a
+    stage's is, and said on stderr; named as the source itself, it is refused (exit 2). Locally and on
+    an object store. Before, its files were read as documents: tokenize failed shards naming them,
+    with the advice to pass --text-column."""
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "docs.jsonl").write_text(_docs(5))
+    if owner == "run":  # a workflow run (tests/test_workflow.py runs one): its record and a model in it
+        run = src / "runs" / "r"
+        shutil.copytree(outputs["train"][0], run / "models" / "m")
+        (run / "run.json").write_text(json.dumps({"steps": {}, "outputs": ["models"]}))
+        inside = [run]
+    else:
+        inside = [shutil.copytree(d, src / "made" / d.name) for d in outputs[owner]]
+    for where in (str(src), upload(src, f"{s3_bucket}/corpus")):
+        code, text = _tokenize(where, tmp_path / where.replace("/", "_"), tokenizer_dir)
+        assert code == 0, text
+        assert "5 docs in, 5 docs out" in text and "0 rejected" in text, text
+        said = text.split("director(ies) holding another entroweight command's output not read", 1)
+        assert len(said) == 2 and all(d.name in said[1] for d in inside), text
+    code, text = _tokenize(inside[0], tmp_path / "alone", tokenizer_dir)
+    assert code == 2 and f"is the output of `entroweight {owner}`, not documents" in text, text
+    assert "Traceback" not in text and not (tmp_path / "alone").exists()
+
+
+@pytest.mark.parametrize("mark", sorted(storage.MARK_KEYS))
+def test_a_users_file_named_as_a_mark_is_read_as_documents(mark, tmp_path, tokenizer_dir):
+    """A record's name alone marks nothing: a user's `items.jsonl` (or `run.json`, ...) of documents in
+    a source directory's subfolder is read, with its siblings (storage.MARK_KEYS: what the record holds)."""
+    sub = tmp_path / "corpus" / "part"
+    sub.mkdir(parents=True)
+    (sub / mark).write_text(_docs(3))
+    (sub / "more.jsonl").write_text(_docs(2))
+    code, text = _tokenize(tmp_path / "corpus", tmp_path, tokenizer_dir)
+    assert code == 0 and "5 docs in, 5 docs out" in text and "not read" not in text, text
+
+
+def upload(local, url) -> str:
+    import fsspec
+
+    fsspec.filesystem("s3").put(str(local), url.removeprefix("s3://"), recursive=True)
+    return url

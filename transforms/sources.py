@@ -148,7 +148,9 @@ def is_stage_output(path: str | Path) -> bool:
     return (storage.path(path).parent / STAGE_MARKER).exists()
 
 
-def _expand_url(spec: str, skipped: list[str] | None = None) -> dict[str, tuple[int, str | None]]:
+def _expand_url(
+    spec: str, skipped: list[str] | None = None, outputs: list[str] | None = None
+) -> dict[str, tuple[int, str | None]]:
     """{url: (size, version)} of the data files a URL names (s3://bucket/prefix/*.jsonl.gz, a prefix,
     an object), from the listing alone (one LIST per 1,000 objects, no request per file); hidden files
     and stage outputs skipped as for local directories. The version (`object_version`) marks an object
@@ -168,7 +170,20 @@ def _expand_url(spec: str, skipped: list[str] | None = None) -> dict[str, tuple[
             )
         found, walked = fs.find(inner, detail=True), True
         root = inner.rstrip("/") + "/"
+        _not_an_output(spec, [f[len(root) :] for f in found if "/" not in f[len(root) :]])
         stage_dirs = {f.rsplit("/", 1)[0] for f in found if f.endswith("/" + STAGE_MARKER)}
+        by_dir: dict[str, list[str]] = {}
+        for f in found:
+            by_dir.setdefault(f.rsplit("/", 1)[0], []).append(f.rsplit("/", 1)[1])
+        other = sorted(
+            d
+            for d, names in by_dir.items()
+            if d.startswith(root) and not any(d.startswith(s + "/") or d == s for s in stage_dirs)
+            and storage.command_output(f"{proto}://{d}", names)
+        )  # fmt: skip
+        if outputs is not None:
+            outputs += [f"{proto}://{d}" for d in other if not any(d.startswith(o + "/") for o in other)]
+        stage_dirs |= set(other)
         found = {
             f: info
             for f, info in found.items()
@@ -206,10 +221,22 @@ def _expand_url(spec: str, skipped: list[str] | None = None) -> dict[str, tuple[
     return files
 
 
-def _walk(root: str) -> list[str]:
+def _not_an_output(spec: str, names: list[str]) -> None:
+    """Refuse a source directory that is another command's output (`storage.command_output`), as
+    a stage's is refused: its files are records, not documents."""
+    if command := storage.command_output(spec, names):
+        raise SourceError(
+            f"{spec} is the output of `entroweight {command}`, not documents; name the documents "
+            "it was made from"
+        )
+
+
+def _walk(root: str, outputs: list[str]) -> list[str]:
     """Files under `root`, following symlinked directories (a symlink loop is refused). Hidden files
     and directories (a stage's bookkeeping: .stage.json, manifests, .rejects/) and stage output
-    directories are skipped: sources are documents, never this project's own files."""
+    directories are skipped: sources are documents, never this project's own files. So are the
+    outputs of the other commands (a training run, an export, an evaluation: `storage.command_output`),
+    which are added to `outputs` for the caller to say."""
     seen: set[str] = set()
     files: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
@@ -219,6 +246,10 @@ def _walk(root: str) -> list[str]:
         seen.add(real)
         if STAGE_MARKER in filenames and dirpath != root:
             dirnames[:] = []  # a stage's output inside the sources: not documents
+            continue
+        if dirpath != root and storage.command_output(dirpath, filenames):
+            dirnames[:] = []
+            outputs.append(dirpath)
             continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         files += [os.path.join(dirpath, f) for f in filenames if not f.startswith(".")]
@@ -241,6 +272,7 @@ def source_files(
     nothing is refused (a lost mount would drop its files without a word)."""
     out: dict[str, tuple[int, int | None] | None] = {}
     skipped: list[str] = []
+    outputs: list[str] = []  # directories of other commands' outputs inside a source directory
     repeated: list[str] = []
     for spec in specs:
         if storage.blank(spec):
@@ -254,7 +286,7 @@ def source_files(
             continue
         if storage.is_url(spec):
             # object stores keep no stable mtime across listings: the size stands alone
-            listed = _expand_url(spec, skipped)
+            listed = _expand_url(spec, skipped, outputs)
             repeated += [f for f in listed if f in out]
             out.update((f, (size, None, version)) for f, (size, version) in listed.items())
             continue
@@ -269,7 +301,8 @@ def source_files(
                     f"{spec} is the output of an entroweight stage ({STAGE_MARKER}), not documents; "
                     "name the documents it was made from"
                 )
-            matches = _walk(spec)
+            _not_an_output(spec, os.listdir(spec))
+            matches = _walk(spec, outputs)
             if not any(file_format(m) for m in matches):
                 raise SourceError(f"the directory {spec} holds no {', '.join(sorted(SUFFIXES))} file")
         elif os.path.isfile(spec):
@@ -305,6 +338,11 @@ def source_files(
         if skipped:  # a directory's README is no loss, but a misnamed data file would be one
             notes.append(
                 f"{len(skipped)} file(s) of no source suffix not read: {storage.some_of(skipped, 5)}"
+            )
+        if outputs:  # said: a run's records are no documents, but a user may have meant them
+            notes.append(
+                f"{len(outputs)} director(ies) holding another entroweight command's output not read "
+                f"(records, not documents): {storage.some_of(outputs, 5)}"
             )
         if repeated:
             notes.append(
