@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1074,3 +1075,74 @@ def test_a_shard_gone_missing_is_remade_and_nothing_after_it_runs_again(small_ru
         assert not dry or all(steps[k] == f"would run - after {kind.split()[1]}" for k in after), out
     assert hashlib.sha256(shard.read_bytes()).hexdigest() == digest
     assert weights.stat().st_mtime_ns == trained
+
+
+@pytest.fixture(scope="module")
+def experiment_run(tmp_path_factory) -> dict:
+    """A finished run with an experiment whose train runs each have two evaluations and an accuracy
+    step (they share the train run's name): holdout, tokenizer, a model, its scores, two train runs."""
+    tmp = tmp_path_factory.mktemp("experiment")
+    tiny = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32}
+    spec = {
+        "run_dir": str(tmp / "run"),
+        "sources": [str(c4_subset(tmp / "c4.json.gz", 0, 60))],
+        "holdout": {"docs": 12},
+        "tokenizer": {"train": {"vocab_size": 300}},
+        "tokenize": {"n_ctx": 48, "shard_docs": 24},
+        "models": [{"name": "causal", "kind": "llama", "config": tiny, "steps": 2, "batch_size": 4}],
+        "scores": [{"name": "causal_loss", "scorer": "causal_loss", "checkpoint_from": "causal"}],
+        "train": {
+            "kind": "llama", "config": tiny, "steps": 2, "batch_size": 4, "seeds": [0],
+            "runs": [
+                {"name": "reference", "data": "tokens", "loss": "ce"},
+                {"name": "weighted", "data": "causal_loss", "loss": "weighted_ce"},
+            ],
+        },
+        "eval": {"max_bytes": 3000},
+        "accuracy": {"tasks": ["entroweight_heldout"], "items": 6, "prefix_tokens": 16,
+                     "continuation_tokens": 6, "choices": 2},
+        "report": None,
+    }  # fmt: skip
+    code, out = run_cli("run", write_yaml(tmp / "wf.yaml", spec))
+    assert code == 0, out
+    return {"spec": spec, "root": tmp / "run", "yaml": tmp / "wf.yaml"}
+
+
+def _would_and_did(wf: Path) -> tuple[set[str], set[str]]:
+    """The steps the dry run says would run, and those the run then ran."""
+    code, plan = run_cli("run", wf, "--dry-run")
+    assert code == 0, plan
+    code, out = run_cli("run", wf)
+    assert code == 0, out
+
+    def said(text, status):  # (lm-eval's progress bars may share a step's line)
+        kinds = "holdout|tokenizer|tokenize|model|score|agreement|train|eval|accuracy|report"
+        return set(re.findall(rf"\b((?:{kinds}) [^\s:]+(?: \(\w+\))?): {status}\b", text))
+
+    return said(plan, "would run"), said(out, "ran")
+
+
+@pytest.mark.parametrize(
+    "edit",
+    ["the main eval's result removed", "an accuracy result removed", "eval.max_bytes changed"],
+)
+def test_the_dry_run_says_what_the_run_does_when_one_step_is_redone(experiment_run, edit):
+    """Rule: the plan is the run's. A train run's evaluations and accuracy step share its name, and
+    the dry run took a step to be redone by name alone: one evaluation redone made every step that
+    reads the train run "would run - after" it (the held-out evaluation, the accuracy), which the run
+    then found up to date."""
+    root, spec = experiment_run["root"], copy.deepcopy(experiment_run["spec"])
+    wf = experiment_run["yaml"]
+    if edit == "the main eval's result removed":
+        (root / "eval" / "reference" / "seed-0.json").unlink()
+        want = {"eval reference/seed-0"}
+    elif edit == "an accuracy result removed":
+        next((root / "accuracy").glob("reference/seed-0.json")).unlink()
+        want = {"accuracy reference/seed-0"}
+    else:
+        spec["eval"]["max_bytes"] = 4000
+        wf = write_yaml(wf.parent / "more-bytes.yaml", spec)
+        want = {"eval unigram", "eval reference/seed-0", "eval weighted/seed-0"}
+    would, did = _would_and_did(wf)
+    assert would == did, (would, did)
+    assert want <= did and not any(s.startswith(("train", "accuracy", "score")) for s in did - want), did

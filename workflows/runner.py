@@ -51,6 +51,19 @@ from .steps import (
     data_fingerprint,
 )
 
+# upstream steps by their `Step.ref`: a run's data is the tokens or a score step's values
+TOKENS_STEP, TOKENIZER_STEP, HOLDOUT_STEP = (
+    ("tokenize", TOKENS),
+    ("tokenizer", "tokenizer"),
+    ("holdout", "holdout"),
+)
+
+
+def data_step(name: str) -> tuple[str, str]:
+    """The step that writes the data a workflow names `name`: the tokens, or a score step's."""
+    return TOKENS_STEP if name == TOKENS else ("score", name)
+
+
 __all__ = [
     "RUN_FILE",
     "STEP_FILE",
@@ -103,9 +116,10 @@ class Runner:
         self.ctx = RunContext(wf, engine, self.engine_options, dry_run, overwrite, [], self.write_record)
         self.steps: list[Step] = self.ctx.steps
         self.outputs: list[str] = []  # the names the steps write directly in run_dir (run.json's)
-        self.stale: set[str] = set()  # steps that would run (dry run: what reads them must wait)
+        # the steps (Step.ref) that would run (dry run: what reads them must wait)
+        self.stale: set[tuple[str, str]] = set()
         # ... and those that would run only to remake what their records hold (`Step.output_as_recorded`)
-        self.remade: set[str] = set()
+        self.remade: set[tuple[str, str]] = set()
 
     # -- the whole run
     def run(self) -> list[Step]:
@@ -249,13 +263,13 @@ class Runner:
         ]
         if self.dry_run and waiting:
             self._refuse_redoing(step, waiting)
-            self.stale.add(step.name)
-            return self._say(step, "would run", f"after {', '.join(waiting)}")
+            self.stale.add(step.ref)
+            return self._say(step, "would run", f"after {', '.join(name for _, name in waiting)}")
         detail = step.done()
         if detail is not None:
             return self._say(step, "up to date", detail)
         if self.dry_run:
-            (self.remade if step.output_as_recorded else self.stale).add(step.name)
+            (self.remade if step.output_as_recorded else self.stale).add(step.ref)
             return self._say(step, "would run", step.plan())
         t0 = time.perf_counter()
         status, detail = step.run()
@@ -267,13 +281,13 @@ class Runner:
         """A data step whose output holds shards, downstream of a model or tokenizer this run will
         (re)train, would be made again from the new one: its stage would refuse the old shards after
         the training it waited for. Refused now instead, unless --overwrite (which redoes it)."""
-        steps = {s.name: s for s in self.steps}
+        steps = {s.ref: s for s in self.steps}
         replaced = [u for u in waiting if u in steps and steps[u].kind in ("model", "tokenizer")]
         if not replaced or self.overwrite or not isinstance(step, DataStep) or not has_shards(step.out):
             return
-        damaged = [f"{u}: {steps[u].damage}" for u in replaced if getattr(steps[u], "damage", None)]
+        damaged = [f"{u[1]}: {steps[u].damage}" for u in replaced if getattr(steps[u], "damage", None)]
         raise WorkflowError(
-            f"{step.kind} {step.name}: {step.out} holds output made with the {' and '.join(replaced)} this run "
+            f"{step.kind} {step.name}: {step.out} holds output made with the {' and '.join(name for _, name in replaced)} this run "
             f"would train again ({'; '.join(damaged) or 'its settings or data changed'}), so it would be made "
             "again; pass --overwrite to redo it, or use another run_dir"
         )
@@ -322,24 +336,26 @@ class Runner:
         for m in wf.models:
             out = wf.model_dir(m.name)
             config = functools.partial(self._train_config, m, wf.tokens_dir(), out, loss=m.loss, seed=m.seed)
-            yield TrainStep("model", m.name, out, self.ctx, [TOKENS], make_config=config, nproc=m.nproc)
+            yield TrainStep("model", m.name, out, self.ctx, [TOKENS_STEP], make_config=config, nproc=m.nproc)
         for s in wf.scores:
             yield self._score(s)
         if wf.agreement is not None:
             pairs = [n for p in wf.agreement.pairs for n in (p.y, p.x)]
             out = wf.root / wf.agreement.out
-            yield AgreementStep("agreement", "agreement", out, self.ctx, list(dict.fromkeys(pairs)))
+            yield AgreementStep(
+                "agreement", "agreement", out, self.ctx, [data_step(n) for n in dict.fromkeys(pairs)]
+            )
         if wf.train:
             t = wf.train
             if wf.eval:
                 yield UnigramStep(
-                    "eval", "unigram", wf.root / wf.eval.out / "unigram.json", self.ctx, [TOKENS]
+                    "eval", "unigram", wf.root / wf.eval.out / "unigram.json", self.ctx, [TOKENS_STEP]
                 )
             items = None
             if wf.accuracy:
                 out = wf.accuracy_items_dir()
                 items = AccuracyItemsStep(
-                    "accuracy", "heldout-items", out, self.ctx, ["tokenizer", "holdout"]
+                    "accuracy", "heldout-items", out, self.ctx, [TOKENIZER_STEP, HOLDOUT_STEP]
                 )
                 yield items
             # seed by seed, each run evaluated once trained: a run stopped part way has every run at
@@ -351,7 +367,9 @@ class Runner:
                     config = functools.partial(
                         self._train_config, t, wf.data_dir(r.data), out, seed=seed, **loss
                     )
-                    yield TrainStep("train", name, out, self.ctx, [r.data], make_config=config, nproc=t.nproc)
+                    yield TrainStep(
+                        "train", name, out, self.ctx, [data_step(r.data)], make_config=config, nproc=t.nproc
+                    )
                     for text in wf.eval_texts() if wf.eval else ():
                         label = "" if text == "main" else f" ({text})"
                         yield EvalStep(
@@ -359,7 +377,7 @@ class Runner:
                             name + label,
                             wf.eval_file(r.name, seed, text),
                             self.ctx,
-                            [name],
+                            [("train", name)],
                             run_spec=r,
                             seed=seed,
                             text=text,
@@ -371,7 +389,7 @@ class Runner:
                             name,
                             out,
                             self.ctx,
-                            [name, "heldout-items"],
+                            [("train", name), items.ref],
                             run_spec=r,
                             seed=seed,
                             items=items,
@@ -410,7 +428,9 @@ class Runner:
                 t.overflow,
             )
 
-        return DataStep("tokenize", TOKENS, wf.tokens_dir(), self.ctx, ["tokenizer", "holdout"], build=build)
+        return DataStep(
+            "tokenize", TOKENS, wf.tokens_dir(), self.ctx, [TOKENIZER_STEP, HOLDOUT_STEP], build=build
+        )
 
     def _score(self, s) -> DataStep:
         from entroweight.transforms.select import document_steps
@@ -420,7 +440,9 @@ class Runner:
 
         wf = self.wf
         sources = s.sources()
-        upstream = [TOKENS, s.checkpoint_from or "", s.weighting.quantiles_from or "", *sources]
+        upstream = [TOKENS_STEP, *(data_step(x) for x in sources)]
+        upstream += [("model", s.checkpoint_from)] if s.checkpoint_from else []
+        upstream += [("score", s.weighting.quantiles_from)] if s.weighting.quantiles_from else []
 
         def build():
             from entroweight.transforms.derive import derived_unit

@@ -105,7 +105,7 @@ class Step:
     name: str
     out: Path
     run_ctx: RunContext = field(repr=False)
-    upstream: list[str] = field(default_factory=list)
+    upstream: list[tuple[str, str]] = field(default_factory=list)  # the `ref`s of the steps it reads
     status: str = "pending"  # up to date | ran | would run | failed
     #: (dry run) the step would run, but only to write what its records already say it holds (a data
     #: step's shards that went missing): a step that plans from those records alone plans as if it
@@ -119,6 +119,12 @@ class Step:
     detail: str = ""
     seconds: float = 0.0
     manifests: list[dict] | None = None
+
+    @property
+    def ref(self) -> tuple[str, str]:
+        """What names the step among a run's: its kind and name (a train run and its evaluation share
+        a name, and a model may be named as a score is)."""
+        return self.kind, self.name
 
     @property
     def wf(self):
