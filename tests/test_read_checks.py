@@ -212,6 +212,34 @@ def test_stages_refuse_an_input_shard_that_differs_from_its_manifest(flipped, ti
     assert cli("verify", out).exit_code == 1  # a hole that verify names, not a silent loss
 
 
+# every reader of a whole scored directory (enumerated: each front end that takes one), handed one
+# with a hole (a shard its run planned but never committed: a crashed run's output)
+WHOLE_READERS = {
+    "compare": lambda d, scored, model, out: ["compare", d, scored],
+    "export-data": lambda d, scored, model, out: ["export-data", d, "--format", "hf", "--out", out],
+    "weigh": lambda d, scored, model, out: ["weigh", d, "--out", out],
+    "weigh --quantiles-from": lambda d, scored, model, out: [
+        "weigh", scored, "--weighting", "quantile", "--quantiles-from", d, "--out", out],
+    "score --quantiles-from": lambda d, scored, model, out: [
+        "score", scored, "--scorer", "causal_loss", "--model", model, "--dtype", "fp32",
+        "--weighting", "quantile", "--quantiles-from", d, "--out", out],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("reader", WHOLE_READERS)
+def test_every_reader_refuses_a_scored_directory_with_a_hole(scored, tiny_llama, tmp_path, reader):
+    """Rule: no reader takes part of a run's output for the whole. --quantiles-from read what a crashed
+    reference run had committed (5 % of it, exit 0, every weight off), where weigh, export-data and
+    compare refused it."""
+    holed = tmp_path / "holed"
+    shutil.copytree(scored, holed)
+    next(holed.glob(".part-*1.manifest.json")).unlink()  # a shard not committed
+    out = tmp_path / "out"
+    r = cli(*WHOLE_READERS[reader](holed, scored, tiny_llama, out))
+    assert r.exit_code == 2 and "is incomplete" in r.output and "Traceback" not in r.output, r.output
+    assert not out.exists()
+
+
 def test_compare_refuses_a_shard_that_differs_from_its_manifest_or_a_hole(flipped, scored, tmp_path):
     """compare reads whole directories like every other reader: complete, each shard checked."""
     r = cli("compare", flipped, scored)

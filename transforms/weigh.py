@@ -276,7 +276,7 @@ def entropy_quantiles(scored: str | Path, n: int = 101, max_tokens: int = 5_000_
     from entroweight.schemas.weighted import ENTROPY, EXCLUDED, excluded_mask, matrix
 
     hint = "quantiles are read from the entropies of a scored directory"
-    d, files = data_files(scored, kind="weighted", complete=False, hint=hint)
+    d, files = data_files(scored, kind="weighted", hint=hint)  # a reference whole, as every reader reads
     chunks, total, entropies = [], 0, False
     for f in files:
         table = d.read_table(f, (ENTROPY, "n_pad", EXCLUDED))  # each shard checked (DataDirError)
