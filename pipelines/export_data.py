@@ -14,6 +14,7 @@ there (every float16 is a float32: no loss). `export.json` records the provenanc
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import shutil
@@ -320,8 +321,6 @@ def check_request(src: str | Path, out: str | Path, fmt: str, overwrite: bool) -
         raise ExportError(str(e)) from None
     if storage.is_local(out) and Path(out).exists() and not Path(out).is_dir():
         raise ExportError(f"--out {out} is a file; name a directory for the export")
-    if not overwrite and storage.output_owner(out) == "export-data":
-        raise ExportError(f"--out {out} already holds an export; pass --overwrite to replace it")
     if EXTRAS[fmt]:
         try:
             _quiet_import(MEGATRON_MODULE if fmt == "megatron" else "litdata")
@@ -329,6 +328,29 @@ def check_request(src: str | Path, out: str | Path, fmt: str, overwrite: bool) -
             raise ExportError(
                 f"--format {fmt} needs {e.name}: pip install 'entroweight[{EXTRAS[fmt]}]'"
             ) from None
+
+
+def _made_of(source: Source, fmt: str, bpb: list[dict] | None) -> dict:
+    """What an export is a function of, as export.json records it: the format, the source (where it
+    lies, and its committed shards: each one's sha256 as its manifest records it), this code and the
+    card's BPB rows. An export recording the same is this export (`export_data` does nothing)."""
+    shards = [[p.location.rsplit("/", 1)[-1], p.manifest.output_sha256] for p in source.parts]
+    return {
+        "format": fmt,
+        "source": storage.key(source.path),
+        "source_sha256": hashlib.sha256(json.dumps(shards).encode()).hexdigest(),
+        "code_version": __version__,
+        "bpb": bpb or [],
+    }
+
+
+def _recorded(out) -> dict | None:
+    """The record of the export in `out` (export.json), or None where it does not read as one."""
+    try:
+        record = json.loads(storage.path(out).joinpath(EXPORT_RECORD).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def export_data(
@@ -343,6 +365,19 @@ def export_data(
     """
     check_request(src, out, fmt, overwrite)
     source = open_scored(src)
+    made_of = _made_of(source, fmt, bpb)
+    if not overwrite and storage.output_owner(out) == "export-data":
+        done = _recorded(out)
+        same = done is not None and {k: done.get(k) for k in made_of} == made_of
+        files = sum(size for name, size in storage.walk(out).items() if name != EXPORT_RECORD)
+        if same and files == done.get("bytes"):
+            return {**done, "up_to_date": True}  # this very export: a rerun (a retry) does nothing
+        why = (
+            "this export, but its files differ from its record (changed, or some removed)"
+            if same
+            else "an export" + (" of other data or another format" if done else "")
+        )
+        raise ExportError(f"--out {out} already holds {why}; pass --overwrite to replace it")
     if fmt == "litdata" and not any(p.manifest.rows_out for p in source.parts):  # before any writing
         raise ExportError(no_rows(src) + _NO_LITDATA_ROWS)
     if storage.is_url(out):
@@ -359,13 +394,10 @@ def export_data(
     tmp.mkdir()
     try:
         record = {
-            "format": fmt,
-            "source": storage.key(source.path),
-            "code_version": __version__,
+            **made_of,
             "metadata": source.meta,
             "weight_dtype": source.weight_dtype,
             "counts": {},  # filled as the writer reads
-            "bpb": bpb or [],
         }
         try:
             WRITERS[fmt](source, tmp, record)

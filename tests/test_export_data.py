@@ -451,3 +451,26 @@ def test_an_out_that_is_a_link_is_exported_where_it_leads(scored, tmp_path):
         assert link.is_symlink() and link.resolve() == target.resolve(), name
         assert (target / "export.json").is_file(), name
     assert not list(tmp_path.glob(".*export-tmp"))
+
+
+@pytest.mark.parametrize("fmt", ["hf", "megatron", "litdata"])
+def test_a_rerun_of_the_same_export_does_nothing(scored, tmp_path, fmt):
+    """Rule: a command rerun as it was (a scheduler's retry, or after a kill that came just after the
+    export was renamed into place) completes as the stages do: "nothing to do", exit 0, the export
+    untouched; it was refused ("already holds an export"). Another source or format, or an export
+    whose files differ from its record, is refused as before."""
+    out = tmp_path / "out"
+    assert export(scored, out, fmt).exit_code == 0
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
+    res = export(scored, out, fmt)
+    assert res.exit_code == 0 and res.output.startswith(f"nothing to do: {out} already holds this export"), (
+        res.output
+    )
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()} == files
+    res = export(scored, out, "hf" if fmt != "hf" else "megatron")
+    assert res.exit_code == 2 and "already holds an export of other data or another format" in res.output
+    victim = sorted(p for p in files if p.name != "export.json")[-1]
+    victim.unlink()
+    res = export(scored, out, fmt)
+    assert res.exit_code == 2 and "its files differ from its record" in res.output, res.output
+    assert export(scored, out, fmt, "--overwrite").exit_code == 0

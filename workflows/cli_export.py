@@ -35,10 +35,14 @@ def export_data_cmd(scored, fmt, out, overwrite):
         except ExportError as e:
             _fail(str(e))
     c = record["counts"]
-    click.echo(
-        f"wrote {out} ({fmt}): {c['documents']} documents, {c['rows']} rows, {c['real_tokens']} tokens, "
-        f"{record['bytes_per_real_token']} bytes per token"
+    size = record["bytes_per_real_token"]
+    what = f"({fmt}): {c['documents']} documents, {c['rows']} rows, {c['real_tokens']} tokens" + (
+        f", {size} bytes per token" if size is not None else ""
     )
+    if record.get("up_to_date"):
+        click.echo(f"nothing to do: {out} already holds this export of {scored} {what}")
+    else:
+        click.echo(f"wrote {out} {what}")
 
 
 def workflow_bpb(scored: str) -> list[dict]:
