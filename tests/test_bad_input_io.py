@@ -351,13 +351,16 @@ SOURCE_COMMANDS = sorted(
 def test_every_command_that_lists_sources_says_what_it_leaves_out_or_reads_once(
     tmp_path, c4_lines, tokenizer_dir, command
 ):
-    """A file of no source suffix is not read, and a file two sources name (the file and its
-    directory) is read once: every command that lists sources says both on stderr. The workflow
-    run said neither, and a file named twice was read once without a word by every command."""
+    """A file of no source suffix is not read, a hidden file or directory is not read, and a file two
+    sources name (the file and its directory) is read once: every command that lists sources says
+    each on stderr. The workflow run said none, a file named twice was read once without a word by
+    every command, and hidden documents were left out without one."""
     assert SOURCE_COMMANDS == ["tokenize", "train-tokenizer"], "a new command of SOURCES: add it here"
     src = tmp_path / "src"
     write(src / "b.jsonl", c4_lines[:6])
     write(src / "c.jsonl.gzip", c4_lines[6:9])
+    write(src / ".d.jsonl", c4_lines[9:10])
+    write(src / ".e" / "f.jsonl", c4_lines[10:11])
     sources = [str(src), str(src / "b.jsonl")]
     out = str(tmp_path / "out")
     args = {
@@ -371,6 +374,8 @@ def test_every_command_that_lists_sources_says_what_it_leaves_out_or_reads_once(
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0 and "Traceback" not in res.output, res.output
     assert f"note: 1 file(s) of no source suffix not read: {src}/c.jsonl.gzip" in res.stderr + res.output
+    said = f"note: 2 hidden file(s) or director(ies) not read: {src}/.d.jsonl, {src}/.e"
+    assert said in res.stderr + res.output, res.output
     said = f"1 file(s) reached more than once (named by two sources, or through a link), read once: {src / 'b.jsonl'}"
     assert said in res.stderr + res.output, res.output
 

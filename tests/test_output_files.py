@@ -120,6 +120,7 @@ def test_an_output_inside_a_source_directory_is_not_read_and_is_said(
     src = tmp_path / "corpus"
     src.mkdir()
     (src / "docs.jsonl").write_text(_docs(5))
+    (src / ".hidden.jsonl").write_text(_docs(2))  # not read either, and said (on a store too)
     if owner == "run":  # a workflow run (tests/test_workflow.py runs one): its record and a model in it
         run = src / "runs" / "r"
         shutil.copytree(outputs["train"][0], run / "models" / "m")
@@ -133,6 +134,7 @@ def test_an_output_inside_a_source_directory_is_not_read_and_is_said(
         assert "5 docs in, 5 docs out" in text and "0 rejected" in text, text
         said = text.split("director(ies) holding another entroweight command's output not read", 1)
         assert len(said) == 2 and all(d.name in said[1] for d in inside), text
+        assert "1 hidden file(s) or director(ies) not read: " in text and ".hidden.jsonl" in text, text
     code, text = _tokenize(inside[0], tmp_path / "alone", tokenizer_dir)
     assert code == 2 and f"is the output of `entroweight {owner}`, not documents" in text, text
     assert "Traceback" not in text and not (tmp_path / "alone").exists()

@@ -149,7 +149,10 @@ def is_stage_output(path: str | Path) -> bool:
 
 
 def _expand_url(
-    spec: str, skipped: list[str] | None = None, outputs: list[str] | None = None
+    spec: str,
+    skipped: list[str] | None = None,
+    outputs: list[str] | None = None,
+    hidden: list[str] | None = None,
 ) -> dict[str, tuple[int, str | None]]:
     """{url: (size, version)} of the data files a URL names (s3://bucket/prefix/*.jsonl.gz, a prefix,
     an object), from the listing alone (one LIST per 1,000 objects, no request per file); hidden files
@@ -184,12 +187,10 @@ def _expand_url(
         if outputs is not None:
             outputs += [f"{proto}://{d}" for d in other if not any(d.startswith(o + "/") for o in other)]
         stage_dirs |= set(other)
-        found = {
-            f: info
-            for f, info in found.items()
-            if not any(part.startswith(".") for part in f[len(root) :].split("/"))
-            and not any(f.startswith(d + "/") for d in stage_dirs)
-        }
+        found = {f: info for f, info in found.items() if not any(f.startswith(d + "/") for d in stage_dirs)}
+        if hidden is not None:  # the first hidden name on each path, once
+            hidden += sorted({f"{proto}://{root}{h}" for f in found if (h := _hidden_prefix(f[len(root) :]))})
+        found = {f: info for f, info in found.items() if not _hidden_prefix(f[len(root) :])}
         if not any(file_format(f) for f in found):
             raise SourceError(f"the directory {spec} holds no {', '.join(sorted(SUFFIXES))} file")
     elif fs.isfile(inner):
@@ -221,6 +222,13 @@ def _expand_url(
     return files
 
 
+def _hidden_prefix(relative: str) -> str:
+    """The path up to its first hidden name (one starting with "."), or "" where it has none."""
+    parts = relative.split("/")
+    hid = next((i for i, part in enumerate(parts) if part.startswith(".")), None)
+    return "" if hid is None else "/".join(parts[: hid + 1])
+
+
 def _not_an_output(spec: str, names: list[str]) -> None:
     """Refuse a source directory that is another command's output (`storage.command_output`), as
     a stage's is refused: its files are records, not documents."""
@@ -231,12 +239,12 @@ def _not_an_output(spec: str, names: list[str]) -> None:
         )
 
 
-def _walk(root: str, outputs: list[str]) -> list[str]:
+def _walk(root: str, outputs: list[str], hidden: list[str]) -> list[str]:
     """Files under `root`, following symlinked directories (a symlink loop is refused). Hidden files
     and directories (a stage's bookkeeping: .stage.json, manifests, .rejects/) and stage output
     directories are skipped: sources are documents, never this project's own files. So are the
     outputs of the other commands (a training run, an export, an evaluation: `storage.command_output`),
-    which are added to `outputs` for the caller to say."""
+    which are added to `outputs`, and the hidden names to `hidden`, for the caller to say."""
     seen: set[str] = set()
     files: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
@@ -251,6 +259,7 @@ def _walk(root: str, outputs: list[str]) -> list[str]:
             dirnames[:] = []
             outputs.append(dirpath)
             continue
+        hidden += [os.path.join(dirpath, n) for n in sorted(dirnames + filenames) if n.startswith(".")]
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         files += [os.path.join(dirpath, f) for f in filenames if not f.startswith(".")]
     return sorted(files)
@@ -273,6 +282,7 @@ def source_files(
     out: dict[str, tuple[int, int | None] | None] = {}
     skipped: list[str] = []
     outputs: list[str] = []  # directories of other commands' outputs inside a source directory
+    hidden: list[str] = []  # names starting with "." inside a source directory
     repeated: list[str] = []
     for spec in specs:
         if storage.blank(spec):
@@ -286,7 +296,7 @@ def source_files(
             continue
         if storage.is_url(spec):
             # object stores keep no stable mtime across listings: the size stands alone
-            listed = _expand_url(spec, skipped, outputs)
+            listed = _expand_url(spec, skipped, outputs, hidden)
             repeated += [f for f in listed if f in out]
             out.update((f, (size, None, version)) for f, (size, version) in listed.items())
             continue
@@ -302,7 +312,7 @@ def source_files(
                     "name the documents it was made from"
                 )
             _not_an_output(spec, os.listdir(spec))
-            matches = _walk(spec, outputs)
+            matches = _walk(spec, outputs, hidden)
             if not any(file_format(m) for m in matches):
                 raise SourceError(f"the directory {spec} holds no {', '.join(sorted(SUFFIXES))} file")
         elif os.path.isfile(spec):
@@ -338,6 +348,10 @@ def source_files(
         if skipped:  # a directory's README is no loss, but a misnamed data file would be one
             notes.append(
                 f"{len(skipped)} file(s) of no source suffix not read: {storage.some_of(skipped, 5)}"
+            )
+        if hidden:  # a .git or .DS_Store is no loss, but a hidden copy of data would be one
+            notes.append(
+                f"{len(hidden)} hidden file(s) or director(ies) not read: {storage.some_of(hidden, 5)}"
             )
         if outputs:  # said: a run's records are no documents, but a user may have meant them
             notes.append(
