@@ -167,8 +167,7 @@ def inspect_data(
     require=(),
     tokenizer_sha256: str | None = None,
     vocab_size: int | None = None,
-    tokenizer_advice: str = "give data of the model's tokenizer (re-tokenize it), or, to train on this "
-    "data, start a new run (not --resume)",
+    tokenizer_advice: str = "give data of the model's tokenizer (re-tokenize it)",  # train words its own
 ) -> DataInfo:
     """Check every file's schema and provenance before any training; raise DataError saying what to do
     (`tokenizer_advice`: where the data's tokenizer is not `tokenizer_sha256`)."""
