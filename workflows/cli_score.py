@@ -103,7 +103,7 @@ def scorer_options(flags: dict, generic: tuple[str, ...]) -> tuple[dict, set[str
     default=None,
     help="Token budget per forward pass (rows × width, rows sorted by length over the whole shard; "
     "packed rows: whole sequences as wide as the data's rows, at least one); instead of --batch-size. "
-    "Speed and memory, not values.",
+    "Speed and memory; values alike to float rounding (~1e-6: a row's sums run in another order).",
 )
 @click.option(
     "--cpus-per-worker",
