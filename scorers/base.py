@@ -58,7 +58,11 @@ class ScorerOptions(Options):
 
     model_config = ConfigDict(extra="forbid")
 
-    batch_size: int = Field(16, ge=1, description="Rows per forward pass: speed and memory (values alike to float rounding, ~1e-6).")
+    batch_size: int = Field(
+        16,
+        ge=1,
+        description="Rows per forward pass: speed and memory (values alike to float rounding, ~1e-6).",
+    )
     device: str = Field("cpu", description="A torch device: cpu, cuda, cuda:N, mps.")
 
     @field_validator("device")
