@@ -1146,3 +1146,36 @@ def test_the_dry_run_says_what_the_run_does_when_one_step_is_redone(experiment_r
     would, did = _would_and_did(wf)
     assert would == did, (would, did)
     assert want <= did and not any(s.startswith(("train", "accuracy", "score")) for s in did - want), did
+
+
+@pytest.mark.parametrize(
+    "result, step",
+    [
+        ("eval/reference/seed-0.json", "eval reference/seed-0"),
+        ("eval/weighted/seed-0.heldout.json", "eval weighted/seed-0 (heldout)"),
+        ("eval/unigram.json", "eval unigram"),
+        ("accuracy/reference/seed-0.json", "accuracy reference/seed-0"),
+    ],
+)
+def test_a_result_edited_by_hand_is_refused_by_the_report_and_made_again(
+    experiment_run, tmp_path, result, step
+):
+    """Rule: a number in the report is its step's. A step's result (an evaluation, an accuracy) edited
+    by hand was up to date to the run and shown by the report; each is sealed with the sha256 of its
+    content (workflows/results.py): the report refuses it, naming it, and the run makes it again."""
+    assert run_cli("run", experiment_run["yaml"])[0] == 0  # as the fixture's spec (other tests edit it)
+    f = experiment_run["root"] / result
+    original = json.loads(f.read_text())
+    f.write_text(json.dumps({**original, **({"bpb": 1.2345} if "bpb" in original else {"run": "edited"})}))
+    code, out = run_cli("report", experiment_run["root"], "--out", tmp_path / "r.html")
+    assert code == 2 and str(f) in out and "edited since its step wrote it" in out, out
+    assert not (tmp_path / "r.html").exists()
+    if "bpb" in original:  # the run's BPB rows go on an export's card: read as the report reads them
+        scores = experiment_run["root"] / "scores" / "causal_loss"
+        code, out = run_cli("export-data", scores, "--format", "hf", "--out", tmp_path / "export")
+        assert code == 2 and "edited since its step wrote it" in out and not (tmp_path / "export").exists(), (
+            out
+        )
+    would, did = _would_and_did(experiment_run["yaml"])
+    assert would == did == {step}, (would, did)
+    assert json.loads(f.read_text())["record_sha256"] == original["record_sha256"]

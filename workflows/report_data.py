@@ -31,6 +31,7 @@ from entroweight.schemas.weighted import (
 from entroweight.trainers.checkpoint import METRICS, STATE
 
 from . import stats
+from .results import edited
 from .spec import PRIMARY, TOKENS, SpecError, Workflow, parse_workflow
 
 
@@ -43,11 +44,17 @@ def read_record(path: Path, what: str = "record") -> Any:
     """A JSON record of the run (run.json, an evaluation, the agreement table), or ReportError naming
     the file when it cannot be read: cut short or edited into something else."""
     try:
-        return json.loads(path.read_bytes())
+        record = json.loads(path.read_bytes())
     except (OSError, ValueError) as e:
         raise ReportError(
             f"{path} is not a readable {what} ({e}); `entroweight run` makes it again once it is removed"
         ) from None
+    if edited(record):  # a number in the report is its step's, or the report is not made
+        raise ReportError(
+            f"{path} was edited since its step wrote it (its content differs from its seal); "
+            "`entroweight run` makes it again"
+        )
+    return record
 
 
 def read_number(path: Path, key: str, what: str) -> float:

@@ -31,6 +31,7 @@ from entroweight.trainers.checkpoint import STATE, is_the_file_saved
 from entroweight.transforms.writer import sha256_file, write_json_atomic
 
 from .report import read_metrics, write_report
+from .results import edited, sealed
 
 if TYPE_CHECKING:
     from .spec import Workflow
@@ -54,12 +55,13 @@ def _key(obj: Any) -> str:
 def _record(path: Path) -> dict:
     """A step's own JSON record (its marker, a cached result, a checkpoint's state), or {} where there
     is none that can be read: absent, cut short, edited into something else. A step whose record is
-    unreadable is not done, so it is made again (no run is blocked by a derived file gone bad)."""
+    unreadable is not done, so it is made again (no run is blocked by a derived file gone bad); so is
+    a result edited by hand since (`results.edited`)."""
     try:
         record = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return {}
-    return record if isinstance(record, dict) else {}
+    return record if isinstance(record, dict) and not edited(record) else {}
 
 
 def _recorded_key(marker: Path) -> str | None:
@@ -464,7 +466,7 @@ class EvalStep(Step):
         text, max_bytes = self._text()
         res = eval_bpb(self.ckpt, text, e.n_ctx, e.stride, None, max_bytes, e.batch_size, e.device)
         res |= {"key": self.key(), "run": r.name, "seed": self.seed, "loss": r.loss, "data": r.data}
-        write_json_atomic({**res, "checkpoint": str(self.ckpt)}, self.out)
+        write_json_atomic(sealed({**res, "checkpoint": str(self.ckpt)}), self.out)
         return "ran", f"BPB {res['bpb']:.4f}"
 
 
@@ -507,7 +509,7 @@ class UnigramStep(Step):
 
         e = self.wf.eval
         res = unigram_bpb([str(self.wf.tokens_dir())], self.run_ctx.tokenizer_file(), e.text, e.max_bytes)
-        write_json_atomic({**res, "key": self.key()}, self.out)
+        write_json_atomic(sealed({**res, "key": self.key()}), self.out)
         return "ran", f"BPB {res['bpb']:.4f}"
 
 
@@ -545,7 +547,7 @@ class AgreementStep(Step):
                 what, m, b, r2 = WRITEUP[pair.writeup]
                 row["writeup"] = {"key": pair.writeup, "what": what, "slope": m, "intercept": b, "r2": r2}
             rows.append(row)
-        write_json_atomic({"key": self.key(), "column": spec.column, "pairs": rows}, self.out)
+        write_json_atomic(sealed({"key": self.key(), "column": spec.column, "pairs": rows}), self.out)
         said = [(r, "undefined" if r["r2"] is None else f"{r['r2']:.4f}") for r in rows]  # None: one value
         return "ran", "; ".join(f"{r['y']} vs {r['x']} R² {r2}" for r, r2 in said)
 
@@ -756,7 +758,7 @@ class AccuracyStep(Step):
         res = {"key": self.key(), "run": r.name, "seed": self.seed, "loss": r.loss, "data": r.data, **res}
         # what pairs two results item by item (McNemar): the same items file
         res["items_sha256"] = sha256_file(items) if items is not None else None
-        write_json_atomic({**res, "checkpoint": str(self.ckpt)}, self.out)
+        write_json_atomic(sealed({**res, "checkpoint": str(self.ckpt)}), self.out)
         return "ran", headline_metrics(res)
 
 
