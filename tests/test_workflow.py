@@ -1179,3 +1179,17 @@ def test_a_result_edited_by_hand_is_refused_by_the_report_and_made_again(
     would, did = _would_and_did(experiment_run["yaml"])
     assert would == did == {step}, (would, did)
     assert json.loads(f.read_text())["record_sha256"] == original["record_sha256"]
+
+
+def test_outputs_no_step_writes_any_more_are_said(experiment_run, tmp_path):
+    """A train run renamed (or a seed, a score step removed) leaves its checkpoint, evaluations and
+    accuracy in run_dir, which no step writes now and the report leaves out: the dry run and the run
+    say so (kept: they may be wanted). Before, nothing mentioned them."""
+    spec = copy.deepcopy(experiment_run["spec"])
+    spec["train"]["runs"][1]["name"] = "renamed"
+    code, out = run_cli("run", write_yaml(tmp_path / "renamed.yaml", spec), "--dry-run")
+    assert code == 0, out
+    said = "note: 3 output(s) in {} that no step of this workflow writes".format(experiment_run["root"])
+    assert said in out and "accuracy/weighted, eval/weighted, train/weighted" in out, out
+    code, out = run_cli("run", experiment_run["yaml"], "--dry-run")
+    assert code == 0 and "no step of this workflow writes" not in out, out

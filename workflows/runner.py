@@ -143,6 +143,7 @@ class Runner:
                 raise LockHeld(str(e)) from None
             self.echo(f"plan for {root} (dry run: nothing is written)")
             self._all_steps()
+            self._say_left_behind(self.steps)
             n = sum(s.status == "would run" for s in self.steps)
             self.echo(
                 f"{n} of {len(self.steps)} step(s) would run"
@@ -156,6 +157,7 @@ class Runner:
         plan.ctx.here = True  # ... and the devices it names are on this machine
         plan.ctx.had_record = self.ctx.had_record
         plan._all_steps()
+        self._say_left_behind(plan.steps)
         # what earlier runs here wrote too (a step since removed from the workflow left its output)
         self.outputs = sorted(
             set(_names_in(root, [s.out for s in plan.steps])) | set(storage.run_outputs(root) or [])
@@ -182,6 +184,16 @@ class Runner:
         else:
             self.echo(f"done: {len(ran)} step(s) ran in {time.perf_counter() - start:.1f} s -> {root}")
         return self.steps
+
+    def _say_left_behind(self, steps: list[Step]) -> None:
+        """Say what earlier runs left in run_dir that no step writes now (`left_behind`): kept (it may
+        be wanted), but the report and the experiment's tables leave it out."""
+        if old := left_behind(self.wf.root, [s.out for s in steps]):
+            self.echo(
+                f"note: {len(old)} output(s) in {self.wf.root} that no step of this workflow writes (an "
+                "earlier run's, renamed or removed since; kept, and left out of the report): "
+                f"{storage.some_of(old, 5)}"
+            )
 
     def _check_sources_apart(self) -> None:
         """No source is, holds, lies inside run_dir or may match a file in it: the run writes there (a
@@ -507,6 +519,23 @@ class Runner:
             **spec.model_dump(include=set(TrainSettings.model_fields)),
             **kw,
         )
+
+
+def left_behind(root: Path, outs: list[Path]) -> list[str]:
+    """What earlier runs wrote in `root` that no step of this workflow writes (a train run, a seed, a
+    score step renamed or removed since), relative to `root`: the entries of each directory that holds
+    a step's output, below `root` (its own names are run.json's `outputs`), that are no step's output
+    and hold none. Hidden names and temporary files are bookkeeping, not outputs."""
+    root = Path(root)
+    outs = {Path(p) for p in outs if Path(p).is_relative_to(root) and Path(p) != root}
+    holders = {a for p in outs for a in p.parents if a.is_relative_to(root) and a != root}
+    found = []
+    for d in sorted(holders):
+        for entry in sorted(d.iterdir()) if d.is_dir() else ():
+            hidden = entry.name.startswith(".") or storage.TMP_MARK in entry.name
+            if not hidden and entry not in outs and entry not in holders:
+                found.append(str(entry.relative_to(root)))
+    return found
 
 
 def _names_in(root: Path, outs: list[Path]) -> list[str]:
