@@ -47,11 +47,17 @@ class LockHeld(StageError):
 class StageFailed(RuntimeError):
     """Some shards failed; completed shards stay valid and a rerun retries the failed ones."""
 
-    def __init__(self, stage: str, failures: list[ShardResult]):
+    def __init__(self, stage: str, failures: list[ShardResult], shards: int | None = None):
+        """`shards`: how many the run has in all (done before it included), where known."""
         self.failures = failures
         lines = "\n".join(f"  {r.shard}: {r.error}" for r in failures)
+        others = (
+            "there were no others"
+            if shards is not None and shards <= len(failures)
+            else "the others are done and kept"
+        )
         super().__init__(
-            f"{stage}: {len(failures)} shard(s) failed; the others are done and kept. Once each cause below "
+            f"{stage}: {len(failures)} shard(s) failed; {others}. Once each cause below "
             f"is fixed (or if it was transient), a rerun retries only these:\n{lines}"
         )
 
@@ -822,7 +828,7 @@ def finish_run(plan: RunPlan, results: list[ShardResult], seconds: float) -> Run
     _register(plan, results)  # first: a failed run's committed shards stay registered
     failures = [r for r in results if not r.ok]
     if failures:
-        raise StageFailed(plan.stage.name, failures)
+        raise StageFailed(plan.stage.name, failures, len(plan.todo) + len(plan.done))
     made = [ShardManifest.model_validate(m) for r in results for m in r.manifests]
     manifests = plan.done + made
     rejected: dict[str, int] = {}

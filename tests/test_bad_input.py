@@ -255,9 +255,14 @@ def test_zero_byte_file_fails_its_shard(tmp_path, tokenizer_dir, name):
     stage = TokenizeStage(
         [str(tmp_path / "good.jsonl"), str(tmp_path / name)], str(tokenizer_dir), n_ctx=N_CTX
     )
-    with pytest.raises(StageFailed, match=f"{name}.*(is empty|0 bytes)"):
+    with pytest.raises(StageFailed, match=f"{name}.*(is empty|0 bytes)") as e:
         run_stage(stage, tmp_path / "out", progress=False)
+    assert "1 shard(s) failed; the others are done and kept" in str(e.value)
     assert [m.shard for m in read_manifests(tmp_path / "out")] == ["part-00000"]
+    # alone, the failure is said as such: no "others" kept (there were none)
+    alone = TokenizeStage([str(tmp_path / name)], str(tokenizer_dir), n_ctx=N_CTX)
+    with pytest.raises(StageFailed, match="1 shard\\(s\\) failed; there were no others"):
+        run_stage(alone, tmp_path / "alone", progress=False)
 
 
 DOCS = [{"id": f"d{i}", "text": f"{GOOD} Number {i}."} for i in range(5)]
