@@ -61,6 +61,24 @@ def test_eval_bpb_refuses_empty_text_and_max_bytes_0(tiny_ckpt, tmp_path, wikite
     refused(cli("eval-bpb", tiny_ckpt, "--text", wikitext_path, "--max-bytes", -5), "--max-bytes")
 
 
+@pytest.mark.parametrize("name", ["docs.jsonl", "docs.json", "docs.parquet", "docs.jsonl.gz", "gz-no-suffix"])
+def test_the_text_to_evaluate_is_plain_text_not_a_file_of_documents(tiny_ckpt, tmp_path, name):
+    """eval-bpb --text (and a workflow's eval.text) scores a file's bytes as they are: a file of
+    documents (JSON lines, parquet, compressed: by name or first bytes) gave a BPB of its markup,
+    exit 0. Refused, saying why, before the model is loaded."""
+    import gzip
+
+    f = tmp_path / name
+    line = json.dumps({"text": "A document of the user's."}) + "\n"
+    f.write_bytes(gzip.compress(line.encode()) if "gz" in name else line.encode())
+    refused(cli("eval-bpb", tiny_ckpt, "--text", f), "is a file of documents", "not plain text")
+    from entroweight.workflows.spec import SpecError, parse_workflow
+
+    spec = {"run_dir": str(tmp_path / "run"), "sources": [str(f)], "tokenizer": {"path": "t.json"}}
+    with pytest.raises(SpecError, match="eval.text: .* is a file of documents"):
+        parse_workflow({**spec, "eval": {"text": str(f)}})
+
+
 def test_eval_bpb_refuses_invalid_utf8_naming_the_offset(tiny_ckpt, tmp_path, wikitext_path):
     raw = bytearray(wikitext_path.read_bytes()[:3000])
     raw[1234] = 0xFF  # one stray byte in real text: it used to vanish from the byte count

@@ -89,6 +89,22 @@ def file_format(path: str | Path) -> str | None:
     return None
 
 
+def not_plain_text(path: str | Path) -> str | None:
+    """Why `path` is no text to score as it is (bits per byte count its exact bytes): a source of
+    documents (JSON lines, parquet, compressed), by its name or, where it exists, its first bytes;
+    None where it may be plain text."""
+    fmt = file_format(path)
+    if fmt is None and storage.is_local(path) and os.path.isfile(path):
+        with open(path, "rb") as f:
+            fmt = next((v for magic, v in MAGIC.items() if f.read(4).startswith(magic)), None)
+    if fmt is None:
+        return None
+    return (
+        f"{path} is a file of documents ({fmt}), not plain text: its bytes would be scored as they are, "
+        "markup and all; give a UTF-8 text file (e.g. the documents' text, one after another)"
+    )
+
+
 # What marks a directory as a stage's output: its files are data this project wrote, never documents.
 STAGE_MARKER = STAGE_FILE
 

@@ -177,7 +177,10 @@ def eval_bpb_cmd(ckpt_dir, unigram_data, as_json, **kw):
     from entroweight.models.checkpoint import CheckpointError
     from entroweight.schemas.tokenizer import resolve_tokenizer_path
     from entroweight.trainers.bpb import eval_bpb, unigram_bpb
+    from entroweight.transforms.sources import not_plain_text
 
+    if kw["text_path"] and (problem := not_plain_text(kw["text_path"])):
+        _fail(f"--text {problem}")
     try:
         # the options are eval_bpb's keyword arguments; a progress bar of windows when stderr is a terminal
         res = eval_bpb(ckpt_dir, **kw, progress=sys.stderr.isatty())

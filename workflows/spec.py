@@ -373,6 +373,15 @@ class EvalSpec(_Strict):
 
     _out = field_validator("out")(_inside)
 
+    @field_validator("text")
+    @classmethod
+    def _plain(cls, v: str | None) -> str | None:
+        from entroweight.transforms.sources import not_plain_text
+
+        if v is not None and (problem := not_plain_text(v)):
+            raise ValueError(problem)
+        return v
+
 
 class AccuracySpec(_Strict):
     """Downstream accuracy through lm-eval: every run and seed on `tasks`; the offline task
