@@ -19,6 +19,7 @@ from test_workflow import c4_subset, run_cli, write_yaml
 from entroweight.transforms.agreement import WRITEUP
 from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.workflows.report import bpb_table, outcome, verdict_sentence
+from entroweight.workflows.results import sealed
 from entroweight.workflows.spec import SpecError, parse_workflow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,7 +201,7 @@ def _fake_run(tmp: Path, tokenizer_dir: Path, bpb: dict, seeds: int = 5, **chang
         for s, v in enumerate(values):
             p = wf.eval_file(run, s, text)
             p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(json.dumps({"bpb": v}))
+            p.write_text(json.dumps(sealed({"bpb": v})))  # as the eval step writes it
     return wf
 
 

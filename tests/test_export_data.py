@@ -29,6 +29,7 @@ from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas.datadir import DataDir
 from entroweight.transforms.weigh import WeighConfig
 from entroweight.workflows.cli import main
+from entroweight.workflows.results import sealed
 
 # megatron-core warns on import that Transformer Engine and Apex are absent (CPU: expected)
 pytestmark = pytest.mark.filterwarnings("ignore:Transformer Engine:UserWarning")
@@ -299,10 +300,10 @@ def test_hf_layout_loads_with_datasets(scored, tmp_path):
     shutil.copytree(scored, root / "scores" / "causal_loss")
     (root / "run.json").write_text(json.dumps({"config": {"eval": {"out": "ev"}}}))
     (root / "ev" / "weighted").mkdir(parents=True)
-    (root / "ev" / "weighted" / "seed-0.json").write_text(
-        json.dumps({"run": "weighted", "seed": 0, "loss": "weighted_ce", "bpb": 2.3456, "key": "x"})
+    (root / "ev" / "weighted" / "seed-0.json").write_text(  # sealed, as the workflow's step writes it
+        json.dumps(sealed({"run": "weighted", "seed": 0, "loss": "weighted_ce", "bpb": 2.3456, "key": "x"}))
     )
-    (root / "ev" / "unigram.json").write_text(json.dumps({"bpb": 4.5}))
+    (root / "ev" / "unigram.json").write_text(json.dumps(sealed({"bpb": 4.5})))
     out = tmp_path / "hub"
     res = export(root / "scores" / "causal_loss", out, "hf")
     assert res.exit_code == 0, res.output

@@ -278,11 +278,13 @@ def test_a_seeds_value_that_is_not_a_number_is_refused_naming_its_file(tiny_run,
     run = tmp_path / "run"
     shutil.copytree(tiny_run["run_dir"], run)
     f = run / "eval" / "reference" / "seed-1.json"
-    # without its seal (a record written before seals; a sealed one edited is refused as edited:
+    from entroweight.workflows.results import sealed
+
+    # sealed, as a step that wrote such a value would have (an edit by hand is refused as such:
     # tests/test_workflow.py)
-    unsealed = {k: v for k, v in json.loads(f.read_text()).items() if k != "record_sha256"}
+    record = json.loads(f.read_text())
     for bad in (float("nan"), "abc", None):
-        f.write_text(json.dumps({**unsealed, "bpb": bad}))
+        f.write_text(json.dumps(sealed({**record, "bpb": bad})))
         with pytest.raises(ReportError, match=f"{f} holds bpb .*, not a finite number"):
             write_report(run, tmp_path / "r.html", samples=0)
 

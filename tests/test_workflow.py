@@ -1157,8 +1157,9 @@ def test_the_dry_run_says_what_the_run_does_when_one_step_is_redone(experiment_r
         ("accuracy/reference/seed-0.json", "accuracy reference/seed-0"),
     ],
 )
+@pytest.mark.parametrize("how", ["seal kept", "seal removed too"])
 def test_a_result_edited_by_hand_is_refused_by_the_report_and_made_again(
-    experiment_run, tmp_path, result, step
+    experiment_run, tmp_path, result, step, how
 ):
     """Rule: a number in the report is its step's. A step's result (an evaluation, an accuracy) edited
     by hand was up to date to the run and shown by the report; each is sealed with the sha256 of its
@@ -1166,16 +1167,16 @@ def test_a_result_edited_by_hand_is_refused_by_the_report_and_made_again(
     assert run_cli("run", experiment_run["yaml"])[0] == 0  # as the fixture's spec (other tests edit it)
     f = experiment_run["root"] / result
     original = json.loads(f.read_text())
-    f.write_text(json.dumps({**original, **({"bpb": 1.2345} if "bpb" in original else {"run": "edited"})}))
+    edit = {"bpb": 1.2345} if "bpb" in original else {"run": "edited"}
+    drop = {"record_sha256"} if how == "seal removed too" else set()
+    f.write_text(json.dumps({**{k: v for k, v in original.items() if k not in drop}, **edit}))
     code, out = run_cli("report", experiment_run["root"], "--out", tmp_path / "r.html")
-    assert code == 2 and str(f) in out and "edited since its step wrote it" in out, out
+    assert code == 2 and str(f) in out and "is not as its step wrote it" in out, out
     assert not (tmp_path / "r.html").exists()
     if "bpb" in original:  # the run's BPB rows go on an export's card: read as the report reads them
         scores = experiment_run["root"] / "scores" / "causal_loss"
         code, out = run_cli("export-data", scores, "--format", "hf", "--out", tmp_path / "export")
-        assert code == 2 and "edited since its step wrote it" in out and not (tmp_path / "export").exists(), (
-            out
-        )
+        assert code == 2 and "is not as its step wrote it" in out and not (tmp_path / "export").exists(), out
     would, did = _would_and_did(experiment_run["yaml"])
     assert would == did == {step}, (would, did)
     assert json.loads(f.read_text())["record_sha256"] == original["record_sha256"]

@@ -47,7 +47,7 @@ def export_data_cmd(scored, fmt, out, overwrite):
 
 def workflow_bpb(scored: str) -> list[dict]:
     """The BPB results of the workflow whose run directory holds SCORED (none when it is not in one)."""
-    from .report_data import ReportError, read_record
+    from .report_data import ReportError, read_result
     from .runner import RUN_FILE
 
     for root in Path(scored).resolve().parents:
@@ -57,9 +57,9 @@ def workflow_bpb(scored: str) -> list[dict]:
         eval_spec = json.loads(run.read_text()).get("config", {}).get("eval") or {}
         ev = root / eval_spec.get("out", "eval")
         try:  # each result read as the report reads it: an edited one is refused, not put on the card
-            rows = [read_record(p, "evaluation") for p in sorted(ev.glob("*/seed-*.json"))]
+            rows = [read_result(p, "evaluation") for p in sorted(ev.glob("*/seed-*.json"))]
             if (ev / "unigram.json").exists():
-                rows.append({"run": "unigram baseline", **read_record(ev / "unigram.json", "evaluation")})
+                rows.append({"run": "unigram baseline", **read_result(ev / "unigram.json", "evaluation")})
         except ReportError as e:
             _fail(str(e))
         return [{k: r.get(k) for k in ("run", "seed", "loss", "bpb")} for r in rows if "bpb" in r]

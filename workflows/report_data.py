@@ -44,15 +44,22 @@ def read_record(path: Path, what: str = "record") -> Any:
     """A JSON record of the run (run.json, an evaluation, the agreement table), or ReportError naming
     the file when it cannot be read: cut short or edited into something else."""
     try:
-        record = json.loads(path.read_bytes())
+        return json.loads(path.read_bytes())
     except (OSError, ValueError) as e:
         raise ReportError(
             f"{path} is not a readable {what} ({e}); `entroweight run` makes it again once it is removed"
         ) from None
-    if edited(record):  # a number in the report is its step's, or the report is not made
+
+
+def read_result(path: Path, what: str = "evaluation") -> Any:
+    """A step's result (an evaluation, an accuracy, the agreement table) as `read_record` reads it, or
+    ReportError naming it where it is not as its step wrote it (`results.edited`: edited by hand, its
+    seal removed, or written before seals): a number in the report is its step's."""
+    record = read_record(path, what)
+    if edited(record):
         raise ReportError(
-            f"{path} was edited since its step wrote it (its content differs from its seal); "
-            "`entroweight run` makes it again"
+            f"{path} is not as its step wrote it (edited since, or written before results were sealed: "
+            "its record_sha256 is missing or differs); `entroweight run` makes it again"
         )
     return record
 
@@ -60,7 +67,7 @@ def read_record(path: Path, what: str = "record") -> Any:
 def read_number(path: Path, key: str, what: str) -> float:
     """`key` of a JSON record, a finite number, or ReportError naming the file: a NaN read as a
     seed's value made every statistic of its table NaN, and the verdict "within noise"."""
-    record = read_record(path, what)
+    record = read_result(path, what)
     value = record.get(key) if isinstance(record, dict) else record
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ReportError(
@@ -393,7 +400,7 @@ def read_accuracy(wf: Workflow) -> dict[tuple[str, int], dict]:
         for s in wf.train.seeds:
             f = wf.accuracy_file(r.name, s)
             if f.is_file():
-                out[(r.name, s)] = read_record(f, "evaluation")
+                out[(r.name, s)] = read_result(f, "accuracy result")
     return out
 
 
@@ -625,7 +632,7 @@ def writeup_agreement(wf: Workflow) -> dict | None:
     if wf.agreement is None:
         return None
     path = wf.root / wf.agreement.out
-    return read_record(path, "agreement table") if path.is_file() else None
+    return read_result(path, "agreement table") if path.is_file() else None
 
 
 def curves(wf: Workflow) -> dict:

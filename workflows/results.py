@@ -1,7 +1,8 @@
 """A workflow step's result record (an evaluation, the agreement table, an accuracy), sealed with the
 sha256 of its own content: a record edited by hand since its step wrote it is seen, by the run
 (which makes it again) and by the report (which refuses it), as a checkpoint's weights are by their
-recorded sha256. A record without a seal (written before seals) is taken as it is."""
+recorded sha256. A record without its seal is one too (the seal removed with the edit), and so is a
+result written before seals (2026-11-28): the run makes it again once, sealed."""
 
 from __future__ import annotations
 
@@ -23,5 +24,6 @@ def sealed(record: dict) -> dict:
 
 
 def edited(record: Any) -> bool:
-    """Whether a record read back carries a seal its content no longer matches."""
-    return isinstance(record, dict) and SEAL in record and record[SEAL] != _digest(record)
+    """Whether a result read back is not as its step wrote it: no seal, or one its content no longer
+    matches."""
+    return not isinstance(record, dict) or record.get(SEAL) != _digest(record)

@@ -55,13 +55,19 @@ def _key(obj: Any) -> str:
 def _record(path: Path) -> dict:
     """A step's own JSON record (its marker, a cached result, a checkpoint's state), or {} where there
     is none that can be read: absent, cut short, edited into something else. A step whose record is
-    unreadable is not done, so it is made again (no run is blocked by a derived file gone bad); so is
-    a result edited by hand since (`results.edited`)."""
+    unreadable is not done, so it is made again (no run is blocked by a derived file gone bad)."""
     try:
         record = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return {}
-    return record if isinstance(record, dict) and not edited(record) else {}
+    return record if isinstance(record, dict) else {}
+
+
+def _result(path: Path) -> dict:
+    """A step's result (`_record`), or {} where it is not as its step wrote it (`results.edited`): an
+    edit by hand, or a result written before seals, is made again."""
+    record = _record(path)
+    return {} if edited(record) else record
 
 
 def _recorded_key(marker: Path) -> str | None:
@@ -453,7 +459,7 @@ class EvalStep(Step):
             if self.run_ctx.dry_run:
                 return None
             raise WorkflowError(f"eval {self.name}: no checkpoint at {self.ckpt}")
-        cached = _record(self.out)
+        cached = _result(self.out)
         return f"BPB {cached['bpb']:.4f}" if cached.get("key") == self.key() else None
 
     def plan(self):
@@ -498,7 +504,7 @@ class UnigramStep(Step):
         )
 
     def done(self):
-        cached = _record(self.out)
+        cached = _result(self.out)
         return f"BPB {cached['bpb']:.4f}" if cached.get("key") == self.key() else None
 
     def plan(self):
@@ -527,7 +533,7 @@ class AgreementStep(Step):
         return _key({"spec": spec, "data": {n: data_fingerprint(d) for n, d in self._dirs().items()}})
 
     def done(self):
-        cached = _record(self.out)
+        cached = _result(self.out)
         return str(self.out) if cached.get("key") == self.key() else None
 
     def plan(self):
@@ -731,7 +737,7 @@ class AccuracyStep(Step):
             if self.run_ctx.dry_run:
                 return None
             raise WorkflowError(f"accuracy {self.name}: no checkpoint at {self.ckpt}")
-        cached = _record(self.out)
+        cached = _result(self.out)
         return headline_metrics(cached) if cached.get("key") == self.key() else None
 
     def plan(self):
