@@ -19,6 +19,7 @@ import getpass
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import threading
@@ -141,16 +142,18 @@ OUTPUT_MARKS = (
     ("accuracy.json", "evaluate"),
     ("items.jsonl", "evaluate"),  # its first file: a run stopped before accuracy.json is still its own
 )
-#: What a JSON mark holds where its command wrote it: a key of its object (of its first line, for JSON
-#: lines). A user's file of the name (documents in an `items.jsonl`) marks nothing (`command_output`).
+#: What a mark holds where its command wrote it: keys of its JSON object (of its first line, for JSON
+#: lines), every one, or for a text mark a pattern of its content. A user's file of the name (a
+#: multiple-choice dataset's `items.jsonl`, a scraper's `export.json`) marks nothing (`command_output`).
 MARK_KEYS = {
-    "run.json": "steps",
-    "trainer_state.json": "weights_sha256",
-    "export.json": "format",
-    "accuracy.json": "tasks",
-    "items.jsonl": "choices",
+    "run.json": ("steps", "config", "code_version", "workflow_file"),
+    "trainer_state.json": ("step", "weights_sha256", "optimizer_sha256", "position"),
+    "export.json": ("format", "source", "code_version", "metadata", "counts"),
+    "accuracy.json": ("tasks", "groups", "lm_eval"),
+    "items.jsonl": ("prefix", "choices", "label", "doc", "cut", "tokens"),
+    "tokenizer.sha256": re.compile(r"[0-9a-f]{64}  tokenizer\.json\n?"),
 }
-MARK_BYTES = 1 << 20  # a mark is a small record: a larger file of the name is a user's
+MARK_BYTES = 1 << 20
 #: The owner of a directory holding a stage's shards but no stage record (`.stage.json` removed).
 UNKNOWN_STAGE = "a stage whose .stage.json is gone"
 #: The names (fnmatch patterns) each command writes directly in its output: any other name there is a
@@ -239,16 +242,21 @@ def command_output(directory, names) -> str | None:
         if command is None or mark not in names:
             continue
         want = MARK_KEYS.get(mark)
-        if want is None:
+        if want is None:  # a name of this project's alone (entroweight-export.json)
             return command
         try:
             with open_input(path(directory) / mark) as f:
                 head = f.read(MARK_BYTES + 1)
-            text = head.split(b"\n", 1)[0] if mark.endswith(".jsonl") else head
-            record = json.loads(text) if len(text) <= MARK_BYTES else None
+            if len(head) > MARK_BYTES:
+                continue  # a mark is a small record: a larger file of the name is a user's
+            if isinstance(want, re.Pattern):
+                if want.fullmatch(head.decode("utf-8")):
+                    return command
+                continue
+            record = json.loads(head.split(b"\n", 1)[0] if mark.endswith(".jsonl") else head)
         except (OSError, ValueError):
             continue  # unreadable or not JSON: no record of ours
-        if isinstance(record, dict) and want in record:
+        if isinstance(record, dict) and all(k in record for k in want):
             return command
     return None
 

@@ -124,7 +124,8 @@ def test_an_output_inside_a_source_directory_is_not_read_and_is_said(
     if owner == "run":  # a workflow run (tests/test_workflow.py runs one): its record and a model in it
         run = src / "runs" / "r"
         shutil.copytree(outputs["train"][0], run / "models" / "m")
-        (run / "run.json").write_text(json.dumps({"steps": {}, "outputs": ["models"]}))
+        record = {"steps": [], "config": {}, "code_version": "x", "workflow_file": "wf.yaml"}
+        (run / "run.json").write_text(json.dumps({**record, "outputs": ["models"]}))  # as the runner's
         inside = [run]
     else:
         inside = [shutil.copytree(d, src / "made" / d.name) for d in outputs[owner]]
@@ -142,14 +143,24 @@ def test_an_output_inside_a_source_directory_is_not_read_and_is_said(
 
 @pytest.mark.parametrize("mark", sorted(storage.MARK_KEYS))
 def test_a_users_file_named_as_a_mark_is_read_as_documents(mark, tmp_path, tokenizer_dir):
-    """A record's name alone marks nothing: a user's `items.jsonl` (or `run.json`, ...) of documents in
-    a source directory's subfolder is read, with its siblings (storage.MARK_KEYS: what the record holds)."""
+    """A record's name alone marks nothing, nor does one of its keys: a user's `items.jsonl` of
+    multiple-choice documents (with `choices`), a scraper's `export.json` (with `format`), ... in a
+    source directory's subfolder is read, with its siblings (storage.MARK_KEYS: all a record holds).
+    Named as the source itself, the folder is read too."""
     sub = tmp_path / "corpus" / "part"
     sub.mkdir(parents=True)
-    (sub / mark).write_text(_docs(3))
+    want = storage.MARK_KEYS[mark]
+    if isinstance(want, tuple):  # documents that share the record's first key
+        lines = [json.dumps({"text": f"a user's document {i}.", want[0]: ["x"]}) for i in range(3)]
+        (sub / mark).write_text("\n".join(lines) + "\n")
+        n = 5
+    else:  # a text mark: a user's note of that name beside the documents
+        (sub / mark).write_text("checksums of my own files\n")
+        n = 2
     (sub / "more.jsonl").write_text(_docs(2))
-    code, text = _tokenize(tmp_path / "corpus", tmp_path, tokenizer_dir)
-    assert code == 0 and "5 docs in, 5 docs out" in text and "not read" not in text, text
+    for where in (tmp_path / "corpus", sub):
+        code, text = _tokenize(where, tmp_path / f"out-{where.name}", tokenizer_dir)
+        assert code == 0 and f"{n} docs in, {n} docs out" in text and "command's output" not in text, text
 
 
 def upload(local, url) -> str:
