@@ -359,6 +359,8 @@ def test_report_never_writes_over_what_it_reads(tiny_run, out, says):  # noqa: F
         ("r.html.j2", False),
         ("r.html/", False),
         ("sub/r.html/", False),
+        ("r.html/.", False),
+        ("r.html/x/..", False),
     ],
 )
 def test_the_workflow_and_report_out_take_the_same_report_names(tmp_path, name, taken):

@@ -47,9 +47,10 @@ REPORT_FILE = f"report{REPORT_SUFFIX}"  # its name when none is given
 
 
 def is_report_name(path: str | os.PathLike) -> bool:
-    """Whether `path` (a file name, a path or a URL) is named as the report must be: a file (a name
-    that ends in / names a directory, which a Path would hide) whose suffix is REPORT_SUFFIX."""
-    return not str(path).endswith("/") and PurePosixPath(str(path)).suffix.lower() == REPORT_SUFFIX
+    """Whether `path` (a file name, a path or a URL) is named as the report must be: its last name as
+    written (a Path would hide a trailing `/`, `/.` or `/..`, which name directories) has REPORT_SUFFIX."""
+    last = str(path).replace(os.sep, "/").rsplit("/", 1)[-1]
+    return last not in ("", ".", "..") and PurePosixPath(last).suffix.lower() == REPORT_SUFFIX
 
 
 class SpecError(ValueError):
