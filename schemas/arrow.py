@@ -36,7 +36,7 @@ REJECT_SCHEMA = pa.schema(
 
 # Reasons a document is rejected; the manifest counts them by these names.
 REJECT_REASONS = (
-    "empty",  # no visible text: empty, whitespace or invisible format characters alone (sources.is_blank)
+    "empty",  # no visible text: empty, or whitespace and characters that show nothing (sources.is_blank)
     "invalid_utf8",  # bytes that are not UTF-8, or lone surrogates
     "missing_text",  # no text column, or a null text
     "not_string",  # text of another type

@@ -78,8 +78,12 @@ def test_empty_documents(tmp_path, tokenizer_dir):
 def test_whitespace_only_documents(tmp_path, tokenizer_dir):
     # whitespace, and invisible format characters (zero-width space, BOM, ZWJ, a bidi mark): no text
     blank = [" \n\t ", "\u00a0\u2003\u3000", "\u200b\u200b", "\ufeff", " \u200d\u200e\n"]
-    # a visible character among them keeps the document (an emoji sequence joined by ZWJ is text)
-    kept = [GOOD, "\u200bword", "\U0001f469\u200d\U0001f4bb"]
+    # ... combining marks and variation selectors with no base, control characters, Hangul fillers,
+    # the Braille blank
+    blank += ["\u0301\u0308", "\ufe0f\u034f", "\x00\x01", "\u3164\uffa0", "\u2800\u2800"]
+    # a visible character among them keeps the document (an emoji sequence joined by ZWJ is text;
+    # so is a letter with its combining mark, and a Braille letter)
+    kept = [GOOD, "\u200bword", "\U0001f469\u200d\U0001f4bb", "e\u0301", "\u2801"]
     src = jsonl(tmp_path / "in.jsonl", [{"text": t} for t in blank + kept])
     s, out = tokenize(tmp_path, [src], tokenizer_dir)
     assert (s.rows_out, rejected(out)) == (len(kept), {"empty": len(blank)})
@@ -108,12 +112,13 @@ def test_lone_surrogates(tmp_path, tokenizer_dir):
 
 
 def test_nul_bytes_are_text_and_round_trip(tmp_path, tokenizer_dir):
-    """NUL is valid UTF-8: kept, and its bytes come back exactly."""
-    texts = ["before\x00after", "\x00\x00\x00", "tab\tnul\x00bell\x07"]
-    src = jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    """NUL is valid UTF-8: kept in text, and its bytes come back exactly. A document of control
+    characters alone shows nothing: rejected as empty (sources.is_blank)."""
+    texts = ["before\x00after", "tab\tnul\x00bell\x07"]
+    src = jsonl(tmp_path / "in.jsonl", [{"text": t} for t in [*texts, "\x00\x00\x00"]])
     s, out = tokenize(tmp_path, [src], tokenizer_dir)
     tok = load_tokenizer(tokenizer_dir)
-    assert s.rows_out == 3 and rejected(out) == {}
+    assert s.rows_out == 2 and rejected(out) == {"empty": 1}
     assert [real_bytes(tok, r) for r in rows_of(out)] == [t.encode() for t in texts]
 
 

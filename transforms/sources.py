@@ -807,11 +807,20 @@ def rejects_table(rejects: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA)
 
 
+# What shows nothing on its own: format characters (zero-width spaces and joiners, a byte-order mark,
+# bidi marks), marks with no base to sit on (combining marks, variation selectors), control characters
+INVISIBLE_CATEGORIES = frozenset({"Cf", "Mn", "Me", "Cc"})
+# ... and the letters and symbols Unicode draws as blank (Hangul fillers, the Braille blank)
+BLANK_CHARACTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+
+
 def is_blank(text: str) -> bool:
-    """True for text with nothing to read: empty, or only whitespace and invisible format characters
-    (Unicode's Cf: zero-width spaces and joiners, a byte-order mark, bidi marks), which a tokenizer
-    still turns into tokens. Stops at the first visible character, so a real document costs one."""
-    return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
+    """True for text with nothing to read: empty, or only whitespace and characters that show nothing
+    (INVISIBLE_CATEGORIES, BLANK_CHARACTERS), which a tokenizer still turns into tokens. Stops at the
+    first visible character, so a real document costs one."""
+    return all(
+        c.isspace() or c in BLANK_CHARACTERS or unicodedata.category(c) in INVISIBLE_CATEGORIES for c in text
+    )
 
 
 def _is_utf8(value: str) -> bool:
