@@ -344,6 +344,25 @@ def _made_of(source: Source, fmt: str, bpb: list[dict] | None) -> dict:
     }
 
 
+#: what each field of `_made_of` is, as a refusal names the one that differs
+MADE_OF = {
+    "format": "format",
+    "source": "source location",
+    "source_sha256": "source content (its shards differ)",
+    "code_version": "entroweight version",
+    "bpb": "BPB table (its workflow's evaluations changed)",
+}
+
+
+def _files_of(out) -> dict[str, str]:
+    """{path relative to `out`: sha256} of the files of an export but its record."""
+    return {
+        name: storage.sha256(storage.path(out) / name)
+        for name in sorted(storage.walk(out))
+        if name != EXPORT_RECORD
+    }
+
+
 def _recorded(out) -> dict | None:
     """The record of the export in `out` (export.json), or None where it does not read as one."""
     try:
@@ -368,14 +387,15 @@ def export_data(
     made_of = _made_of(source, fmt, bpb)
     if not overwrite and storage.output_owner(out) == "export-data":
         done = _recorded(out)
-        same = done is not None and {k: done.get(k) for k in made_of} == made_of
-        files = sum(size for name, size in storage.walk(out).items() if name != EXPORT_RECORD)
-        if same and files == done.get("bytes"):
+        differ = [k for k in made_of if done is None or done.get(k) != made_of[k]]
+        if not differ and _files_of(out) == done.get("files"):
             return {**done, "up_to_date": True}  # this very export: a rerun (a retry) does nothing
         why = (
-            "this export, but its files differ from its record (changed, or some removed)"
-            if same
-            else "an export" + (" of other data or another format" if done else "")
+            "an export that records no source"
+            if done is None or "source_sha256" not in done
+            else f"an export of another {' and '.join(MADE_OF[k] for k in differ)}"
+            if differ
+            else "this export, but its files differ from its record (changed, or some removed)"
         )
         raise ExportError(f"--out {out} already holds {why}; pass --overwrite to replace it")
     if fmt == "litdata" and not any(p.manifest.rows_out for p in source.parts):  # before any writing
@@ -407,6 +427,7 @@ def export_data(
         real = record["counts"]["real_tokens"]
         record["bytes"] = size
         record["bytes_per_real_token"] = round(size / real, 3) if real else None
+        record["files"] = _files_of(tmp)  # what a rerun finds, or the export is written again
         write_json_atomic(record, tmp / EXPORT_RECORD)
         if out.exists():
             shutil.rmtree(out)

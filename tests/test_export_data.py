@@ -469,9 +469,17 @@ def test_a_rerun_of_the_same_export_does_nothing(scored, tmp_path, fmt):
     )
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()} == files
     res = export(scored, out, "hf" if fmt != "hf" else "megatron")
-    assert res.exit_code == 2 and "already holds an export of other data or another format" in res.output
+    assert res.exit_code == 2 and "already holds an export of another format;" in res.output, res.output
+    moved = shutil.copytree(scored, tmp_path / "moved")  # the same shards elsewhere: named as such
+    res = export(moved, out, fmt)
+    assert res.exit_code == 2 and "an export of another source location;" in res.output, res.output
+    # a byte flipped at the same size, then a file removed: the export's files are not as recorded
     victim = sorted(p for p in files if p.name != "export.json")[-1]
-    victim.unlink()
-    res = export(scored, out, fmt)
-    assert res.exit_code == 2 and "its files differ from its record" in res.output, res.output
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    for _ in range(2):
+        res = export(scored, out, fmt)
+        assert res.exit_code == 2 and "its files differ from its record" in res.output, res.output
+        victim.unlink(missing_ok=True)
     assert export(scored, out, fmt, "--overwrite").exit_code == 0
