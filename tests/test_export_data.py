@@ -304,6 +304,10 @@ def test_hf_layout_loads_with_datasets(scored, tmp_path):
         json.dumps(sealed({"run": "weighted", "seed": 0, "loss": "weighted_ce", "bpb": 2.3456, "key": "x"}))
     )
     (root / "ev" / "unigram.json").write_text(json.dumps(sealed({"bpb": 4.5})))
+    # the held-out split's evaluation of the same run and seed: not a second row of the main table
+    (root / "ev" / "weighted" / "seed-0.heldout.json").write_text(
+        json.dumps(sealed({"run": "weighted", "seed": 0, "loss": "weighted_ce", "bpb": 9.876, "key": "y"}))
+    )
     out = tmp_path / "hub"
     res = export(root / "scores" / "causal_loss", out, "hf")
     assert res.exit_code == 0, res.output
@@ -339,6 +343,7 @@ def test_hf_layout_loads_with_datasets(scored, tmp_path):
     ):
         assert fact in card
     assert "| weighted | 0 | weighted_ce | 2.3456 |" in card and "| unigram baseline |" in card
+    assert "9.876" not in card
 
 
 # -- refusals: exit 2, one clear line, nothing written

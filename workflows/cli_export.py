@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import click
@@ -57,7 +58,9 @@ def workflow_bpb(scored: str) -> list[dict]:
         eval_spec = json.loads(run.read_text()).get("config", {}).get("eval") or {}
         ev = root / eval_spec.get("out", "eval")
         try:  # each result read as the report reads it: an edited one is refused, not put on the card
-            rows = [read_result(p, "evaluation") for p in sorted(ev.glob("*/seed-*.json"))]
+            # the main text's (seed-N.json), as the report's BPB table: not the held-out split's too
+            main = [p for p in sorted(ev.glob("*/seed-*.json")) if re.fullmatch(r"seed-\d+\.json", p.name)]
+            rows = [read_result(p, "evaluation") for p in main]
             if (ev / "unigram.json").exists():
                 rows.append({"run": "unigram baseline", **read_result(ev / "unigram.json", "evaluation")})
         except ReportError as e:
