@@ -1192,5 +1192,15 @@ def test_outputs_no_step_writes_any_more_are_said(experiment_run, tmp_path):
     assert code == 0, out
     said = "note: 3 output(s) in {} that no step of this workflow writes".format(experiment_run["root"])
     assert said in out and "accuracy/weighted, eval/weighted, train/weighted" in out, out
+    # every step of a kind removed: the directory they wrote in, named as a whole
+    spec = {**copy.deepcopy(experiment_run["spec"]), "eval": None, "accuracy": None}
+    code, out = run_cli("run", write_yaml(tmp_path / "fewer.yaml", spec), "--dry-run")
+    said = "note: 2 output(s) in {} that no step of this workflow writes".format(experiment_run["root"])
+    assert (
+        code == 0
+        and said in out
+        and "writes (an earlier run's, renamed or removed since; kept, and left out of the report): accuracy, eval"
+        in out
+    ), out
     code, out = run_cli("run", experiment_run["yaml"], "--dry-run")
     assert code == 0 and "no step of this workflow writes" not in out, out

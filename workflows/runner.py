@@ -188,7 +188,7 @@ class Runner:
     def _say_left_behind(self, steps: list[Step]) -> None:
         """Say what earlier runs left in run_dir that no step writes now (`left_behind`): kept (it may
         be wanted), but the report and the experiment's tables leave it out."""
-        if old := left_behind(self.wf.root, [s.out for s in steps]):
+        if old := left_behind(self.wf.root, [s.out for s in steps], storage.run_outputs(self.wf.root) or []):
             self.echo(
                 f"note: {len(old)} output(s) in {self.wf.root} that no step of this workflow writes (an "
                 "earlier run's, renamed or removed since; kept, and left out of the report): "
@@ -521,15 +521,16 @@ class Runner:
         )
 
 
-def left_behind(root: Path, outs: list[Path]) -> list[str]:
+def left_behind(root: Path, outs: list[Path], recorded: list[str] = ()) -> list[str]:
     """What earlier runs wrote in `root` that no step of this workflow writes (a train run, a seed, a
-    score step renamed or removed since), relative to `root`: the entries of each directory that holds
-    a step's output, below `root` (its own names are run.json's `outputs`), that are no step's output
-    and hold none. Hidden names and temporary files are bookkeeping, not outputs."""
+    score step renamed or removed since, or every step of a kind), relative to `root`: the names in
+    `root` they recorded (`recorded`, run.json's `outputs`) that no step writes in or under, and the
+    entries of each directory below `root` that holds a step's output that are no step's output and
+    hold none. Hidden names and temporary files are bookkeeping, not outputs."""
     root = Path(root)
     outs = {Path(p) for p in outs if Path(p).is_relative_to(root) and Path(p) != root}
     holders = {a for p in outs for a in p.parents if a.is_relative_to(root) and a != root}
-    found = []
+    found = [n for n in sorted(recorded) if (root / n) not in outs | holders and (root / n).exists()]
     for d in sorted(holders):
         for entry in sorted(d.iterdir()) if d.is_dir() else ():
             hidden = entry.name.startswith(".") or storage.TMP_MARK in entry.name
