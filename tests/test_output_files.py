@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from test_weighted_inputs import model, scored, tokens, weighed  # noqa: F401 - fixtures
 
 from entroweight import storage
+from entroweight.transforms.sources import file_format
 from entroweight.workflows.cli import main
 
 HAS = {m: importlib.util.find_spec(m) is not None for m in ("megatron", "litdata")}
@@ -139,6 +140,34 @@ def test_an_output_inside_a_source_directory_is_not_read_and_is_said(
     code, text = _tokenize(inside[0], tmp_path / "alone", tokenizer_dir)
     assert code == 2 and f"is the output of `entroweight {owner}`, not documents" in text, text
     assert "Traceback" not in text and not (tmp_path / "alone").exists()
+
+
+@pytest.mark.parametrize("owner", sorted({o for _, o in storage.OUTPUT_MARKS if o is not None}))
+def test_a_glob_or_a_file_into_an_output_is_refused(outputs, owner, tmp_path, tokenizer_dir, s3_bucket):
+    """Rule: as a stage's files are, another command's are refused where a glob matches them or a file
+    is named (a directory skips them: above): locally and on an object store. A glob read them as
+    documents, without a word."""
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "docs.jsonl").write_text(_docs(5))
+    (src / ".hidden.jsonl").write_text(_docs(2))  # a wildcard matches no hidden name, on a store too
+    if owner == "run":
+        made = src / "runs" / "r"
+        record = {"steps": [], "config": {}, "code_version": "x", "workflow_file": "wf.yaml"}
+        made.mkdir(parents=True)
+        (made / "run.json").write_text(json.dumps({**record, "outputs": []}))
+    else:
+        made = shutil.copytree(outputs[owner][0], src / "made" / outputs[owner][0].name)
+    named = next(p for p in sorted(made.iterdir()) if p.is_file() and file_format(p))
+    remote = upload(src, f"{s3_bucket}/corpus")
+    for spec in (f"{src}/**/*", str(named), f"{remote}/**/*"):
+        code, text = _tokenize(spec, tmp_path / f"out-{len(spec)}", tokenizer_dir)
+        assert code == 2 and f"belongs to the output of `entroweight {owner}`" in text, (spec, text)
+        assert "Traceback" not in text
+    # a glob that matches none of its files reads the rest
+    for spec in (f"{src}/*.jsonl", f"{remote}/*.jsonl"):
+        code, text = _tokenize(spec, tmp_path / f"rest-{len(spec)}", tokenizer_dir)
+        assert code == 0 and "5 docs in, 5 docs out" in text, text
 
 
 @pytest.mark.parametrize("mark", sorted(storage.MARK_KEYS))

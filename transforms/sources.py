@@ -159,11 +159,6 @@ def _may_match_inside(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
     return i < len(pattern) and (i == len(parts) or pattern[i] == "**")
 
 
-def is_stage_output(path: str | Path) -> bool:
-    """A file of a stage's output directory (its shards, a copy of its tokenizer, ...)."""
-    return (storage.path(path).parent / STAGE_MARKER).exists()
-
-
 def _expand_url(
     spec: str,
     skipped: list[str] | None = None,
@@ -179,6 +174,9 @@ def _expand_url(
     walked = False  # a directory's walk skips stage outputs already
     if is_glob(inner, fs.exists):
         found = fs.glob(inner, detail=True)
+        fixed = _fixed_prefix(inner).rstrip("/") + "/"
+        if "/." not in "/" + inner[len(fixed) :]:  # a wildcard matches no hidden name, as a local glob's
+            found = {f: i for f, i in found.items() if not _hidden_prefix(f[len(fixed) :])}
         if not found:
             raise SourceError(f"the glob {spec!r} matches no file")
     elif fs.isdir(inner):
@@ -226,15 +224,8 @@ def _expand_url(
         ]
     if not files:
         raise SourceError(f"{spec!r} names no readable input (suffixes: {', '.join(sorted(SUFFIXES))})")
-    if not walked:  # a glob or an object: is it a stage's file? one listing per directory
-        listings: dict[str, dict[str, int]] = {}
-        for f in files:
-            parent = f.rsplit("/", 1)[0]
-            if STAGE_MARKER in listings.setdefault(parent, storage.listing(parent)):
-                raise SourceError(
-                    f"{f} belongs to the output of an entroweight stage ({STAGE_MARKER} beside it), "
-                    "not documents; name the documents it was made from"
-                )
+    if not walked:  # a glob or an object: is it a file of a command's output?
+        _refuse_outputs_among(list(files), spec, _fixed_prefix(spec) if is_glob(inner, fs.exists) else None)
     return files
 
 
@@ -243,6 +234,41 @@ def _hidden_prefix(relative: str) -> str:
     parts = relative.split("/")
     hid = next((i for i, part in enumerate(parts) if part.startswith(".")), None)
     return "" if hid is None else "/".join(parts[: hid + 1])
+
+
+def _fixed_prefix(spec: str) -> str:
+    """The directories of a glob before its first wildcard (where its matches may lie below)."""
+    parts = spec.split("/")
+    first = next(i for i, part in enumerate(parts) if has_glob_chars(part))
+    return "/".join(parts[:first]) or "."
+
+
+def _refuse_outputs_among(files: list[str], spec: str, stop: str | None) -> None:
+    """Refuse a file a glob matched (or a file named) that belongs to a command's output: a stage's
+    (its `.stage.json` beside it) or another command's, judged on the directories from the file's up
+    to `stop` (a glob's fixed directories; None: the file's own directory alone). One listing per
+    directory."""
+    listings: dict[str, dict[str, int]] = {}
+    for f in files:
+        own = d = f.rsplit("/", 1)[0] if "/" in f else "."
+        while True:
+            names = listings.setdefault(d, storage.listing(d))
+            if d == own and STAGE_MARKER in names:  # a stage's files lie in its directory itself
+                raise SourceError(
+                    f"{f} belongs to the output of an entroweight stage ({STAGE_MARKER} beside it), "
+                    "not documents; name the documents it was made from"
+                )
+            if command := storage.command_output(d, names):
+                raise SourceError(
+                    f"{f} belongs to the output of `entroweight {command}` ({d}), not documents; name "
+                    "the documents it was made from"
+                )
+            up = d.rstrip("/").rsplit("/", 1)[0]
+            # up to the glob's fixed directories (by depth: a store may list a path another way), never
+            # above a store's bucket
+            if stop is None or len(up) < len(stop.rstrip("/")) or "/" not in d.rstrip("/").split("://")[-1]:
+                break
+            d = up
 
 
 def _not_an_output(spec: str, names: list[str]) -> None:
@@ -345,15 +371,12 @@ def source_files(
         skipped += [m for m in matches if os.path.isfile(m) and not file_format(m)]
         if not files:
             raise SourceError(f"{spec!r} names no readable input (suffixes: {', '.join(sorted(SUFFIXES))})")
-        real_dirs: dict[str, str] = {}  # a directory resolved, and checked for a stage's marker, once
+        if not os.path.isdir(spec):  # a glob's matches or a file named: none of a command's output
+            _refuse_outputs_among(files, spec, _fixed_prefix(spec) if is_glob(spec) else None)
+        real_dirs: dict[str, str] = {}  # a directory resolved once
         for f in files:
             parent, name = os.path.split(f)
             if parent not in real_dirs:
-                if is_stage_output(f):
-                    raise SourceError(
-                        f"{f} belongs to the output of an entroweight stage ({STAGE_MARKER} beside it), "
-                        "not documents; name the documents it was made from"
-                    )
                 real_dirs[parent] = os.path.realpath(parent or ".")
             real = os.path.realpath(f) if os.path.islink(f) else os.path.join(real_dirs[parent], name)
             if real in out:
