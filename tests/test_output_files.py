@@ -98,6 +98,10 @@ def test_overwrite_keeps_a_users_file_inside_any_commands_output(outputs, owner,
 
 
 # -- an output inside the sources is no documents
+# a workflow run's record as the runner writes it (the keys storage.MARK_KEYS reads it by)
+RUN_RECORD = {"steps": [], "config": {}, "code_version": "x", "workflow_file": "wf.yaml"}
+
+
 def _docs(n: int) -> str:
     return "".join(json.dumps({"text": f"document {i} of a user's own corpus."}) + "\n" for i in range(n))
 
@@ -125,8 +129,7 @@ def test_an_output_inside_a_source_directory_is_not_read_and_is_said(
     if owner == "run":  # a workflow run (tests/test_workflow.py runs one): its record and a model in it
         run = src / "runs" / "r"
         shutil.copytree(outputs["train"][0], run / "models" / "m")
-        record = {"steps": [], "config": {}, "code_version": "x", "workflow_file": "wf.yaml"}
-        (run / "run.json").write_text(json.dumps({**record, "outputs": ["models"]}))  # as the runner's
+        (run / "run.json").write_text(json.dumps({**RUN_RECORD, "outputs": ["models"]}))  # as the runner's
         inside = [run]
     else:
         inside = [shutil.copytree(d, src / "made" / d.name) for d in outputs[owner]]
@@ -153,9 +156,8 @@ def test_a_glob_or_a_file_into_an_output_is_refused(outputs, owner, tmp_path, to
     (src / ".hidden.jsonl").write_text(_docs(2))  # a wildcard matches no hidden name, on a store too
     if owner == "run":
         made = src / "runs" / "r"
-        record = {"steps": [], "config": {}, "code_version": "x", "workflow_file": "wf.yaml"}
         made.mkdir(parents=True)
-        (made / "run.json").write_text(json.dumps({**record, "outputs": []}))
+        (made / "run.json").write_text(json.dumps({**RUN_RECORD, "outputs": []}))
     else:
         made = shutil.copytree(outputs[owner][0], src / "made" / outputs[owner][0].name)
     named = next(p for p in sorted(made.iterdir()) if p.is_file() and file_format(p))
