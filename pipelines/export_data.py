@@ -390,13 +390,12 @@ def export_data(
         differ = [k for k in made_of if done is None or done.get(k) != made_of[k]]
         if not differ and _files_of(out) == done.get("files"):
             return {**done, "up_to_date": True}  # this very export: a rerun (a retry) does nothing
-        why = (
-            "an export that records no source"
-            if done is None or "source_sha256" not in done
-            else f"an export of another {' and '.join(MADE_OF[k] for k in differ)}"
-            if differ
-            else "this export, but its files differ from its record (changed, or some removed)"
-        )
+        if done is None or "source_sha256" not in done:
+            why = "an export that records no source"
+        elif differ:
+            why = f"an export of another {' and '.join(MADE_OF[k] for k in differ)}"
+        else:
+            why = "this export, but its files differ from its record (changed, or some removed)"
         raise ExportError(f"--out {out} already holds {why}; pass --overwrite to replace it")
     if fmt == "litdata" and not any(p.manifest.rows_out for p in source.parts):  # before any writing
         raise ExportError(no_rows(src) + _NO_LITDATA_ROWS)

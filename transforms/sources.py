@@ -42,6 +42,13 @@ SUFFIXES = {
 }
 # Compressed JSON lines are recognised by their first bytes, whatever the file is called.
 MAGIC = {b"\x1f\x8b": "jsonl.gz", b"\x28\xb5\x2f\xfd": "jsonl.zst"}
+
+
+def compressed_format(head: bytes) -> str | None:
+    """The compressed JSON lines format a file's first bytes say (MAGIC), or None."""
+    return next((fmt for magic, fmt in MAGIC.items() if head.startswith(magic)), None)
+
+
 # A hub id: hf:OWNER/NAME, optionally :CONFIG and :SPLIT (default split: train).
 HUB_RE = re.compile(
     r"^hf:(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<config>[\w.-]+))?(?::(?P<split>[\w.-]+))?$"
@@ -96,7 +103,7 @@ def not_plain_text(path: str | Path) -> str | None:
     fmt = file_format(path)
     if fmt is None and storage.is_local(path) and os.path.isfile(path):
         with open(path, "rb") as f:
-            fmt = next((v for magic, v in MAGIC.items() if f.read(4).startswith(magic)), None)
+            fmt = compressed_format(f.read(4))
     if fmt is None:
         return None
     return (
@@ -180,11 +187,6 @@ def _expand_url(
         if not found:
             raise SourceError(f"the glob {spec!r} matches no file")
     elif fs.isdir(inner):
-        if fs.exists(f"{inner.rstrip('/')}/{STAGE_MARKER}"):
-            raise SourceError(
-                f"{spec} is the output of an entroweight stage ({STAGE_MARKER}), not documents; "
-                "name the documents it was made from"
-            )
         found, walked = fs.find(inner, detail=True), True
         root = inner.rstrip("/") + "/"
         _not_an_output(spec, [f[len(root) :] for f in found if "/" not in f[len(root) :]])
@@ -272,8 +274,14 @@ def _refuse_outputs_among(files: list[str], spec: str, stop: str | None) -> None
 
 
 def _not_an_output(spec: str, names: list[str]) -> None:
-    """Refuse a source directory that is another command's output (`storage.command_output`), as
-    a stage's is refused: its files are records, not documents."""
+    """Refuse a source directory that is a command's output, `names` being the files in it: a stage's
+    (its STAGE_MARKER) or another command's (`storage.command_output`): its files are records, not
+    documents."""
+    if STAGE_MARKER in names:
+        raise SourceError(
+            f"{spec} is the output of an entroweight stage ({STAGE_MARKER}), not documents; "
+            "name the documents it was made from"
+        )
     if command := storage.command_output(spec, names):
         raise SourceError(
             f"{spec} is the output of `entroweight {command}`, not documents; name the documents "
@@ -348,11 +356,6 @@ def source_files(
             if not matches:
                 raise SourceError(f"the glob {spec!r} matches no file")
         elif os.path.isdir(spec):
-            if os.path.exists(os.path.join(spec, STAGE_MARKER)):
-                raise SourceError(
-                    f"{spec} is the output of an entroweight stage ({STAGE_MARKER}), not documents; "
-                    "name the documents it was made from"
-                )
             _not_an_output(spec, os.listdir(spec))
             matches = _walk(spec, outputs, hidden)
             if not any(file_format(m) for m in matches):
@@ -424,7 +427,7 @@ def _open_binary(path: str, fmt: str):
     if fmt != "parquet":  # JSON lines: trust the bytes, not the name (a gzip saved as .jsonl)
         head = raw.read(4)
         raw.seek(0)
-        fmt = next((f for magic, f in MAGIC.items() if head.startswith(magic)), "jsonl")
+        fmt = compressed_format(head) or "jsonl"
     if fmt == "jsonl.gz":
         return gzip.GzipFile(fileobj=raw)
     if fmt == "jsonl.zst":

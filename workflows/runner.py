@@ -51,7 +51,7 @@ from .steps import (
     data_fingerprint,
 )
 
-# upstream steps by their `Step.ref`: a run's data is the tokens or a score step's values
+# the steps others read, by their `Step.ref` (kind, name): a run's data is the tokens or a score step's
 TOKENS_STEP, TOKENIZER_STEP, HOLDOUT_STEP = (
     ("tokenize", TOKENS),
     ("tokenizer", "tokenizer"),
@@ -342,8 +342,8 @@ class Runner:
         """The workflow's steps in order; each is built when the previous ones have run."""
         wf = self.wf
         if wf.holdout is not None:
-            yield HoldoutStep("holdout", "holdout", wf.holdout_dir(), self.ctx)
-        yield TokenizerStep("tokenizer", "tokenizer", wf.tokenizer_dir(), self.ctx)
+            yield HoldoutStep(*HOLDOUT_STEP, wf.holdout_dir(), self.ctx)
+        yield TokenizerStep(*TOKENIZER_STEP, wf.tokenizer_dir(), self.ctx)
         yield self._tokenize()
         for m in wf.models:
             out = wf.model_dir(m.name)
@@ -440,9 +440,7 @@ class Runner:
                 t.overflow,
             )
 
-        return DataStep(
-            "tokenize", TOKENS, wf.tokens_dir(), self.ctx, [TOKENIZER_STEP, HOLDOUT_STEP], build=build
-        )
+        return DataStep(*TOKENS_STEP, wf.tokens_dir(), self.ctx, [TOKENIZER_STEP, HOLDOUT_STEP], build=build)
 
     def _score(self, s) -> DataStep:
         from entroweight.transforms.select import document_steps
@@ -530,11 +528,12 @@ def left_behind(root: Path, outs: list[Path], recorded: list[str] = ()) -> list[
     root = Path(root)
     outs = {Path(p) for p in outs if Path(p).is_relative_to(root) and Path(p) != root}
     holders = {a for p in outs for a in p.parents if a.is_relative_to(root) and a != root}
-    found = [n for n in sorted(recorded) if (root / n) not in outs | holders and (root / n).exists()]
+    known = outs | holders
+    found = [n for n in sorted(recorded) if root / n not in known and (root / n).exists()]
     for d in sorted(holders):
         for entry in sorted(d.iterdir()) if d.is_dir() else ():
             hidden = entry.name.startswith(".") or storage.TMP_MARK in entry.name
-            if not hidden and entry not in outs and entry not in holders:
+            if not hidden and entry not in known:
                 found.append(str(entry.relative_to(root)))
     return found
 
