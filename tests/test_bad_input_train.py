@@ -61,16 +61,22 @@ def test_eval_bpb_refuses_empty_text_and_max_bytes_0(tiny_ckpt, tmp_path, wikite
     refused(cli("eval-bpb", tiny_ckpt, "--text", wikitext_path, "--max-bytes", -5), "--max-bytes")
 
 
-@pytest.mark.parametrize("name", ["docs.jsonl", "docs.json", "docs.parquet", "docs.jsonl.gz", "gz-no-suffix"])
+@pytest.mark.parametrize(
+    "name", ["docs.jsonl", "docs.json", "docs.parquet", "docs.jsonl.gz", "gz-no-suffix", "zst-no-suffix"]
+)
 def test_the_text_to_evaluate_is_plain_text_not_a_file_of_documents(tiny_ckpt, tmp_path, name):
     """eval-bpb --text (and a workflow's eval.text) scores a file's bytes as they are: a file of
     documents (JSON lines, parquet, compressed: by name or first bytes) gave a BPB of its markup,
     exit 0. Refused, saying why, before the model is loaded."""
     import gzip
 
+    import zstandard
+
     f = tmp_path / name
     line = json.dumps({"text": "A document of the user's."}) + "\n"
-    f.write_bytes(gzip.compress(line.encode()) if "gz" in name else line.encode())
+    pack = {"gz": gzip.compress, "zst": zstandard.compress}
+    kind = next((k for k in pack if k in name), None)
+    f.write_bytes(pack[kind](line.encode()) if kind else line.encode())
     refused(cli("eval-bpb", tiny_ckpt, "--text", f), "is a file of documents", "not plain text")
     from entroweight.workflows.spec import SpecError, parse_workflow
 
