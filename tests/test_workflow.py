@@ -1204,3 +1204,10 @@ def test_outputs_no_step_writes_any_more_are_said(experiment_run, tmp_path):
     ), out
     code, out = run_cli("run", experiment_run["yaml"], "--dry-run")
     assert code == 0 and "no step of this workflow writes" not in out, out
+
+
+def test_a_run_directory_is_known_by_what_its_record_holds(tiny_run):
+    """A source directory skips a workflow run inside it by its run.json's keys (storage.MARK_KEYS,
+    which tests/test_output_files.py feeds a record written by hand): the runner's record holds them."""
+    run = tiny_run["run_dir"]
+    assert storage.command_output(run, os.listdir(run)) == "run"
