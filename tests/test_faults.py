@@ -326,3 +326,41 @@ def test_scorer_raising_on_one_batch_fails_only_that_shard(tmp_path, reference):
     assert (summary.shards_run, summary.shards_done_before) == (1, N_SHARDS - 1)
     assert verify_dir(out) == [] and hashes(out) == hashes(clean)
     assert json.loads((out / ".part-00003.manifest.json").read_text())["rows_out"] == 50
+
+
+SWALLOWING = """
+import os, signal, time, click
+from entroweight.workflows.cli_common import Commands, _fail
+
+@click.group(cls=Commands)
+def group(): pass
+
+@group.command()
+@click.argument("sig")
+def swallow(sig):
+    try:
+        os.kill(os.getpid(), getattr(signal, sig))
+        time.sleep(5)
+    except BaseException:  # a library that turns the stop into its own failure
+        pass
+    _fail("1 shard(s) failed: I/O operation on closed file", 1)
+
+group()
+"""
+
+
+@pytest.mark.parametrize("sig, code, says", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test_a_stop_a_library_swallowed_still_stops_the_command(tmp_path, sig, code, says):
+    """Ctrl-C landing while pyarrow called back into Python (a file's `closed`) became pyarrow's failed
+    write: the shard failed, exit 1 (once in CI). Every command records the stop it receives and
+    stops as asked however the code below answered it (workflows/cli_common.Commands)."""
+    script = tmp_path / "swallow.py"
+    script.write_text(SWALLOWING)
+    proc = subprocess.run(  # SIGINT at its default, as from a terminal (cli() above says why)
+        [sys.executable, str(script), "swallow", sig],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert proc.returncode == code and f"{says}: what was committed stays" in proc.stderr, proc.stderr

@@ -36,8 +36,15 @@ class Terminated(KeyboardInterrupt):
     and staging copies removed, locks released), where Python's default handler stopped it dead."""
 
 
-def _terminate(signum, frame):
-    raise Terminated()
+# the stopping signals a command received: one that a library swallowed where it arrived (pyarrow calls
+# back into Python while it writes, and turns a KeyboardInterrupt there into a failed write) still
+# stops the command as Ctrl-C or SIGTERM does, not as a failed shard (exit 1)
+_received: list[int] = []
+
+
+def _stop(signum, frame):
+    _received.append(signum)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 class Commands(click.Group):
@@ -46,13 +53,22 @@ class Commands(click.Group):
     its usage screen around it. A missing argument keeps the usage, which says what to give."""
 
     def invoke(self, ctx):
-        # (a handler set by whoever runs the command is theirs; signals reach the main thread only)
-        catch = threading.current_thread() is threading.main_thread()
-        catch = catch and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        if catch:
-            signal.signal(signal.SIGTERM, _terminate)
+        # (a handler set by whoever runs the command is theirs, and an ignored SIGINT stays ignored: a
+        # shell's background job; signals reach the main thread only)
+        main = threading.current_thread() is threading.main_thread()
+        defaults = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+        caught = [s for s, d in defaults.items() if main and signal.getsignal(s) is d]
+        for s in caught:
+            signal.signal(s, _stop)
+        _received.clear()
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            except (Exception, SystemExit) as e:
+                if not _received or isinstance(e, click.exceptions.Exit):
+                    raise
+                # a stop swallowed below (and said as a failure): the command stops as it was asked
+                raise Terminated() if signal.SIGTERM in _received else KeyboardInterrupt() from e
         except click.BadParameter as e:
             if isinstance(e, click.MissingParameter):
                 raise
@@ -71,8 +87,8 @@ class Commands(click.Group):
                 raise
             _fail(said)
         finally:
-            if catch:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            for s in caught:
+                signal.signal(s, defaults[s])
 
 
 # the clients of object stores (S3's botocore, GCS's google-auth, their aiohttp): an error of theirs
