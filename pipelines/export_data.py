@@ -34,6 +34,7 @@ from entroweight.schemas import ROW_IN_DOC, document_starts
 from entroweight.schemas.arrow import documents_starting
 from entroweight.schemas.datadir import DataDir, DataDirError, Part, no_rows
 from entroweight.schemas.exports import EXPORT_RECORD, MEGATRON_PREFIX, megatron_weight_prefix
+from entroweight.schemas.manifest import counts_line, sum_lineage
 from entroweight.schemas.weighted import WEIGHT, describe_encoding, matrix, real_mask, row_lengths
 from entroweight.transforms.writer import write_json_atomic
 
@@ -272,6 +273,7 @@ def dataset_card(schema: pa.Schema, record: dict, nbytes: int) -> str:
         f"| weighting | `{json.dumps(meta.get('weighting'), sort_keys=True)}` |",
         f"| document steps | `{json.dumps(meta.get('steps') or [], sort_keys=True)}` |",
         f"| documents, rows, real tokens | {c['documents']}, {c['rows']}, {c['real_tokens']} |",
+        *(f"| documents of stage {i} | {counts_line(x)} |" for i, x in enumerate(record["lineage"], 1)),
     ]
     if record.get("bpb"):
         lines += [
@@ -417,6 +419,8 @@ def export_data(
             "metadata": source.meta,
             "weight_dtype": source.weight_dtype,
             "counts": {},  # filled as the writer reads
+            # what each stage read and rejected, tokenize's first: every source document accounted for
+            "lineage": sum_lineage([p.manifest for p in source.parts]),
         }
         try:
             WRITERS[fmt](source, tmp, record)

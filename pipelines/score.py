@@ -53,6 +53,7 @@ from .weighted import (
     WeightedShardWriter,
     check_steps,
     part_inputs,
+    part_lineages,
     part_locations,
     read_input,
     weighing_metadata,
@@ -223,6 +224,7 @@ class ScoreStage(Stage):
     def plan_inputs(self) -> list[ShardInput]:
         self.prepare()
         inputs = part_inputs(self.data, "sequences")
+        self.lineages = part_lineages(self.data)  # what each input shard's documents went through
         if self.rows is not None:
             inputs = [i.model_copy(update={"stop": self.rows}) for i in inputs]
         return inputs[: self.limit] if self.limit else inputs

@@ -30,6 +30,7 @@ from entroweight.schemas.manifest import (
     STAGE_FILE,
     ShardInput,
     manifest_name,
+    sum_lineage,
 )
 from entroweight.storage import AnyPath, remove_stale_tmp, write_json_atomic
 
@@ -789,6 +790,7 @@ class RunSummary:
     truncated: int = 0  # documents cut to n_ctx (tokenize --overflow truncate) ...
     bytes_dropped: int = 0  # ... and the bytes of text they lost
     note: str = ""  # what the user should know of what was kept (`_kept_size_note`)
+    upstream: list[dict] = field(default_factory=list)  # the stages before (`sum_lineage`)
 
     def line(self) -> str:
         rej = sum(self.rejected.values())
@@ -802,11 +804,14 @@ class RunSummary:
             if self.truncated
             else ""
         )
+        earlier = [f"{c['stage']} {sum(c['rejected'].values())}" for c in self.upstream if c["rejected"]]
+        before = f"; rejected by earlier stages: {', '.join(earlier)}" if earlier else ""
         return (
             f"{self.stage}: {self.shards_run} shard(s) run, {self.shards_done_before} already done; "
-            f"{self.docs_in} docs in, {self.docs_out} docs out in {self.rows_out} rows, {rej} rejected {dict(self.rejected) if rej else ''}"
-            f"{cut}; {self.n_real_tokens} tokens in {self.seconds:.1f} s -> {self.out_dir}{self.note}"
-        ).replace("  ", " ")
+            f"{self.docs_in} docs in, {self.docs_out} docs out in {self.rows_out} rows, {rej} rejected"
+            f"{f' {dict(self.rejected)}' if rej else ''}{before}{cut}; {self.n_real_tokens} tokens in "
+            f"{self.seconds:.1f} s -> {self.out_dir}{self.note}"
+        )
 
 
 def _kept_size_note(plan: RunPlan) -> str:
@@ -831,22 +836,20 @@ def finish_run(plan: RunPlan, results: list[ShardResult], seconds: float) -> Run
         raise StageFailed(plan.stage.name, failures, len(plan.todo) + len(plan.done))
     made = [ShardManifest.model_validate(m) for r in results for m in r.manifests]
     manifests = plan.done + made
-    rejected: dict[str, int] = {}
-    for m in manifests:
-        for k, v in m.rejected.items():
-            rejected[k] = rejected.get(k, 0) + v
+    *upstream, own = sum_lineage(manifests) or [{"docs_in": 0, "docs_out": 0, "rejected": {}}]
     return RunSummary(
         stage=plan.stage.name,
         out_dir=str(plan.out_dir),
         shards_done_before=len(plan.done),
         shards_run=len(made),
-        docs_in=sum(m.docs_in for m in manifests),
+        docs_in=own["docs_in"],
         rows_out=sum(m.rows_out for m in manifests),
-        docs_out=sum(m.docs_out for m in manifests),
-        rejected=rejected,
+        docs_out=own["docs_out"],
+        rejected=own["rejected"],
         n_real_tokens=sum(m.n_real_tokens for m in manifests),
         seconds=seconds,
-        truncated=sum(m.extra.get("n_truncated", 0) for m in manifests),
-        bytes_dropped=sum(m.extra.get("bytes_dropped", 0) for m in manifests),
+        truncated=own.get("n_truncated", 0),
+        bytes_dropped=own.get("bytes_dropped", 0),
         note=_kept_size_note(plan),
+        upstream=upstream,
     )

@@ -37,6 +37,7 @@ from .weighted import (
     WeightedShardWriter,
     check_steps,
     part_inputs,
+    part_lineages,
     read_input,
     weighing_metadata,
 )
@@ -151,6 +152,7 @@ class WeighStage(Stage):
 
     def plan_inputs(self) -> list[ShardInput]:
         self.prepare()
+        self.lineages = part_lineages(self.data)  # what each input shard's documents went through
         return part_inputs(self.data, "scored")
 
     def carry(self, out_dir) -> None:

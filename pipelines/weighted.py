@@ -24,7 +24,7 @@ from entroweight import __version__, storage
 from entroweight.schemas import REJECT_SCHEMA, ShardManifest
 from entroweight.schemas.arrow import document_count, weighted_sequence_schema, with_file_metadata
 from entroweight.schemas.datadir import DataDir, read_checked
-from entroweight.schemas.manifest import REJECTS_DIR, ShardInput
+from entroweight.schemas.manifest import REJECTS_DIR, UPSTREAM, ShardInput
 from entroweight.schemas.weighted import real_mask
 from entroweight.transforms.select import DocumentStep, StepError
 from entroweight.transforms.weigh import NonFiniteScores, WeighConfig, weighted_batch
@@ -67,6 +67,12 @@ def part_inputs(data: DataDir, fmt: str) -> list[ShardInput]:
         )
         for p, uri in zip(data.parts, part_locations(data), strict=True)
     ]
+
+
+def part_lineages(data: DataDir) -> dict[str, list[dict[str, Any]]]:
+    """Each committed part's lineage (`ShardManifest.lineage`) by the location a stage records it
+    (`part_locations`): what the weighted shard made from it carries forward."""
+    return {uri: p.manifest.lineage() for p, uri in zip(data.parts, part_locations(data), strict=True)}
 
 
 def read_input(inp: ShardInput) -> pq.ParquetFile:
@@ -208,7 +214,11 @@ class WeightedShardWriter:
             config_hash=self.stage.config_hash,
             code_version=__version__,
             seconds=round(seconds, 3),
-            extra={"tokens_per_s": round(c["real"] / max(seconds, 1e-9), 1), **(extra or {})},
+            extra={
+                "tokens_per_s": round(c["real"] / max(seconds, 1e-9), 1),
+                UPSTREAM: self.stage.lineages[self.input.uri],
+                **(extra or {}),
+            },
         )
 
 
@@ -220,4 +230,11 @@ def _batch(kept) -> pa.RecordBatch | None:
     return batches[0] if batches else None
 
 
-__all__ = ["WeightedShardWriter", "parquet_options", "part_inputs", "weighing_metadata", "check_steps"]
+__all__ = [
+    "WeightedShardWriter",
+    "parquet_options",
+    "part_inputs",
+    "part_lineages",
+    "weighing_metadata",
+    "check_steps",
+]

@@ -97,6 +97,67 @@ class ShardManifest(BaseModel):
     def n_rejected(self) -> int:
         return sum(self.rejected.values())
 
+    def lineage(self) -> list[dict[str, Any]]:
+        """What each stage this shard's documents went through read, kept and rejected, the first
+        (tokenize) first and this one last: a stage that reads another's shard carries that shard's
+        lineage (`UPSTREAM`), so a weighted shard still accounts for the documents tokenize rejected."""
+        own = {
+            "stage": self.stage,
+            "docs_in": self.docs_in,
+            "docs_out": self.docs_out,
+            "rejected": self.rejected,
+        }
+        own |= {k: self.extra[k] for k in CUT_COUNTS if self.extra.get(k)}
+        return [*self.extra.get(UPSTREAM, []), own]
+
+
+#: ShardManifest.extra's key for the lineage of the shard a stage read (`ShardManifest.lineage`)
+UPSTREAM = "upstream"
+#: what tokenize --overflow truncate cut: the documents and their bytes of text dropped
+CUT_COUNTS = ("n_truncated", "bytes_dropped")
+
+
+def sum_counts(counts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The counts of several shards of one stage added up: documents in and out, rejects by reason."""
+    total: dict[str, Any] = {"docs_in": 0, "docs_out": 0, "rejected": {}}
+    for c in counts:
+        total["docs_in"] += c["docs_in"]
+        total["docs_out"] += c["docs_out"]
+        for reason, n in c["rejected"].items():
+            total["rejected"][reason] = total["rejected"].get(reason, 0) + n
+        for k in CUT_COUNTS:
+            if c.get(k):
+                total[k] = total.get(k, 0) + c[k]
+    return total
+
+
+def counts_line(counts: dict[str, Any]) -> str:
+    """One stage's counts in words: `tokenize: 41 docs in, 36 out, 5 rejected (empty 4, invalid_json 1)`."""
+    rejected = counts["rejected"]
+    why = f" ({', '.join(f'{k} {v}' for k, v in sorted(rejected.items()))})" if rejected else ""
+    cut = (
+        f"; {counts['n_truncated']} truncated, {counts['bytes_dropped']} bytes of text dropped"
+        if counts.get("n_truncated")
+        else ""
+    )
+    return (
+        f"{counts['stage']}: {counts['docs_in']} docs in, {counts['docs_out']} out, "
+        f"{sum(rejected.values())} rejected{why}{cut}"
+    )
+
+
+def sum_lineage(manifests: list[ShardManifest]) -> list[dict[str, Any]]:
+    """The lineage of a directory's shards added up stage by stage (`ShardManifest.lineage`). Shards
+    of one run share their stages; a shard whose lineage is shorter (its input made before lineages
+    were recorded) adds to the stages it names, counted from the last."""
+    lineages = [m.lineage() for m in manifests]
+    depth = max((len(x) for x in lineages), default=0)
+    out = []
+    for back in range(depth, 0, -1):
+        at = [x[-back] for x in lineages if len(x) >= back]
+        out.append({"stage": at[0]["stage"], **sum_counts(at)})
+    return out
+
 
 # The layout of a stage's output directory. Everything that is not data starts with a dot:
 # `datasets.load_dataset("parquet", data_dir=OUT)` skips hidden files and directories.

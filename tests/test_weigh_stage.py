@@ -6,6 +6,7 @@ Real parquet scored by a tiny HF Llama (causal_loss) on 60 C4 documents; the sta
 from __future__ import annotations
 
 import gzip
+import itertools
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -19,6 +20,7 @@ from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
 from entroweight.pipelines.weigh import WeighStage
 from entroweight.schemas import read_file_metadata
+from entroweight.transforms.select import MinMeanWeight
 from entroweight.transforms.weigh import WeighConfig, entropy_quantiles, weigh
 from entroweight.workflows.cli import main
 
@@ -46,9 +48,9 @@ def model(tmp_path_factory, tokenizer_dir):
     return tiny_llama_dir(tmp_path_factory.mktemp("tiny"), tokenizer_dir / "tokenizer.json")
 
 
-def score(tokens, model, out, **kw):
+def score(tokens, model, out, engine="local", **kw):
     opts = {"model": str(model), "dtype": "fp32", "batch_size": 8}
-    return run_stage(ScoreStage(tokens, "causal_loss", opts, **kw), out, progress=False)
+    return run_stage(ScoreStage(tokens, "causal_loss", opts, **kw), out, engine=engine, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +179,59 @@ def test_weigh_takes_the_weighting_flags_of_score(scored, tmp_path):
     assert meta["weighting"]["method"] == "topk" and meta["weighting"]["keep"] == 0.25
     w = matrix(table(tmp_path / "f"), "weight").astype(np.float32)
     assert set(np.unique(w)) <= {0.0, 1.0}
+
+
+def test_every_source_document_is_accounted_for_down_the_chain(tokenizer_dir, model, c4_path, tmp_path):
+    """Each stage's shards carry the counts of the stages before (their lineage): a weighted
+    directory, its `inspect`, its run's summary and its export still say what tokenize rejected, and
+    down the chain each stage reads what the one before kept (tokenize -> score -> weigh, filters
+    rejecting at each; the local and the Beam engine)."""
+    import json
+
+    with gzip.open(c4_path, "rt", encoding="utf-8") as f:
+        lines = [next(f) for _ in range(24)]
+    lines[3] = '{"text": ""}\n'  # empty
+    lines[9] = "not json\n"  # invalid_json
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(lines))
+    tokens = tmp_path / "tokens"
+    run_stage(
+        TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=10), tokens, progress=False
+    )
+    scored, weighed = tmp_path / "scored", tmp_path / "weighed"
+    summaries = {}
+    for engine in ("local", "beam"):
+        steps = [MinMeanWeight(0.5)]  # drops some documents, keeps most (minmax weights of a random model)
+        summaries[engine] = score(tokens, model, scored / engine, steps=steps, engine=engine)
+    run_stage(
+        WeighStage(scored / "local", WeighConfig(invert=True), steps=[MinMeanWeight(0.55)]),
+        weighed,
+        progress=False,
+    )
+
+    code, out = cli("inspect", "--json", weighed)
+    assert code == 0, out
+    info = json.loads(out)
+    chain = [*info["upstream"], {k: info[k] for k in ("docs_in", "docs_out", "rejected")}]
+    assert [c.get("stage", "weigh") for c in chain] == ["tokenize", "score", "weigh"]
+    assert chain[0]["docs_in"] == 24 and chain[0]["rejected"] == {"empty": 1, "invalid_json": 1}
+    for before, after in itertools.pairwise(chain):  # each stage read what the one before kept
+        assert after["docs_in"] == before["docs_out"]
+    assert chain[1]["rejected"] and chain[2]["rejected"], chain  # the filters did reject
+    rejected = sum(n for c in chain for n in c["rejected"].values())
+    assert chain[-1]["docs_out"] + rejected == 24  # every source document: kept or rejected, once
+    assert chain[-1]["docs_out"] == len(set(table(weighed).column("doc_id").to_pylist()))
+
+    local, beam = (s.upstream for s in (summaries["local"], summaries["beam"]))
+    assert local == beam == [dict(chain[0], stage="tokenize")]  # the Beam workers carried it too
+    assert "rejected by earlier stages: tokenize 2" in summaries["local"].line()
+    code, out = cli("inspect", weighed)
+    assert "tokenize: 24 docs in, 22 out, 2 rejected (empty 1, invalid_json 1)" in out, out
+
+    code, out = cli("export-data", weighed, "--format", "hf", "--out", tmp_path / "export")
+    assert code == 0, out
+    record = json.loads((tmp_path / "export" / "export.json").read_text())
+    assert [c["docs_in"] for c in record["lineage"]] == [c["docs_in"] for c in chain]
+    assert record["lineage"][-1]["docs_out"] == record["counts"]["documents"]
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "tokenize: 24 docs in, 22 out, 2 rejected (empty 1, invalid_json 1)" in card

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from entroweight import storage
 from entroweight.schemas import read_file_metadata
 from entroweight.schemas.datadir import data_files
-from entroweight.schemas.manifest import SHARDS_FILE
+from entroweight.schemas.manifest import SHARDS_FILE, sum_lineage
 from entroweight.schemas.weighted import (
     ENTROPY,
     EXCLUDED,
@@ -87,18 +87,15 @@ def summarize(path: str | Path) -> dict:
     if d.kind is not None:
         out["kind"] = d.kind
     if d.parts:  # a directory, not one file: its bookkeeping
-        ms = [p.manifest for p in d.parts]
-        rejected: dict[str, int] = {}
-        for m in ms:
-            for k, v in m.rejected.items():
-                rejected[k] = rejected.get(k, 0) + v
-        out["docs_in"] = sum(m.docs_in for m in ms)
-        out["docs_out"] = sum(m.docs_out for m in ms)  # docs_in = docs_out + the rejected, shard by shard
-        out["rejected"] = rejected
-        truncated = sum(m.extra.get("n_truncated", 0) for m in ms)
-        if truncated:  # tokenize --overflow truncate cut documents: say how much text is missing
-            out["truncated_docs"] = truncated
-            out["bytes_dropped"] = sum(m.extra.get("bytes_dropped", 0) for m in ms)
+        *upstream, own = sum_lineage([p.manifest for p in d.parts])
+        out["docs_in"] = own["docs_in"]
+        out["docs_out"] = own["docs_out"]  # docs_in = docs_out + the rejected, shard by shard
+        out["rejected"] = own["rejected"]
+        if own.get("n_truncated"):  # tokenize --overflow truncate cut documents: say how much text is missing
+            out["truncated_docs"] = own["n_truncated"]
+            out["bytes_dropped"] = own["bytes_dropped"]
+        if upstream:  # the stages before this one: the documents tokenize rejected are still counted
+            out["upstream"] = upstream
         if d.registry_lost:  # nothing records what was planned: say so rather than show none missing
             out["missing_shards"] = f"unknown: {d.location} has no {SHARDS_FILE} (run `entroweight verify`)"
         elif d.missing:

@@ -199,6 +199,7 @@ def tokenize(
 def inspect(path, as_json):
     """Schema, provenance metadata, row/token counts and id/weight statistics of PATH."""
     from entroweight.schemas.datadir import DataDirError
+    from entroweight.schemas.manifest import counts_line
     from entroweight.transforms.inspect import summarize
 
     _check_inspectable(path)
@@ -221,6 +222,10 @@ def inspect(path, as_json):
             click.secho(f"{key}:", bold=True)
             for k, v in value.items():
                 click.echo(f"  {k}: {v}")
+        elif key == "upstream":
+            click.secho(f"{key}:", bold=True)
+            for counts in value:
+                click.echo(f"  {counts_line(counts)}")
         else:
             click.echo(f"{click.style(key, bold=True)}: {value}")
 
