@@ -62,7 +62,8 @@ def test_eval_bpb_refuses_empty_text_and_max_bytes_0(tiny_ckpt, tmp_path, wikite
 
 
 @pytest.mark.parametrize(
-    "name", ["docs.jsonl", "docs.json", "docs.parquet", "docs.jsonl.gz", "gz-no-suffix", "zst-no-suffix"]
+    "name",
+    ["docs.jsonl", "docs.json", "docs.parquet", "docs.jsonl.gz", "gz-no-suffix", "zst-no-suffix", "docs.txt"],
 )
 def test_the_text_to_evaluate_is_plain_text_not_a_file_of_documents(tiny_ckpt, tmp_path, name):
     """eval-bpb --text (and a workflow's eval.text) scores a file's bytes as they are: a file of
@@ -83,6 +84,17 @@ def test_the_text_to_evaluate_is_plain_text_not_a_file_of_documents(tiny_ckpt, t
     spec = {"run_dir": str(tmp_path / "run"), "sources": [str(f)], "tokenizer": {"path": "t.json"}}
     with pytest.raises(SpecError, match="eval.text: .* is a file of documents"):
         parse_workflow({**spec, "eval": {"text": str(f)}})
+
+
+def test_text_that_begins_with_json_is_still_text(tmp_path):
+    """Only a first line that is a document (a JSON object with a string `text`) marks JSON lines: a
+    text whose first line is other JSON (a config, code) is text."""
+    from entroweight.transforms.sources import not_plain_text
+
+    for first in ('{"a": 1}', '{"text": 3}', "[1, 2]", '"text"', "{ not json"):
+        f = tmp_path / "t.txt"
+        f.write_text(first + "\nand then prose.\n")
+        assert not_plain_text(f) is None, first
 
 
 def test_eval_bpb_refuses_invalid_utf8_naming_the_offset(tiny_ckpt, tmp_path, wikitext_path):

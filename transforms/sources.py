@@ -103,13 +103,24 @@ def not_plain_text(path: str | Path) -> str | None:
     fmt = file_format(path)
     if fmt is None and storage.is_local(path) and os.path.isfile(path):
         with open(path, "rb") as f:
-            fmt = compressed_format(f.read(4))
+            head = f.read(1 << 16)
+        fmt = compressed_format(head) or ("jsonl" if _a_document_line(head) else None)
     if fmt is None:
         return None
     return (
         f"{path} is a file of documents ({fmt}), not plain text: its bytes would be scored as they are, "
         "markup and all; give a UTF-8 text file (e.g. the documents' text, one after another)"
     )
+
+
+def _a_document_line(head: bytes) -> bool:
+    """Whether a file's first line is a JSON object with a string `text`: a document of JSON lines,
+    whatever the file's name (a held-out text would not start so)."""
+    try:
+        first = json.loads(head.split(b"\n", 1)[0])
+    except ValueError:
+        return False
+    return isinstance(first, dict) and isinstance(first.get("text"), str)
 
 
 # What marks a directory as a stage's output: its files are data this project wrote, never documents.
