@@ -464,3 +464,19 @@ def test_a_run_record_of_no_workflow_config_is_refused_naming_it(tmp_path, recor
     with pytest.raises(ReportError, match="run.json holds no workflow config"):
         write_report(tmp_path, tmp_path / "r.html")
     assert not (tmp_path / "r.html").exists()
+
+
+def test_the_documents_line_is_what_tokenize_counted(tiny_run):  # noqa: F811
+    """The report says how many documents the sources gave, how many were tokenized and rejected, as
+    the tokens' manifests count them (the numbers `inspect` and an export show)."""
+    import re
+
+    from entroweight.pipelines.stage import read_manifests
+
+    run = tiny_run["run_dir"]
+    html = (run / "report.html").read_text()
+    (line,) = re.findall(r"<p class='documents' data-docs-in='(\d+)' data-docs-out='(\d+)'>([^<]*)</p>", html)
+    ms = read_manifests(run / "tokens")
+    assert (int(line[0]), int(line[1])) == (sum(m.docs_in for m in ms), sum(m.docs_out for m in ms))
+    rejected = sum(m.n_rejected for m in ms)
+    assert f"{line[1]} tokenized, {rejected} rejected" in line[2], line[2]

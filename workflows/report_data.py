@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from entroweight.schemas.datadir import DataDir, DataDirError
-from entroweight.schemas.manifest import SHARDS_FILE, STAGE_FILE
+from entroweight.schemas.manifest import SHARDS_FILE, STAGE_FILE, sum_lineage
 from entroweight.schemas.weighted import (
     ENTROPY,
     EXCLUDED,
@@ -530,17 +530,11 @@ def accuracy_sentence(table: dict) -> str:
     )
 
 
-def truncation(tokens_dir: Path) -> dict | None:
-    """What the tokenized data lost (tokenize.overflow: truncate), where a reader of results looks."""
-    ms = [p.manifest for p in DataDir(tokens_dir).parts]
-    cut = sum(m.extra.get("n_truncated", 0) for m in ms)
-    if not cut:
-        return None
-    return {
-        "documents": cut,
-        "of": sum(m.docs_out for m in ms),
-        "bytes_dropped": sum(m.extra.get("bytes_dropped", 0) for m in ms),
-    }
+def documents(tokens_dir: Path) -> dict | None:
+    """What tokenize read, kept, rejected and cut (tokenize.overflow: truncate) of the sources, where
+    a reader of results looks (`sum_lineage`, as `inspect` and an export say it)."""
+    lineage = sum_lineage([p.manifest for p in DataDir(tokens_dir).parts])
+    return lineage[-1] if lineage else None
 
 
 def provenance(record: dict) -> dict:
@@ -744,7 +738,7 @@ def report_data(run_dir: str | Path, n_samples: int = 3, max_tokens: int = 2_000
         "missing": missing_outputs(wf),
         "headline": headline(wf) if experiment else None,
         "provenance": provenance(record),
-        "truncation": truncation(wf.tokens_dir()),
+        "documents": documents(wf.tokens_dir()),
         "scores": scores,
         "scorer_rows": scorer_rows(wf, scores),
         "tokenizer": load_tokenizer_of(wf) if scores and n_samples else None,
