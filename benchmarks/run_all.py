@@ -38,6 +38,7 @@ MODULES = (
     "estimator_scoring",
     "models",
     "trainer",
+    "export",
 )
 COLUMNS = ("stage", "metric", "value", "bare", "ratio", "target", "ok?")
 
