@@ -899,7 +899,10 @@ def test_a_checkpoint_whose_weights_changed_is_trained_again(trained_run, how, m
     the run trains it again; a model whose scores hold shards is refused first (they would be made
     again, exit 2, nothing touched) unless --overwrite. A checkpoint untouched since its training is
     up to date without its weights being read."""
+    import html
+
     from entroweight.models.checkpoint import load_checkpoint
+    from entroweight.trainers import checkpoint
     from entroweight.workflows import steps
 
     root, wf = trained_run["root"], trained_run["yaml"]
@@ -908,6 +911,10 @@ def test_a_checkpoint_whose_weights_changed_is_trained_again(trained_run, how, m
     _damage(ckpt["train"] / "model.safetensors", how)
     code, out = run_cli("run", wf, "--dry-run")
     assert code == 0 and "train reference/seed-0: would run" in out and DAMAGE[how] in out, out
+    # the report, which shows this checkpoint's BPB, says so too (it called the run complete)
+    code, out = run_cli("report", root, "--out", root.parent / f"{root.name}-report.html")
+    page = (root.parent / f"{root.name}-report.html").read_text()
+    assert code == 0 and "Incomplete run" in page and html.escape(DAMAGE[how], quote=True) in page, out
     code, out = run_cli("run", wf)
     assert code == 0 and "train reference/seed-0: ran" in out and "model causal: up to date" in out, out
     load_checkpoint(ckpt["train"])  # the loader's sha256 check passes again
@@ -925,7 +932,8 @@ def test_a_checkpoint_whose_weights_changed_is_trained_again(trained_run, how, m
     load_checkpoint(ckpt["model"])
     # untouched since: up to date, and no weights file is hashed to say so
     hashed = []
-    monkeypatch.setattr(steps, "sha256_file", lambda p: hashed.append(p) or "")
+    for module in (steps, checkpoint):  # the steps' hashing and the checkpoint check's
+        monkeypatch.setattr(module, "sha256_file", lambda p: hashed.append(p) or "")
     code, out = run_cli("run", wf)
     assert code == 0 and "nothing to do" in out, out
     assert not [p for p in hashed if p.name == "model.safetensors"]

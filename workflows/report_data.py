@@ -31,7 +31,7 @@ from entroweight.schemas.weighted import (
 from entroweight.trainers.checkpoint import METRICS, STATE
 
 from . import stats
-from .results import edited
+from .results import checkpoint_damage, edited
 from .spec import PRIMARY, TOKENS, SpecError, Workflow, parse_workflow
 
 
@@ -697,6 +697,8 @@ def missing_outputs(wf: Workflow) -> list[str]:
             out.append(name)
         elif p.name == STAGE_FILE and (short := incomplete_shards(p.parent, name)):
             out.append(short)
+        elif p.name == STATE and (damage := checkpoint_damage(p.parent)):  # as the run judges it
+            out.append(f"{name} ({damage})")
     return out
 
 

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
+from entroweight.models.checkpoint import CONFIG, WEIGHTS, edited_config
+from entroweight.trainers.checkpoint import STATE, is_the_file_saved
+
 SEAL = "record_sha256"
+STEP_FILE = ".workflow-step.json"  # in a tokenizer or checkpoint directory: the key it was built with
 
 
 def _digest(record: dict) -> str:
@@ -27,3 +32,54 @@ def edited(record: Any) -> bool:
     """Whether a result read back is not as its step wrote it: no seal, or one its content no longer
     matches."""
     return not isinstance(record, dict) or record.get(SEAL) != _digest(record)
+
+
+def step_record(path: Path) -> dict:
+    """A step's own JSON record (its marker, a cached result, a checkpoint's state), or {} where there
+    is none that can be read: absent, cut short, edited into something else. A step whose record is
+    unreadable is not done, so it is made again (no run is blocked by a derived file gone bad)."""
+    try:
+        record = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def file_stat(path: Path) -> tuple[int, int] | tuple[None, None]:
+    try:
+        st = path.stat()
+    except OSError:
+        return None, None
+    return st.st_size, st.st_mtime_ns
+
+
+def weights_damage(ckpt: Path, made: dict, state: dict) -> str | None:
+    """Why a finished checkpoint's weights are not the file its training wrote, or its config.json not
+    the model they were saved as (`edited_config`) (None: they are). Each
+    step that loads them checks their sha256 only then, so a file cut short or edited would stay "up to
+    date" and fail every later run. The size recorded when it was trained (`made`) is checked always;
+    the sha256 its trainer_state.json records, whenever the file's size or mtime is not what it was
+    then (a marker written before they were recorded: every time). Hashing reads the whole file, about
+    a second for a few hundred MB, and a file untouched since its training is not read at all."""
+    weights = ckpt / WEIGHTS
+    size, mtime = file_stat(weights)
+    if size is None:
+        return f"{WEIGHTS} is gone"
+    if edited := edited_config(ckpt):  # settings the weights' shapes do not show (mask_pads, ...)
+        return f"{CONFIG} does not describe the model its weights were saved as ({edited})"
+    if made.get("weights_bytes") not in (None, size):
+        return f"{WEIGHTS} is {size} bytes, {made['weights_bytes']} as trained (cut short or edited)"
+    if (size, mtime) == (made.get("weights_bytes"), made.get("weights_mtime_ns")):
+        return None  # untouched since its training wrote it
+    if not is_the_file_saved(ckpt, WEIGHTS, state):
+        return f"{WEIGHTS} is not the file trained (its sha256 is not the one {STATE} records): edited or damaged"
+    return None
+
+
+def checkpoint_damage(ckpt: Path) -> str | None:
+    """Why the finished checkpoint in `ckpt` (a train or model step's) is not as its training wrote it
+    (`weights_damage`), by the records beside it; None where it is, or where none is finished."""
+    state = step_record(ckpt / STATE)
+    if not state.get("step"):
+        return None
+    return weights_damage(ckpt, step_record(ckpt / STEP_FILE), state)

@@ -29,10 +29,10 @@ from entroweight.trainers.config import LossSettings, TrainSettings
 from entroweight.transforms.sources import SourceError, expand_sources, relation_to
 from entroweight.transforms.writer import write_json_atomic
 
+from .results import STEP_FILE
 from .spec import TOKENS, ModelSpec, TrainSpec, Workflow, load_yaml
 from .steps import (
     RUN_FILE,
-    STEP_FILE,
     AccuracyItemsStep,
     AccuracyStep,
     AgreementStep,

@@ -21,22 +21,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from entroweight.models.checkpoint import CONFIG, WEIGHTS, edited_config
+from entroweight.models.checkpoint import WEIGHTS
 from entroweight.options import setting_changes
 from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.stage import preview_run, read_manifests
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas.tokenizer import TOKENIZER_FILE
-from entroweight.trainers.checkpoint import STATE, is_the_file_saved
+from entroweight.trainers.checkpoint import STATE
 from entroweight.transforms.writer import sha256_file, write_json_atomic
 
 from .report import read_metrics, write_report
-from .results import edited, sealed
+from .results import STEP_FILE, edited, file_stat, sealed, step_record, weights_damage
 
 if TYPE_CHECKING:
     from .spec import Workflow
 
-STEP_FILE = ".workflow-step.json"  # in a tokenizer or checkpoint directory: the key it was built with
 RUN_FILE = "run.json"
 
 
@@ -52,26 +51,15 @@ def _key(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _record(path: Path) -> dict:
-    """A step's own JSON record (its marker, a cached result, a checkpoint's state), or {} where there
-    is none that can be read: absent, cut short, edited into something else. A step whose record is
-    unreadable is not done, so it is made again (no run is blocked by a derived file gone bad)."""
-    try:
-        record = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
 def _result(path: Path) -> dict:
     """A step's result (`_record`), or {} where it is not as its step wrote it (`results.edited`): an
     edit by hand, or a result written before seals, is made again."""
-    record = _record(path)
+    record = step_record(path)
     return {} if edited(record) else record
 
 
 def _recorded_key(marker: Path) -> str | None:
-    return _record(marker).get("key")
+    return step_record(marker).get("key")
 
 
 def data_fingerprint(data_dir: Path) -> str:
@@ -342,15 +330,15 @@ class TrainStep(Step):
         """What changed since the finished checkpoint in `out` was trained (`key: old -> new`): a
         spec edited since. [] where none is finished, or its record is from before settings were
         kept. Known from the spec alone, so the plan refuses it before any step runs."""
-        made = _record(self.out / STEP_FILE)
-        if not _record(self.out / STATE).get("step") or "settings" not in made:
+        made = step_record(self.out / STEP_FILE)
+        if not step_record(self.out / STATE).get("step") or "settings" not in made:
             return []
         # through JSON, as recorded: tuples are lists there
         now = json.loads(json.dumps(self.settings(), default=str))
         return setting_changes(_edited(made["settings"]), _edited(now))
 
     def done(self):
-        made, state = _record(self.out / STEP_FILE), _record(self.out / STATE)
+        made, state = step_record(self.out / STEP_FILE), step_record(self.out / STATE)
         if made.get("key") != self.key() or state.get("step") != self.config.steps:
             return None
         self.damage = weights_damage(self.out, made, state)
@@ -373,7 +361,7 @@ class TrainStep(Step):
             from entroweight.trainers import train
 
             train(cfg)  # a refusal (TrainError, DataError, CheckpointError) is reported by the runner
-        size, mtime = _stat(self.out / WEIGHTS)
+        size, mtime = file_stat(self.out / WEIGHTS)
         made = {"key": key, "steps": cfg.steps, "weights_bytes": size, "weights_mtime_ns": mtime}
         made["settings"] = self.settings()
         write_json_atomic(made, self.out / STEP_FILE)
@@ -386,37 +374,6 @@ def _edited(settings: dict) -> dict:
     moves with run_dir (its identity, the sha256, is train's check): a moved run is trained again as
     before (its key changed), not refused as an edit."""
     return {**settings, "train": {k: v for k, v in settings["train"].items() if k != "tokenizer"}}
-
-
-def _stat(path: Path) -> tuple[int, int] | tuple[None, None]:
-    try:
-        st = path.stat()
-    except OSError:
-        return None, None
-    return st.st_size, st.st_mtime_ns
-
-
-def weights_damage(ckpt: Path, made: dict, state: dict) -> str | None:
-    """Why a finished checkpoint's weights are not the file its training wrote, or its config.json not
-    the model they were saved as (`edited_config`) (None: they are). Each
-    step that loads them checks their sha256 only then, so a file cut short or edited would stay "up to
-    date" and fail every later run. The size recorded when it was trained (`made`) is checked always;
-    the sha256 its trainer_state.json records, whenever the file's size or mtime is not what it was
-    then (a marker written before they were recorded: every time). Hashing reads the whole file, about
-    a second for a few hundred MB, and a file untouched since its training is not read at all."""
-    weights = ckpt / WEIGHTS
-    size, mtime = _stat(weights)
-    if size is None:
-        return f"{WEIGHTS} is gone"
-    if edited := edited_config(ckpt):  # settings the weights' shapes do not show (mask_pads, ...)
-        return f"{CONFIG} does not describe the model its weights were saved as ({edited})"
-    if made.get("weights_bytes") not in (None, size):
-        return f"{WEIGHTS} is {size} bytes, {made['weights_bytes']} as trained (cut short or edited)"
-    if (size, mtime) == (made.get("weights_bytes"), made.get("weights_mtime_ns")):
-        return None  # untouched since its training wrote it
-    if not is_the_file_saved(ckpt, WEIGHTS, state):
-        return f"{WEIGHTS} is not the file trained (its sha256 is not the one {STATE} records): edited or damaged"
-    return None
 
 
 def torchrun(cfg, nproc: int) -> None:
@@ -451,7 +408,7 @@ class EvalStep(Step):
         settings = wf.eval.model_dump(mode="json", exclude={"out", "batch_size", "device"})
         if self.text != "main":
             settings |= {"text": self.text, "max_bytes": wf.holdout.max_bytes, "holdout": wf.holdout.docs}
-        weights = _record(self.ckpt / STATE).get("weights_sha256")
+        weights = step_record(self.ckpt / STATE).get("weights_sha256")
         return _key({"weights": weights, **settings})
 
     def done(self):
@@ -656,7 +613,7 @@ class AccuracyItemsStep(Step):
             return "no offline task"
         f, marker = self.out / self.ITEMS, self.out / STEP_FILE
         if f.is_file() and _recorded_key(marker) == self.key():
-            made = _record(marker)
+            made = step_record(marker)
             if made.get("sha256") == sha256_file(f):  # a file changed since (by hand, a bad disk): rebuilt
                 return f"{made['items']} items"
         return None
@@ -720,7 +677,7 @@ class AccuracyStep(Step):
         from importlib.metadata import version
 
         a = self.wf.accuracy
-        weights = _record(self.ckpt / STATE).get("weights_sha256")
+        weights = step_record(self.ckpt / STATE).get("weights_sha256")
         items = self.items.items_file()
         settings = a.model_dump(mode="json", include={"tasks", "num_fewshot", "limit"})
         return _key(
