@@ -665,14 +665,19 @@ def test_a_users_file_in_a_steps_output_is_refused_by_the_dry_run_and_the_run_al
     ],
     ids=["missing-source", "holdout-too-large"],
 )
-def test_a_run_that_cannot_start_leaves_no_run_dir(small_run, tmp_path, change, says):
-    """Refused by a step's own work (before any step ran), a new run dir is removed again: nothing of
-    the run is left behind, and the next run starts clean."""
+@pytest.mark.parametrize("made", [False, True], ids=["new", "empty-dir-made-by-the-user"])
+def test_a_run_that_cannot_start_leaves_no_run_dir(small_run, tmp_path, change, says, made):
+    """Refused by a step's own work (before any step ran), the run leaves run_dir as it found it: a
+    new one is removed again, an empty one the user made is left empty (it kept run.json and .lock):
+    nothing of the run is left behind, and the next run starts clean."""
     spec = copy.deepcopy(small_run["spec"]) | {"run_dir": str(tmp_path / "new")}
+    if made:
+        (tmp_path / "new").mkdir()
     change(spec, tmp_path)
     code, out = run_cli("run", write_yaml(tmp_path / "wf.yaml", spec))
     assert code == 2 and says in out, out
-    assert not (tmp_path / "new").exists()
+    assert (tmp_path / "new").exists() == made
+    assert not made or not list((tmp_path / "new").iterdir())
 
 
 _TRAIN = {

@@ -162,7 +162,8 @@ class Runner:
         self.outputs = sorted(
             set(_names_in(root, [s.out for s in plan.steps])) | set(storage.run_outputs(root) or [])
         )
-        fresh = not storage.path(root).exists()
+        existed = storage.path(root).exists()
+        fresh = not existed or not storage.walk(root)  # new, or an empty directory the user made
         lock = run_lock(root, self.wait)  # LockHeld -> exit 3
         start = time.perf_counter()
         gone = False
@@ -176,7 +177,10 @@ class Runner:
             if not gone:
                 self.write_record(time.perf_counter() - start)
             lock.release()
-            if gone:  # a run that could not start leaves no directory behind
+            if gone and existed:  # a run that could not start leaves run_dir as it found it: empty
+                storage.clear_output(root)
+                storage.remove(storage.lock_location(root))
+            elif gone:  # ... or not there
                 storage.remove_tree(root)
         ran = [s for s in self.steps if s.status == "ran"]
         if not ran:
