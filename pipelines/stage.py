@@ -279,7 +279,7 @@ def plan_run(
             if n.startswith("part-"):
                 storage.remove(out / REJECTS_DIR / n)
         names = storage.listing(out)
-    manifests = read_manifests(out, names)
+    manifests = _rejects_present(out, read_manifests(out, names))
     orphans, recut = _not_remade(stage, inputs, manifests, record.config_hash, names)
     if not overwrite:
         _refuse_unless_overwrite(out, names, None, record, orphans, recut, inputs)
@@ -555,7 +555,7 @@ def preview_run(stage: Stage, out_dir: AnyPath, overwrite: bool = False) -> tupl
         tasks = [ShardTask(shard="", inputs=(inp,), out_dir=storage.key(out)) for inp in inputs]
         return RunPlan(stage, out, tasks, []), " (config changed: --overwrite replaces every shard)"
     try:  # bookkeeping that does not parse: refused naming the file, as the run refuses it
-        registry, manifests = DataDir(out).registry, read_manifests(out, names)
+        registry, manifests = DataDir(out).registry, _rejects_present(out, read_manifests(out, names))
     except Unreadable as e:
         raise StageError(str(e)) from None
     orphans, recut = _not_remade(stage, inputs, manifests, stage.config_hash, names)
@@ -630,6 +630,18 @@ def _intact(out: AnyPath, manifests: list[ShardManifest], config_hash: str) -> l
     with ThreadPoolExecutor(min(8, max(1, len(ours)))) as pool:
         keep = dict(zip((id(m) for m in ours), pool.map(intact, ours), strict=True))
     return [m for m in manifests if keep.get(id(m), True)]
+
+
+def _rejects_present(out: AnyPath, manifests: list[ShardManifest]) -> list[ShardManifest]:
+    """The manifests but those whose rejects file (where they record one) is gone: such a shard is
+    redone, as one whose parquet is gone, since the ids and reasons of its rejected documents are in
+    no other file. One listing of `.rejects/`, only where some manifest records a rejects file."""
+    if not any(m.rejects_file for m in manifests):
+        return manifests
+    listed = storage.listing(storage.path(out) / REJECTS_DIR)
+    return [
+        m for m in manifests if not m.rejects_file or m.rejects_file.removeprefix(f"{REJECTS_DIR}/") in listed
+    ]
 
 
 def _output_present(m: ShardManifest, names: dict[str, int]) -> bool:

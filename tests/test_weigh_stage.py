@@ -235,3 +235,31 @@ def test_every_source_document_is_accounted_for_down_the_chain(tokenizer_dir, mo
     assert record["lineage"][-1]["docs_out"] == record["counts"]["documents"]
     card = (tmp_path / "export" / "README.md").read_text()
     assert "tokenize: 24 docs in, 22 out, 2 rejected (empty 1, invalid_json 1)" in card
+
+
+def test_a_shard_whose_rejects_file_is_gone_is_redone(scored, tokenizer_dir, c4_path, tmp_path):
+    """A rerun redoes a shard whose rejects file was deleted, as it does one whose parquet was (the
+    rejected documents' ids and reasons are in no other file): every stage that writes one (tokenize,
+    and weigh and score through their one shard writer). Before, "nothing to do" and `verify` failed."""
+    from entroweight.transforms.writer import sha256_file
+
+    with gzip.open(c4_path, "rt", encoding="utf-8") as f:
+        lines = [next(f) for _ in range(12)]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(lines) + '{"text": ""}\n')
+    runs = {
+        "tokenize": lambda out: TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=N_CTX, shard_docs=5),
+        "weigh": lambda out: WeighStage(scored, WeighConfig(invert=True), steps=[MinMeanWeight(0.55)]),
+    }
+    for name, make in runs.items():
+        out = tmp_path / name
+        run_stage(make(out), out, progress=False)
+        rejects = sorted((out / ".rejects").glob("part-*.parquet"))
+        assert rejects, name
+        before = {p.name: sha256_file(p) for p in rejects}
+        rejects[0].unlink()
+        again = run_stage(make(out), out, progress=False)
+        assert again.shards_run == 1, (name, again.line())
+        assert {p.name: sha256_file(p) for p in sorted((out / ".rejects").glob("part-*.parquet"))} == before
+        assert verify_dir(out) == []
+        assert run_stage(make(out), out, progress=False).shards_run == 0
