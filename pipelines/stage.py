@@ -607,15 +607,14 @@ def _refuse_unless_overwrite(
 
 
 def _intact(out: AnyPath, manifests: list[ShardManifest], config_hash: str) -> list[ShardManifest]:
-    """The manifests of this config whose counts add up and whose shard (and rejects file) still hold
-    the bytes they record (their sha256), and those of other configs: a shard whose files changed is
-    then planned as one without a manifest, and redone. Each shard of this config is read once (in
+    """The manifests of this config whose shard (and rejects file) still hold the bytes they record
+    (their sha256), and those of other configs: a shard whose files changed is then planned as one
+    without a manifest, and redone (one whose counts do not add up is refused as it is read:
+    `datadir.counts_off`, which --overwrite removes). Each shard of this config is read once (in
     parallel): what --overwrite costs on an output of the same config, so that the advice of `verify`
     and of every reader that finds a damaged shard ("rerun with --overwrite") redoes it."""
 
     def intact(m: ShardManifest) -> bool:
-        if m.docs_in != m.docs_out + m.n_rejected:  # a manifest edited: its counts do not add up
-            return False
         files = [(m.output, m.output_sha256)] + (
             [(m.rejects_file, m.rejects_sha256)] if m.rejects_file else []
         )

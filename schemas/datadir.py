@@ -101,11 +101,27 @@ def unreadable(location: str, what: str, error: Exception) -> Unreadable:
         first = f"{where}: {e['msg']}" if where else e["msg"]
     else:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    directory = location.rsplit("/", 1)[0]
     return Unreadable(
-        f"{location} is not {what} (it does not parse: {first}): the directory's bookkeeping was "
-        f"changed or damaged; run `entroweight verify {directory}`, then rerun the command that wrote it "
-        "with --overwrite",
+        f"{location} is not {what} (it does not parse: {first}): {_damaged(location)}", location
+    )
+
+
+def _damaged(location: str) -> str:
+    directory = location.rsplit("/", 1)[0]
+    return (
+        f"the directory's bookkeeping was changed or damaged; run `entroweight verify {directory}`, then "
+        "rerun the command that wrote it with --overwrite"
+    )
+
+
+def counts_off(location: str, m: ShardManifest) -> Unreadable | None:
+    """The refusal of a manifest whose document counts do not add up (documents in = out + rejected,
+    as every stage writes them): edited by hand, and so not what it records; None where they add up."""
+    if m.docs_in == m.docs_out + m.n_rejected:
+        return None
+    return Unreadable(
+        f"{location}: its counts do not add up ({m.docs_in} documents in, {m.docs_out} out + "
+        f"{m.n_rejected} rejected): {_damaged(location)}",
         location,
     )
 
@@ -213,14 +229,18 @@ class DataDir:
     @cached_property
     def manifests(self) -> list[ShardManifest]:
         """Every shard manifest in the directory (whatever its config), in shard order; one that does
-        not parse is refused (DataDirError naming it: `unreadable`)."""
+        not parse, or whose counts do not add up, is refused (DataDirError naming it: `unreadable`,
+        `counts_off`)."""
         names = sorted(n for n in self.names if is_manifest(n))
         out = []
         for name, raw in zip(names, storage.read_many([self.root / n for n in names]), strict=True):
             try:
-                out.append(ShardManifest.model_validate_json(raw))
+                m = ShardManifest.model_validate_json(raw)
             except ValidationError as e:
                 raise unreadable(self.child(name), "a shard manifest", e) from None
+            if off := counts_off(self.child(name), m):
+                raise off
+            out.append(m)
         return out
 
     @cached_property

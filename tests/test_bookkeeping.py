@@ -103,6 +103,16 @@ def bad_manifest(d):
     return name
 
 
+def counts_off(d):
+    """A manifest edited so that its counts do not add up (a string number is read as the number)."""
+    import json
+
+    name = manifest_name(DataDir(d).parts[1].manifest.shard)
+    m = json.loads((d / name).read_text())
+    (d / name).write_text(json.dumps({**m, "docs_out": str(m["docs_out"] + 10)}))
+    return name
+
+
 def bad_registry(d):
     (d / SHARDS_FILE).write_text("{not json")
     return SHARDS_FILE
@@ -122,6 +132,7 @@ DAMAGES = {
     "no registry": no_registry,
     "no stage record": no_stage_record,  # not other tools' data, which train reads as it is
     "manifest does not parse": bad_manifest,
+    "manifest counts do not add up": counts_off,  # an impossible count carried into weigh's and the card
     "registry does not parse": bad_registry,
     "registry not a mapping": registry_not_a_mapping,
 }
@@ -291,9 +302,15 @@ def test_overwrite_redoes_a_shard_whose_files_changed_since_its_manifest(
         _flip_a_byte(d / part.output)
     assert verify_dir(d) != []
     r = invoke([*argv, "--out", d])
-    assert r.exit_code == 0 and "up to date" in r.output, r.output  # trusted, as before
+    if damage == "a rejects file removed":  # seen in the listing: redone (it said "up to date")
+        assert r.exit_code == 0 and "1 shard(s) run" in r.output, r.output
+    elif damage == "a manifest's count edited":  # refused as every reader refuses it, naming it
+        assert r.exit_code == 2 and "its counts do not add up" in r.output and "--overwrite" in r.output
+    else:
+        assert r.exit_code == 0 and "up to date" in r.output, r.output  # trusted: no shard read
     r = invoke([*argv, "--out", d, "--overwrite"])
-    assert r.exit_code == 0 and "1 shard(s) run" in r.output, r.output
+    if damage != "a rejects file removed":  # (redone by the plain rerun above)
+        assert r.exit_code == 0 and "1 shard(s) run" in r.output, r.output
     assert verify_dir(d) == []
     want = {p.name: p.read_bytes() for p in done.rglob("*.parquet")}
     assert {p.name: p.read_bytes() for p in d.rglob("*.parquet")} == want
