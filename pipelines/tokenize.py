@@ -111,7 +111,13 @@ class TokenizeStage(Stage):
         return self._listed
 
     def plan_inputs(self):
-        return plan_inputs(self.sources, self.shard_docs, self.hub, files=self._files())
+        inputs = plan_inputs(self.sources, self.shard_docs, self.hub, files=self._files())
+        if inputs and not getattr(self, "_head_checked", False):  # a wrong --text-column: refused once,
+            # up front, from the first file's first rows (the only body planning reads)
+            first = inputs[0].model_copy(update={"start": 0, "stop": None})
+            DocumentReader(first, self.text_column).check_head()
+            self._head_checked = True
+        return inputs
 
     def input_paths(self) -> list[str]:
         # the sources as named (a directory, not only its files: --out may not lie inside it)

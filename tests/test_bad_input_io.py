@@ -178,8 +178,9 @@ def test_all_rows_missing_text_fails_naming_the_fields(tmp_path, c4_lines, token
     rows = [json.loads(line) for line in c4_lines[:8]]
     src = tmp_path / "c4.jsonl"
     src.write_text("".join(json.dumps({"content": r["text"], "url": r["url"]}) + "\n" for r in rows))
+    first = write(tmp_path / "a-first.jsonl", c4_lines[8:10])  # the file judged up front has the field
     for shard_docs in (1, 100):  # every shard judges the file alike
-        res = cli("tokenize", src, "--tokenizer", tokenizer_dir, "--out", tmp_path / f"out{shard_docs}",
+        res = cli("tokenize", first, src, "--tokenizer", tokenizer_dir, "--out", tmp_path / f"out{shard_docs}",
                   "--shard-docs", shard_docs)  # fmt: skip
         assert res.exit_code == 1, res.output
         assert "content" in res.output and "--text-column" in res.output
@@ -228,6 +229,32 @@ def test_train_tokenizer_refuses_zero_documents_and_takes_text_column(tmp_path, 
     assert not (tmp_path / "tok").exists()
     res = cli("train-tokenizer", src, "--vocab-size", 300, "--text-column", "body", "--out", tmp_path / "tok")
     assert res.exit_code == 0 and (tmp_path / "tok" / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_wrong_text_column_is_one_refusal_in_every_command_that_reads_documents(
+    tmp_path, c4_lines, tokenizer_dir, fmt
+):
+    """A --text-column no row of the first file has (a typo) is refused by tokenize as by
+    train-tokenizer: exit 2, one line naming the fields found, nothing written. Before, tokenize
+    failed every shard (exit 1, a report of failed shards)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in c4_lines]
+    src = write(tmp_path / "c4.jsonl", c4_lines)
+    if fmt == "parquet":
+        src = tmp_path / "c4.parquet"
+        pq.write_table(pa.table({"text": [r["text"] for r in rows]}), src)
+    for args in (
+        ("tokenize", src, "--tokenizer", tokenizer_dir),
+        ("train-tokenizer", src, "--vocab-size", 300),
+    ):
+        res = cli(*args, "--text-column", "txt", "--out", tmp_path / "out")
+        line = res.output.strip()
+        assert res.exit_code == 2 and "'txt'" in line and "--text-column NAME" in line, (args, res.output)
+        assert "\n" not in line and "Traceback" not in line, line
+        assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("column", ["", "  "])

@@ -59,6 +59,10 @@ class SourceError(ValueError):
     """An input that cannot be read; the message names the file and says what to do."""
 
 
+class NoTextColumn(SourceError):
+    """No row of a file holds the text column (--text-column): a wrong name, not a bad file."""
+
+
 def is_glob(spec: str, exists: Callable[[str], bool] = os.path.exists) -> bool:
     """Whether a SOURCE is read as a glob pattern: it holds a glob character and names nothing as
     written (`exists`: the check of its filesystem). A file or directory whose name holds one
@@ -703,6 +707,23 @@ class DocumentReader:
                 f"cannot read {s.uri} (rows {s.start}..{s.stop}): {type(e).__name__}: {e}"
             ) from e
 
+    def check_head(self) -> None:
+        """Raise NoTextColumn where no row among this file's first objects has the text column
+        (`TextColumn`), or a parquet file has no such column: a wrong --text-column, which every file
+        would fail alike. Reads until the column is seen (one row, as a rule; at most
+        NOT_JSON_LINES_AFTER objects). The driver asks it of the first file before any shard runs, so
+        a wrong column is one refusal, not every shard failing; a file wrong in its own way (empty,
+        damaged, no JSON lines) is left to its shard, which fails naming it while the others go on."""
+        rows = self._parquet_rows() if self.shard.fmt == "parquet" else self._json_rows()
+        try:
+            for _, row, _ in rows:
+                if row is not None and self.text_column in row:
+                    return
+        except NoTextColumn:
+            raise
+        except Exception:  # noqa: BLE001 - a file of its own fault (empty, damaged): its shard fails
+            return
+
     # -- readers
     def _json_rows(self) -> Iterator[tuple[int, dict | None, str | None]]:
         """Each line as a row. A file that is not JSON lines fails its shard, naming it, rather than
@@ -773,7 +794,7 @@ class DocumentReader:
         pf = pq.ParquetFile(storage.open_input(s.uri))  # local or remote: only the row groups needed are read
         names = pf.schema_arrow.names
         if self.text_column not in names:
-            raise SourceError(
+            raise NoTextColumn(
                 f"{s.uri} has no {self.text_column!r} column (columns: {', '.join(names)}); "
                 "pass --text-column NAME"
             )
@@ -833,7 +854,7 @@ class TextColumn:
             if len(self.fields) < 50:
                 self.fields.update(dict.fromkeys(row))
         if self.objects >= NOT_JSON_LINES_AFTER or (end and self.objects):
-            raise SourceError(
+            raise NoTextColumn(
                 f"{self.uri}: none of its {'first ' if not end else ''}{self.objects} rows has a "
                 f"{self.name!r} field (fields found: {', '.join(map(str, self.fields)) or 'none'}); "
                 "pass --text-column NAME"
