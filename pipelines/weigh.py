@@ -217,6 +217,6 @@ def _check_values_stored(path: str, schema) -> None:
     """A shard the stage can re-weigh: its raw values are stored (not scored with --drop-entropy)."""
     if ENTROPY not in schema.names:
         raise StageError(
-            f"{path} was scored with --drop-entropy: there are no stored entropies to re-weigh; "
+            f"{path} was written with --drop-entropy (by score or weigh): there are no stored entropies to re-weigh; "
             "score the tokenized data again without --drop-entropy"
         )

@@ -65,7 +65,7 @@ def _read(dir_: str | Path, column: str) -> tuple[dict, dict[str, tuple[np.ndarr
                 raise AgreementError(f"{f} is not entroweight data (no seq_id, input_ids, n_pad columns)")
             if column not in names:
                 hint = (
-                    " (it was scored with --drop-entropy; compare --column weight)"
+                    " (it was written with --drop-entropy; compare --column weight)"
                     if column == "entropy"
                     else ""
                 )
