@@ -489,6 +489,46 @@ def test_train_tokenizer_never_replaces_a_tokenizer_unasked(tmp_path, c4_lines, 
     assert res.exit_code == 0 and (out / "tokenizer.json").read_bytes() != before
 
 
+def test_a_rerun_of_the_same_train_tokenizer_does_nothing(tmp_path, c4_lines):
+    """A scheduler's retry of train-tokenizer (or a rerun after a kill that came after the write) with
+    the same arguments finds its tokenizer and does nothing, exit 0, as a stage's rerun does; it was
+    refused (exit 2). Any other source content, option or a tokenizer.json edited since is refused."""
+    import os
+
+    src = write(tmp_path / "c4.jsonl", c4_lines[:40])
+    out = tmp_path / "tok"
+    argv = ["train-tokenizer", src, "--vocab-size", 300, "--out", out]
+    assert cli(*argv).exit_code == 0
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
+    res = cli(*argv)
+    assert res.exit_code == 0 and "nothing to do" in res.output, res.output
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == files
+    others = {
+        "a vocabulary size": ["--vocab-size", 301],
+        "max docs": ["--max-docs", 10],
+        "the text column": ["--text-column", "url"],
+        "the algorithm": ["--algorithm", "lz78"],
+    }
+    for what, change in others.items():
+        res = cli(*argv, *change)
+        assert res.exit_code == 2 and "trained from other sources or options" in res.output, (
+            what,
+            res.output,
+        )
+    write(src, c4_lines[:41])  # the source changed since
+    res = cli(*argv)
+    assert res.exit_code == 2 and "trained from other sources or options" in res.output, res.output
+    write(src, c4_lines[:40])
+    os.utime(src, ns=(files[out / "tokenizer.json"][1],) * 2)  # ... even back to its bytes: its mtime moved
+    assert cli(*argv).exit_code == 2
+    assert cli(*argv, "--overwrite").exit_code == 0
+    tok = out / "tokenizer.json"
+    tok.write_bytes(tok.read_bytes().replace(b'"<|pad|>"', b'"<|PAD|>"'))  # edited by hand since
+    res = cli(*argv)
+    assert res.exit_code == 2 and "not the file its tokenizer.sha256 records" in res.output, res.output
+    assert {p.name for p in out.iterdir()} == {"tokenizer.json", "tokenizer.sha256", ".train-tokenizer.json"}
+
+
 def test_train_tokenizer_says_when_it_makes_fewer_tokens_than_asked(tmp_path, c4_lines):
     src = write(tmp_path / "c4.jsonl", c4_lines[:5])
     res = cli("train-tokenizer", src, "--vocab-size", 60000, "--out", tmp_path / "tok")

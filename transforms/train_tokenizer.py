@@ -117,6 +117,36 @@ def train_tokenizer(
     return text_as_data(tok, f"the trained {algorithm} tokenizer")
 
 
+#: what train-tokenizer records beside the tokenizer it wrote: what it was trained from (`trained_from`)
+TRAINED_FROM = ".train-tokenizer.json"
+
+
+def trained_from(
+    sources: list[str], vocab_size: int, base, max_docs, algorithm: str, text_column: str
+) -> dict | None:
+    """What a tokenizer trained by `train-tokenizer` is a function of: every source file as listed
+    (its size, mtime or an object's version), the options and the base tokenizer's bytes, and this
+    code. A rerun that finds the same record beside the tokenizer has nothing to do. None where a
+    source is a hub dataset: its main branch may have moved, and nothing pins it here."""
+    from entroweight import __version__
+
+    from .sources import source_files
+
+    files = source_files(list(sources))
+    if any(stat is None for stat in files.values()):
+        return None
+    base_file = resolve_tokenizer_path(base or DEFAULT_BASE) if algorithm == "bpe" else None
+    return {
+        "sources": {f: list(stat) for f, stat in files.items()},
+        "vocab_size": vocab_size,
+        "base_sha256": storage.sha256(base_file) if base_file is not None else None,
+        "max_docs": max_docs,
+        "algorithm": algorithm,
+        "text_column": text_column,
+        "code_version": __version__,
+    }
+
+
 def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> tuple[Path, str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -93,34 +93,88 @@ def _train_tokenizer_held(
     from entroweight.schemas.tokenizer import TOKENIZER_FILE
     from entroweight.transforms.sources import SourceError
     from entroweight.transforms.train_tokenizer import (
+        TRAINED_FROM,
         corpus_texts,
         rejects_said,
         save_tokenizer,
         train_tokenizer,
+        trained_from,
     )
 
     held = storage.path(out) / TOKENIZER_FILE
-    if held.exists() and not overwrite:  # data and models made with it would no longer match it
-        _fail(
-            f"--out {out} already holds a tokenizer ({held}); what was tokenized or trained with it depends "
-            "on it: write to another --out, or pass --overwrite to replace it"
-        )
     rejected: collections.Counter = collections.Counter()
     try:
         say_listing(sources)
+        made_of = trained_from(list(sources), vocab_size, base, max_docs, algorithm, text_column)
+    except (SourceError, ValueError) as e:
+        _fail(str(e))
+    if held.exists() and not overwrite:  # data and models made with it would no longer match it
+        recorded = _recorded(storage.path(out) / TRAINED_FROM)
+        if recorded is None or made_of is None:
+            which = "a tokenizer"
+        elif recorded != made_of:
+            which = "a tokenizer trained from other sources or options"
+        elif not _intact(out):
+            which = "a tokenizer whose tokenizer.json is not the file its tokenizer.sha256 records (edited)"
+        else:  # this very tokenizer: a rerun (a scheduler's retry) does nothing
+            click.echo(
+                f"nothing to do: {held} is the tokenizer these arguments train (sha256 {_sha_of(out)})"
+            )
+            return
+        _fail(
+            f"--out {out} already holds {which} ({held}); what was tokenized or trained with it depends "
+            "on it: write to another --out, or pass --overwrite to replace it"
+        )
+    try:
         texts = corpus_texts(list(sources), max_docs, text_column, rejected)
         tok = train_tokenizer(texts, vocab_size, algorithm, base, progress=sys.stderr.isatty())
     except (SourceError, ValueError) as e:
         _fail(str(e))
     if foreign:  # another command's output, which --overwrite replaces whole (the lock stays)
         storage.clear_output(out)
+    storage.remove(storage.path(out) / TRAINED_FROM)  # (an --overwrite: the old record goes first)
     with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
         path, sha = save_tokenizer(tok, local)
+    if made_of is not None:  # last: a rerun with these arguments finds its tokenizer and does nothing
+        storage.write_json_atomic(made_of, storage.path(out) / TRAINED_FROM)
     path = storage.path(out) / path.name
     skipped = f"; {rejects_said(rejected)}" if rejected else ""
     n = tok.get_vocab_size()
     short = f"; {vocab_size} asked: the documents give no more" if n < vocab_size else ""
     click.echo(f"wrote {path} ({n} tokens, sha256 {sha}){short}{skipped}")
+
+
+def _recorded(location) -> dict | None:
+    """A JSON record a command wrote, or None where it is absent or does not parse."""
+    from entroweight import storage
+
+    try:
+        with storage.open_input(location) as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _sha_of(out) -> str | None:
+    """The sha256 `tokenizer.sha256` in `out` records."""
+    from entroweight import storage
+
+    try:
+        with storage.open_input(storage.path(out) / "tokenizer.sha256") as f:
+            return f.read().decode().split()[0]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _intact(out) -> bool:
+    """Whether `out`'s tokenizer.json is the file its tokenizer.sha256 records (read once to say so)."""
+    from entroweight import storage
+    from entroweight.schemas.tokenizer import TOKENIZER_FILE
+
+    try:
+        return _sha_of(out) == storage.sha256(storage.path(out) / TOKENIZER_FILE)
+    except OSError:
+        return False
 
 
 @main.command(cls=GeneratedOptions, generated=[engine_options])
