@@ -1,5 +1,8 @@
 """A real S3-protocol server on loopback for the object-storage tests: moto's standalone server
 (`moto[server]`, as s3fs's own suite uses), bound to 127.0.0.1 on a free port, in its own process.
+moto checks a conditional PutObject's precondition and then writes, on one thread per request, so two
+contenders could both pass an `If-Match`; S3 makes the pair atomic, and so does this server
+(`_atomic_conditional_writes`), or the lease tests would test moto's race instead of ours.
 
 The pipeline reaches it exactly as it reaches AWS: through s3fs, with the endpoint and credentials in
 the standard variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), which child
@@ -30,7 +33,7 @@ def s3_server():
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, __file__, str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -70,3 +73,39 @@ def new_bucket() -> str:
     name = f"ew-{uuid.uuid4().hex[:12]}"
     fsspec.filesystem("s3", skip_instance_cache=True).mkdir(name)
     return f"s3://{name}"
+
+
+def _atomic_conditional_writes(app):
+    """WSGI middleware: a write that carries a precondition (If-Match, If-None-Match) runs alone, so
+    its check and its write are one step, as on S3."""
+    import threading
+
+    lock = threading.Lock()
+
+    def serve(environ, start_response):
+        if environ.get("HTTP_IF_MATCH") or environ.get("HTTP_IF_NONE_MATCH"):
+            with lock:
+                return list(app(environ, start_response))
+        return app(environ, start_response)
+
+    return serve
+
+
+def _serve(port: int) -> None:
+    """moto's server (as `python -m moto.server`), its conditional writes made atomic."""
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import run_simple
+
+    os.environ.setdefault("MOTO_PORT", str(port))
+    app = DomainDispatcherApplication(create_backend_app)
+    run_simple(
+        "127.0.0.1", port, _atomic_conditional_writes(app), threaded=True, request_handler=MotoRequestHandler
+    )
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))
