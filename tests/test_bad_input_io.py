@@ -492,40 +492,50 @@ def test_train_tokenizer_never_replaces_a_tokenizer_unasked(tmp_path, c4_lines, 
 def test_a_rerun_of_the_same_train_tokenizer_does_nothing(tmp_path, c4_lines):
     """A scheduler's retry of train-tokenizer (or a rerun after a kill that came after the write) with
     the same arguments finds its tokenizer and does nothing, exit 0, as a stage's rerun does; it was
-    refused (exit 2). Any other source content, option or a tokenizer.json edited since is refused."""
+    refused (exit 2). Anything else is refused, saying what differs: a source changed since (its
+    size or mtime), the sources in another order (with --max-docs, other documents), another option,
+    or a tokenizer.json that is not the one the record names (edited, or another copied in)."""
     import os
+    import shutil
 
-    src = write(tmp_path / "c4.jsonl", c4_lines[:40])
+    src = write(tmp_path / "c4.jsonl", c4_lines[:20])
+    other = write(tmp_path / "more.jsonl", c4_lines[20:])
     out = tmp_path / "tok"
-    argv = ["train-tokenizer", src, "--vocab-size", 300, "--out", out]
+    argv = ["train-tokenizer", src, other, "--vocab-size", 300, "--out", out]
     assert cli(*argv).exit_code == 0
     files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     res = cli(*argv)
     assert res.exit_code == 0 and "nothing to do" in res.output, res.output
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == files
     others = {
-        "a vocabulary size": ["--vocab-size", 301],
-        "max docs": ["--max-docs", 10],
-        "the text column": ["--text-column", "url"],
-        "the algorithm": ["--algorithm", "lz78"],
+        "other vocab size": ["--vocab-size", 301],
+        "other max docs": ["--max-docs", 10],
+        "other text column": ["--text-column", "url"],
+        "other base sha256, algorithm": ["--algorithm", "lz78"],
     }
-    for what, change in others.items():
+    for says, change in others.items():
         res = cli(*argv, *change)
-        assert res.exit_code == 2 and "trained from other sources or options" in res.output, (
-            what,
-            res.output,
-        )
-    write(src, c4_lines[:41])  # the source changed since
+        assert res.exit_code == 2 and f"trained from {says}" in res.output, (says, res.output)
+    swapped = ["train-tokenizer", other, src, "--vocab-size", 300, "--out", out]
+    res = cli(*swapped)
+    assert res.exit_code == 2 and "the sources in another order" in res.output, res.output
+    mtime = src.stat().st_mtime_ns
+    write(src, c4_lines[:20])
+    os.utime(src, ns=(mtime + 10**9,) * 2)  # rewritten: the same bytes, a later modification time
     res = cli(*argv)
-    assert res.exit_code == 2 and "trained from other sources or options" in res.output, res.output
-    write(src, c4_lines[:40])
-    os.utime(src, ns=(files[out / "tokenizer.json"][1],) * 2)  # ... even back to its bytes: its mtime moved
-    assert cli(*argv).exit_code == 2
+    assert res.exit_code == 2 and "a source changed since (size or modification time" in res.output
     assert cli(*argv, "--overwrite").exit_code == 0
     tok = out / "tokenizer.json"
     tok.write_bytes(tok.read_bytes().replace(b'"<|pad|>"', b'"<|PAD|>"'))  # edited by hand since
     res = cli(*argv)
-    assert res.exit_code == 2 and "not the file its tokenizer.sha256 records" in res.output, res.output
+    assert res.exit_code == 2 and "not the one its record names" in res.output, res.output
+    assert cli(*argv, "--overwrite").exit_code == 0
+    # another tokenizer copied in with `cp tok2/* tok/` (the glob leaves the hidden record behind)
+    assert cli("train-tokenizer", src, "--vocab-size", 400, "--out", tmp_path / "tok2").exit_code == 0
+    for name in ("tokenizer.json", "tokenizer.sha256"):
+        shutil.copy(tmp_path / "tok2" / name, out / name)
+    res = cli(*argv)
+    assert res.exit_code == 2 and "not the one its record names" in res.output, res.output
     assert {p.name for p in out.iterdir()} == {"tokenizer.json", "tokenizer.sha256", ".train-tokenizer.json"}
 
 

@@ -124,10 +124,11 @@ TRAINED_FROM = ".train-tokenizer.json"
 def trained_from(
     sources: list[str], vocab_size: int, base, max_docs, algorithm: str, text_column: str
 ) -> dict | None:
-    """What a tokenizer trained by `train-tokenizer` is a function of: every source file as listed
-    (its size, mtime or an object's version), the options and the base tokenizer's bytes, and this
-    code. A rerun that finds the same record beside the tokenizer has nothing to do. None where a
-    source is a hub dataset: its main branch may have moved, and nothing pins it here."""
+    """What a tokenizer trained by `train-tokenizer` is a function of: every source file as listed,
+    in the order read (with --max-docs the order decides which documents), with its size and mtime
+    or an object's version; the options; the base tokenizer's bytes; this code. A rerun that finds
+    the same record beside the tokenizer it names has nothing to do. None where a source is a hub
+    dataset: its main branch may have moved, and nothing pins it here."""
     from entroweight import __version__
 
     from .sources import source_files
@@ -137,7 +138,7 @@ def trained_from(
         return None
     base_file = resolve_tokenizer_path(base or DEFAULT_BASE) if algorithm == "bpe" else None
     return {
-        "sources": {f: list(stat) for f, stat in files.items()},
+        "sources": [[f, *stat] for f, stat in files.items()],
         "vocab_size": vocab_size,
         "base_sha256": storage.sha256(base_file) if base_file is not None else None,
         "max_docs": max_docs,
@@ -145,6 +146,22 @@ def trained_from(
         "text_column": text_column,
         "code_version": __version__,
     }
+
+
+def differs(recorded: dict, now: dict) -> str:
+    """What differs between a tokenizer's `trained_from` record and the arguments given now, in words
+    (a source file changed since, another option), for the refusal to name."""
+    if recorded.get("sources") != now["sources"]:
+        was = {f: rest for f, *rest in recorded.get("sources") or []}
+        now_files = {f: rest for f, *rest in now["sources"]}
+        changed = [f for f in now_files if f in was and was[f] != now_files[f]]
+        if changed:
+            return f"a source changed since (size or modification time: {changed[0]})"
+        if set(was) == set(now_files):
+            return "the sources in another order"
+        return "other sources"
+    options = [k for k in now if k != "sources" and recorded.get(k) != now[k]]
+    return "other " + ", ".join(k.replace("_", " ") for k in options) if options else "another record"
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> tuple[Path, str]:

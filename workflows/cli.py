@@ -95,6 +95,7 @@ def _train_tokenizer_held(
     from entroweight.transforms.train_tokenizer import (
         TRAINED_FROM,
         corpus_texts,
+        differs,
         rejects_said,
         save_tokenizer,
         train_tokenizer,
@@ -110,16 +111,15 @@ def _train_tokenizer_held(
         _fail(str(e))
     if held.exists() and not overwrite:  # data and models made with it would no longer match it
         recorded = _recorded(storage.path(out) / TRAINED_FROM)
+        sha = recorded.pop("tokenizer_sha256", None) if isinstance(recorded, dict) else None
         if recorded is None or made_of is None:
             which = "a tokenizer"
         elif recorded != made_of:
-            which = "a tokenizer trained from other sources or options"
-        elif not _intact(out):
-            which = "a tokenizer whose tokenizer.json is not the file its tokenizer.sha256 records (edited)"
+            which = f"a tokenizer trained from {differs(recorded, made_of)}"
+        elif sha is None or sha != storage.sha256(held):
+            which = "a tokenizer that is not the one its record names (edited, or copied in since)"
         else:  # this very tokenizer: a rerun (a scheduler's retry) does nothing
-            click.echo(
-                f"nothing to do: {held} is the tokenizer these arguments train (sha256 {_sha_of(out)})"
-            )
+            click.echo(f"nothing to do: {held} is the tokenizer these arguments train (sha256 {sha})")
             return
         _fail(
             f"--out {out} already holds {which} ({held}); what was tokenized or trained with it depends "
@@ -136,7 +136,7 @@ def _train_tokenizer_held(
     with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
         path, sha = save_tokenizer(tok, local)
     if made_of is not None:  # last: a rerun with these arguments finds its tokenizer and does nothing
-        storage.write_json_atomic(made_of, storage.path(out) / TRAINED_FROM)
+        storage.write_json_atomic({**made_of, "tokenizer_sha256": sha}, storage.path(out) / TRAINED_FROM)
     path = storage.path(out) / path.name
     skipped = f"; {rejects_said(rejected)}" if rejected else ""
     n = tok.get_vocab_size()
@@ -153,28 +153,6 @@ def _recorded(location) -> dict | None:
             return json.loads(f.read())
     except (OSError, ValueError):
         return None
-
-
-def _sha_of(out) -> str | None:
-    """The sha256 `tokenizer.sha256` in `out` records."""
-    from entroweight import storage
-
-    try:
-        with storage.open_input(storage.path(out) / "tokenizer.sha256") as f:
-            return f.read().decode().split()[0]
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _intact(out) -> bool:
-    """Whether `out`'s tokenizer.json is the file its tokenizer.sha256 records (read once to say so)."""
-    from entroweight import storage
-    from entroweight.schemas.tokenizer import TOKENIZER_FILE
-
-    try:
-        return _sha_of(out) == storage.sha256(storage.path(out) / TOKENIZER_FILE)
-    except OSError:
-        return False
 
 
 @main.command(cls=GeneratedOptions, generated=[engine_options])
