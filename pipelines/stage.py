@@ -632,15 +632,19 @@ def _intact(out: AnyPath, manifests: list[ShardManifest], config_hash: str) -> l
 
 
 def _rejects_present(out: AnyPath, manifests: list[ShardManifest]) -> list[ShardManifest]:
-    """The manifests but those whose rejects file (where they record one) is gone: such a shard is
-    redone, as one whose parquet is gone, since the ids and reasons of its rejected documents are in
-    no other file. One listing of `.rejects/`, only where some manifest records a rejects file."""
+    """The manifests but those whose rejects file (where they record one) is gone or of another size
+    than recorded: such a shard is redone, as one whose parquet is, since the ids and reasons of its
+    rejected documents are in no other file. One listing of `.rejects/`, only where some manifest
+    records a rejects file (a manifest from before sizes were recorded: presence alone)."""
     if not any(m.rejects_file for m in manifests):
         return manifests
     listed = storage.listing(storage.path(out) / REJECTS_DIR)
-    return [
-        m for m in manifests if not m.rejects_file or m.rejects_file.removeprefix(f"{REJECTS_DIR}/") in listed
-    ]
+
+    def present(m: ShardManifest) -> bool:
+        size = listed.get(m.rejects_file.removeprefix(f"{REJECTS_DIR}/"))
+        return size is not None and m.rejects_bytes in (None, size)
+
+    return [m for m in manifests if not m.rejects_file or present(m)]
 
 
 def _output_present(m: ShardManifest, names: dict[str, int]) -> bool:

@@ -216,10 +216,10 @@ class _Shard:
         sha = self.writer.close()
         self.committed = True
         rejects = cut.rejects + self.rejects
-        rejects_file = rejects_sha = None
+        rejects_file = rejects_sha = rejects_size = None
         if rejects:
             rejects_file = f"{REJECTS_DIR}/{self.name}.parquet"
-            rejects_sha = write_table_atomic(rejects_table(rejects), self.out / rejects_file)
+            rejects_sha, rejects_size = write_table_atomic(rejects_table(rejects), self.out / rejects_file)
         return ShardManifest(
             shard=self.name,
             stage=stage.name,
@@ -232,6 +232,7 @@ class _Shard:
             rejected=dict(collections.Counter(r["reason"] for r in rejects)),
             rejects_file=rejects_file,
             rejects_sha256=rejects_sha,
+            rejects_bytes=rejects_size,
             n_tokens=builder.n_seq * stage.n_ctx,
             n_real_tokens=builder.n_real_tokens,
             n_bytes=builder.n_bytes,

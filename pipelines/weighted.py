@@ -187,12 +187,12 @@ class WeightedShardWriter:
                 self._reject(rejects)
             self._emit(kept)
         sha = self._writer.close()
-        rejects_file = rejects_sha = None
+        rejects_file = rejects_sha = rejects_size = None
         rejected = collections.Counter(r["reason"] for r in self.rejects)
         if self.rejects:
             rejects_file = f"{REJECTS_DIR}/{self.task.shard}.parquet"
             table = pa.Table.from_pylist(self.rejects, schema=REJECT_SCHEMA)
-            rejects_sha = write_table_atomic(table, self.out / rejects_file)
+            rejects_sha, rejects_size = write_table_atomic(table, self.out / rejects_file)
         c = self.counts
         seconds = time.perf_counter() - self.started
         return ShardManifest(
@@ -208,6 +208,7 @@ class WeightedShardWriter:
             rejected=dict(rejected),
             rejects_file=rejects_file,
             rejects_sha256=rejects_sha,
+            rejects_bytes=rejects_size,
             n_tokens=c["rows_out"] * self.n_ctx,
             n_real_tokens=c["real"],
             n_bytes=c["n_bytes"],

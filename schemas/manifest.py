@@ -85,6 +85,7 @@ class ShardManifest(BaseModel):
     rejected: dict[str, int] = Field(default_factory=dict)
     rejects_file: str | None = None
     rejects_sha256: str | None = None
+    rejects_bytes: int | None = None  # its size: planning checks it against one listing of .rejects/
     n_tokens: int = 0  # all positions, pads included
     n_real_tokens: int = 0
     n_bytes: int = 0

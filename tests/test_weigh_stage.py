@@ -237,10 +237,12 @@ def test_every_source_document_is_accounted_for_down_the_chain(tokenizer_dir, mo
     assert "tokenize: 24 docs in, 22 out, 2 rejected (empty 1, invalid_json 1)" in card
 
 
-def test_a_shard_whose_rejects_file_is_gone_is_redone(scored, tokenizer_dir, c4_path, tmp_path):
-    """A rerun redoes a shard whose rejects file was deleted, as it does one whose parquet was (the
-    rejected documents' ids and reasons are in no other file): every stage that writes one (tokenize,
-    and weigh and score through their one shard writer). Before, "nothing to do" and `verify` failed."""
+@pytest.mark.parametrize("damage", ["removed", "replaced by other bytes"])
+def test_a_shard_whose_rejects_file_is_gone_is_redone(scored, tokenizer_dir, c4_path, tmp_path, damage):
+    """A rerun redoes a shard whose rejects file was deleted or replaced (another size than its
+    manifest records), as it does one whose parquet was (the rejected documents' ids and reasons are
+    in no other file): every stage that writes one (tokenize, and weigh and score through their one
+    shard writer). Before, "nothing to do" and `verify` failed."""
     from entroweight.transforms.writer import sha256_file
 
     with gzip.open(c4_path, "rt", encoding="utf-8") as f:
@@ -257,7 +259,10 @@ def test_a_shard_whose_rejects_file_is_gone_is_redone(scored, tokenizer_dir, c4_
         rejects = sorted((out / ".rejects").glob("part-*.parquet"))
         assert rejects, name
         before = {p.name: sha256_file(p) for p in rejects}
-        rejects[0].unlink()
+        if damage == "removed":
+            rejects[0].unlink()
+        else:
+            rejects[0].write_bytes(b"junk\n")
         again = run_stage(make(out), out, progress=False)
         assert again.shards_run == 1, (name, again.line())
         assert {p.name: sha256_file(p) for p in sorted((out / ".rejects").glob("part-*.parquet"))} == before

@@ -79,8 +79,9 @@ class AtomicParquetWriter:
             self.abort()
 
 
-def write_table_atomic(table: pa.Table, path: AnyPath) -> str:
+def write_table_atomic(table: pa.Table, path: AnyPath) -> tuple[str, int]:
+    """`table` as one parquet file, atomically: (its sha256, its size in bytes)."""
     with AtomicParquetWriter(path, table.schema) as w:
         for batch in table.to_batches():
             w.write(batch)
-        return w.close()
+        return w.close(), w.sink.size
