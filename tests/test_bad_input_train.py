@@ -63,8 +63,11 @@ def test_eval_bpb_refuses_empty_text_and_max_bytes_0(tiny_ckpt, tmp_path, wikite
 
 @pytest.mark.parametrize(
     "name",
-    ["docs.jsonl", "docs.json", "docs.parquet", "docs.jsonl.gz", "gz-no-suffix", "zst-no-suffix", "docs.txt"],
-)
+    [
+        "docs.jsonl", "docs.json", "docs.parquet", "docs.jsonl.gz", "gz-no-suffix", "zst-no-suffix", "docs.txt",
+        "blank-line-first.txt", "long-first-line.txt",
+    ],
+)  # fmt: skip
 def test_the_text_to_evaluate_is_plain_text_not_a_file_of_documents(tiny_ckpt, tmp_path, name):
     """eval-bpb --text (and a workflow's eval.text) scores a file's bytes as they are: a file of
     documents (JSON lines, parquet, compressed: by name or first bytes) gave a BPB of its markup,
@@ -75,6 +78,10 @@ def test_the_text_to_evaluate_is_plain_text_not_a_file_of_documents(tiny_ckpt, t
 
     f = tmp_path / name
     line = json.dumps({"text": "A document of the user's."}) + "\n"
+    if name.startswith("long"):  # a book per line: its first line far past any fixed head
+        line = json.dumps({"text": "word " * 40_000}) + "\n" + line
+    if name.startswith("blank"):
+        line = "\n \n" + line
     pack = {"gz": gzip.compress, "zst": zstandard.compress}
     kind = next((k for k in pack if k in name), None)
     f.write_bytes(pack[kind](line.encode()) if kind else line.encode())

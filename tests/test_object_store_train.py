@@ -65,6 +65,13 @@ def test_train_and_resume_on_s3_match_local_disk(weighted_dir, tokenizer_dir, tm
 
     text = upload(DEFAULT_TEXT, f"{s3_bucket}/text/wiki.test.raw")
     assert eval_bpb(out, text, max_bytes=2000)["bpb"] == bpb_remote["bpb"]
+    # a file of documents on the store is told from text as a local one is (eval-bpb refuses it)
+    from entroweight.transforms.sources import not_plain_text
+
+    docs = tmp_path / "docs.txt"
+    docs.write_text(json.dumps({"text": "a document"}) + "\n")
+    assert not_plain_text(upload(docs, f"{s3_bucket}/text/docs.txt")) is not None
+    assert not_plain_text(text) is None
 
 
 def test_a_tampered_checkpoint_on_s3_is_refused(weighted_dir, tmp_path, s3_bucket):

@@ -105,10 +105,12 @@ def not_plain_text(path: str | Path) -> str | None:
     documents (JSON lines, parquet, compressed), by its name or, where it exists, its first bytes;
     None where it may be plain text."""
     fmt = file_format(path)
-    if fmt is None and storage.is_local(path) and os.path.isfile(path):
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
-        fmt = compressed_format(head) or ("jsonl" if _a_document_line(head) else None)
+    if fmt is None:
+        try:
+            with storage.open_input(path) as f:
+                fmt = compressed_format(f.read(4)) or ("jsonl" if _a_document_line(f) else None)
+        except (OSError, ValueError):  # not there, or a directory: the reader says so
+            pass
     if fmt is None:
         return None
     return (
@@ -117,11 +119,27 @@ def not_plain_text(path: str | Path) -> str | None:
     )
 
 
-def _a_document_line(head: bytes) -> bool:
-    """Whether a file's first line is a JSON object with a string `text`: a document of JSON lines,
-    whatever the file's name (a held-out text would not start so)."""
+#: the longest first line read to tell a document of JSON lines (a book per line runs to megabytes)
+FIRST_LINE_BYTES = 64 << 20
+
+
+def _a_document_line(f) -> bool:
+    """Whether the first non-blank line of `f` (opened at its start) is a JSON object with a string
+    `text`: a document of JSON lines, whatever the file's name (a held-out text would not start so).
+    Read no further than its first character where that is not `{`."""
+    f.seek(0)
+    blank = codecs.BOM_UTF8 + b" \t\r\n"
+    head = bytearray()
+    while len(head) < FIRST_LINE_BYTES and (chunk := f.read(1 << 16)):
+        head += chunk
+        start = len(head) - len(head.lstrip(blank))  # blank lines before it: the next one decides
+        if start < len(head) and (head[start : start + 1] != b"{" or b"\n" in head[start:]):
+            break
+    line = bytes(head).lstrip(blank).split(b"\n", 1)[0]
+    if not line.startswith(b"{"):
+        return False
     try:
-        first = json.loads(head.split(b"\n", 1)[0])
+        first = json.loads(line)
     except ValueError:
         return False
     return isinstance(first, dict) and isinstance(first.get("text"), str)
