@@ -24,7 +24,7 @@ from entroweight import __version__, storage
 from entroweight.schemas import REJECT_SCHEMA, ShardManifest
 from entroweight.schemas.arrow import document_count, weighted_sequence_schema, with_file_metadata
 from entroweight.schemas.datadir import DataDir, read_checked
-from entroweight.schemas.manifest import REJECTS_DIR, UPSTREAM, ShardInput
+from entroweight.schemas.manifest import NOT_READ, REJECTS_DIR, UPSTREAM, ShardInput
 from entroweight.schemas.weighted import real_mask
 from entroweight.transforms.select import DocumentStep, StepError
 from entroweight.transforms.weigh import NonFiniteScores, WeighConfig, weighted_batch
@@ -195,6 +195,9 @@ class WeightedShardWriter:
             rejects_sha, rejects_size = write_table_atomic(table, self.out / rejects_file)
         c = self.counts
         seconds = time.perf_counter() - self.started
+        upstream = self.stage.lineages[self.input.uri]
+        # a sample (score's first rows of each shard): the documents of the input shard left unread
+        not_read = upstream[-1]["docs_out"] - c["docs_in"] if upstream else 0
         return ShardManifest(
             shard=self.task.shard,
             stage=self.stage.name,
@@ -217,7 +220,8 @@ class WeightedShardWriter:
             seconds=round(seconds, 3),
             extra={
                 "tokens_per_s": round(c["real"] / max(seconds, 1e-9), 1),
-                UPSTREAM: self.stage.lineages[self.input.uri],
+                UPSTREAM: upstream,
+                **({NOT_READ: not_read} if not_read > 0 else {}),
                 **(extra or {}),
             },
         )

@@ -30,6 +30,7 @@ from .manifest import (
     ShardManifest,
     StageRecord,
     is_manifest,
+    lineage_problem,
 )
 from .weighted import WEIGHT, weight_dtype
 
@@ -115,15 +116,14 @@ def _damaged(location: str) -> str:
 
 
 def counts_off(location: str, m: ShardManifest) -> Unreadable | None:
-    """The refusal of a manifest whose document counts do not add up (documents in = out + rejected,
-    as every stage writes them): edited by hand, and so not what it records; None where they add up."""
-    if m.docs_in == m.docs_out + m.n_rejected:
+    """The refusal of a manifest whose document counts do not add up, its own or those it carries of
+    the stages before (`lineage_problem`: in = out + rejected, each stage reading what the one before
+    kept), as every stage writes them: edited by hand, and so not what it records; None where they
+    add up."""
+    problem = lineage_problem(m.lineage())
+    if problem is None:
         return None
-    return Unreadable(
-        f"{location}: its counts do not add up ({m.docs_in} documents in, {m.docs_out} out + "
-        f"{m.n_rejected} rejected): {_damaged(location)}",
-        location,
-    )
+    return Unreadable(f"{location}: its counts do not add up ({problem}): {_damaged(location)}", location)
 
 
 def open_data_file(location: str, part: Part | None) -> pa.NativeFile:

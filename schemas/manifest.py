@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from typing import Any
 
@@ -108,7 +109,7 @@ class ShardManifest(BaseModel):
             "docs_out": self.docs_out,
             "rejected": self.rejected,
         }
-        own |= {k: self.extra[k] for k in CUT_COUNTS if self.extra.get(k)}
+        own |= {k: self.extra[k] for k in MORE_COUNTS if self.extra.get(k)}
         return [*self.extra.get(UPSTREAM, []), own]
 
 
@@ -116,6 +117,28 @@ class ShardManifest(BaseModel):
 UPSTREAM = "upstream"
 #: what tokenize --overflow truncate cut: the documents and their bytes of text dropped
 CUT_COUNTS = ("n_truncated", "bytes_dropped")
+#: the documents of its input shard a stage did not read: score's sample of each shard's first rows
+NOT_READ = "not_read"
+#: the counts besides documents in, out and rejected that a stage's lineage entry may hold
+MORE_COUNTS = (*CUT_COUNTS, NOT_READ)
+
+
+def lineage_problem(lineage: list[dict[str, Any]]) -> str | None:
+    """Where a lineage's counts do not add up, in words; None where they do: each stage's documents
+    in = out + rejected, and each reads what the one before kept (but what a sample left unread)."""
+    for c in lineage:
+        if c["docs_in"] != c["docs_out"] + sum(c["rejected"].values()):
+            return (
+                f"{c['stage']}: {c['docs_in']} documents in, {c['docs_out']} out + "
+                f"{sum(c['rejected'].values())} rejected"
+            )
+    for before, after in itertools.pairwise(lineage):
+        if after["docs_in"] + after.get(NOT_READ, 0) != before["docs_out"]:
+            return (
+                f"{after['stage']} read {after['docs_in']} documents of the {before['docs_out']} "
+                f"{before['stage']} kept"
+            )
+    return None
 
 
 def sum_counts(counts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -126,7 +149,7 @@ def sum_counts(counts: list[dict[str, Any]]) -> dict[str, Any]:
         total["docs_out"] += c["docs_out"]
         for reason, n in c["rejected"].items():
             total["rejected"][reason] = total["rejected"].get(reason, 0) + n
-        for k in CUT_COUNTS:
+        for k in MORE_COUNTS:
             if c.get(k):
                 total[k] = total.get(k, 0) + c[k]
     return total
@@ -141,9 +164,10 @@ def counts_line(counts: dict[str, Any]) -> str:
         if counts.get("n_truncated")
         else ""
     )
+    sample = f"; {counts[NOT_READ]} not read (a sample of the first rows)" if counts.get(NOT_READ) else ""
     return (
         f"{counts['stage']}: {counts['docs_in']} docs in, {counts['docs_out']} out, "
-        f"{sum(rejected.values())} rejected{why}{cut}"
+        f"{sum(rejected.values())} rejected{why}{cut}{sample}"
     )
 
 

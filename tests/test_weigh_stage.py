@@ -236,6 +236,25 @@ def test_every_source_document_is_accounted_for_down_the_chain(tokenizer_dir, mo
     card = (tmp_path / "export" / "README.md").read_text()
     assert "tokenize: 24 docs in, 22 out, 2 rejected (empty 1, invalid_json 1)" in card
 
+    # a sample (a workflow's limit_rows: each shard's first rows) says what it left unread
+    score(tokens, model, tmp_path / "sample", rows=3)
+    code, out = cli("inspect", "--json", tmp_path / "sample")
+    info = json.loads(out)
+    assert code == 0 and info["not_read"] > 0 and info["docs_in"] + info["not_read"] == 22, info
+    code, out = cli("export-data", tmp_path / "sample", "--format", "hf", "--out", tmp_path / "sample-export")
+    card = (tmp_path / "sample-export" / "README.md").read_text()
+    assert f"{info['not_read']} not read (a sample of the first rows)" in card
+    # an edited count carried from the stages before is refused as the stage's own is
+    from entroweight.schemas.datadir import DataDir
+
+    part = DataDir(weighed).parts[0].manifest
+    path = weighed / f".{part.shard}.manifest.json"
+    record = json.loads(path.read_text())
+    record["extra"]["upstream"][1]["docs_out"] += 5
+    path.write_text(json.dumps(record))
+    code, out = cli("inspect", weighed)
+    assert code == 2 and "its counts do not add up (score:" in out, out
+
 
 @pytest.mark.parametrize("damage", ["removed", "replaced by other bytes"])
 def test_a_shard_whose_rejects_file_is_gone_is_redone(scored, tokenizer_dir, c4_path, tmp_path, damage):

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from entroweight import storage
 from entroweight.schemas import read_file_metadata
 from entroweight.schemas.datadir import data_files
-from entroweight.schemas.manifest import SHARDS_FILE, sum_lineage
+from entroweight.schemas.manifest import NOT_READ, SHARDS_FILE, sum_lineage
 from entroweight.schemas.weighted import (
     ENTROPY,
     EXCLUDED,
@@ -91,6 +91,8 @@ def summarize(path: str | Path) -> dict:
         out["docs_in"] = own["docs_in"]
         out["docs_out"] = own["docs_out"]  # docs_in = docs_out + the rejected, shard by shard
         out["rejected"] = own["rejected"]
+        if own.get(NOT_READ):  # a sample (score's first rows of each shard): the documents left unread
+            out["not_read"] = own[NOT_READ]
         if own.get("n_truncated"):  # tokenize --overflow truncate cut documents: say how much text is missing
             out["truncated_docs"] = own["n_truncated"]
             out["bytes_dropped"] = own["bytes_dropped"]
