@@ -665,19 +665,23 @@ def test_a_users_file_in_a_steps_output_is_refused_by_the_dry_run_and_the_run_al
     ],
     ids=["missing-source", "holdout-too-large"],
 )
-@pytest.mark.parametrize("made", [False, True], ids=["new", "empty-dir-made-by-the-user"])
-def test_a_run_that_cannot_start_leaves_no_run_dir(small_run, tmp_path, change, says, made):
+@pytest.mark.parametrize("found", ["new", "new, below new directories", "empty", "holding a .gitkeep"])
+def test_a_run_that_cannot_start_leaves_no_run_dir(small_run, tmp_path, change, says, found):
     """Refused by a step's own work (before any step ran), the run leaves run_dir as it found it: a
-    new one is removed again, an empty one the user made is left empty (it kept run.json and .lock):
+    new one is removed again with the directories made for it, one the user made keeps what it held
+    and nothing more (an empty one kept run.json and .lock; the parents made for a new one stayed):
     nothing of the run is left behind, and the next run starts clean."""
-    spec = copy.deepcopy(small_run["spec"]) | {"run_dir": str(tmp_path / "new")}
-    if made:
-        (tmp_path / "new").mkdir()
+    run_dir = tmp_path / "a" / "b" / "new" if "below" in found else tmp_path / "new"
+    spec = copy.deepcopy(small_run["spec"]) | {"run_dir": str(run_dir)}
+    if found in ("empty", "holding a .gitkeep"):
+        run_dir.mkdir()
+    if found == "holding a .gitkeep":
+        (run_dir / ".gitkeep").write_text("")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.name != "wf.yaml")
     change(spec, tmp_path)
     code, out = run_cli("run", write_yaml(tmp_path / "wf.yaml", spec))
     assert code == 2 and says in out, out
-    assert (tmp_path / "new").exists() == made
-    assert not made or not list((tmp_path / "new").iterdir())
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.name != "wf.yaml") == before
 
 
 _TRAIN = {

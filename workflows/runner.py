@@ -12,6 +12,7 @@ version, what each step did and every data stage's manifests.
 from __future__ import annotations
 
 import functools
+import shutil
 import subprocess
 import sys
 import time
@@ -57,6 +58,38 @@ TOKENS_STEP, TOKENIZER_STEP, HOLDOUT_STEP = (
     ("tokenizer", "tokenizer"),
     ("holdout", "holdout"),
 )
+
+
+def _as_found(root) -> tuple[Path | None, set[str], set[str]]:
+    """What `_put_back` restores: the first directory of `root`'s path the run will make (local; None
+    where `root` is there, or on a store, which has no directories), and the files and directories
+    `root` holds now (a user's `.gitkeep`)."""
+    p = storage.path(root)
+    if not storage.is_local(p):
+        return None, set(storage.walk(p)), set()
+    made = None
+    if not p.exists():
+        made = p
+        while not made.parent.exists():
+            made = made.parent
+    dirs = {str(d.relative_to(p)) for d in p.rglob("*") if d.is_dir()} if p.is_dir() else set()
+    return made, set(storage.walk(p)), dirs
+
+
+def _put_back(root, found: tuple[Path | None, set[str], set[str]]) -> None:
+    """Remove what a run that could not start wrote (`_as_found`): the directories it made, or the
+    files and directories that were not in `root` before (its record, its lock, a step's temp files)."""
+    made, files, dirs = found
+    if made is not None:
+        storage.remove_tree(made)
+        return
+    p = storage.path(root)
+    for rel in set(storage.walk(p)) - files:
+        storage.remove(p / rel)
+    if storage.is_local(p):
+        for d in sorted((d for d in p.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+            if str(d.relative_to(p)) not in dirs:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 def data_step(name: str) -> tuple[str, str]:
@@ -162,8 +195,7 @@ class Runner:
         self.outputs = sorted(
             set(_names_in(root, [s.out for s in plan.steps])) | set(storage.run_outputs(root) or [])
         )
-        existed = storage.path(root).exists()
-        fresh = not existed or not storage.walk(root)  # new, or an empty directory the user made
+        found = _as_found(root)  # what a run that could not start puts back
         lock = run_lock(root, self.wait)  # LockHeld -> exit 3
         start = time.perf_counter()
         gone = False
@@ -171,17 +203,14 @@ class Runner:
             self.write_record(0.0)  # a run killed part way is still known as a workflow run
             self._all_steps()
         except WorkflowError:  # refused by a step's own work (what no plan can see: a count of documents)
-            gone = fresh and not any(s.status == "ran" for s in self.steps)
+            gone = not self.ctx.had_record and not any(s.status == "ran" for s in self.steps)
             raise
         finally:
             if not gone:
                 self.write_record(time.perf_counter() - start)
             lock.release()
-            if gone and existed:  # a run that could not start leaves run_dir as it found it: empty
-                storage.clear_output(root)
-                storage.remove(storage.lock_location(root))
-            elif gone:  # ... or not there
-                storage.remove_tree(root)
+            if gone:  # a run that could not start leaves run_dir as it found it
+                _put_back(root, found)
         ran = [s for s in self.steps if s.status == "ran"]
         if not ran:
             self.echo(f"nothing to do: all {len(self.steps)} step(s) of {root} are up to date")
