@@ -537,6 +537,11 @@ def test_a_rerun_of_the_same_train_tokenizer_does_nothing(tmp_path, c4_lines):
     res = cli(*argv)
     assert res.exit_code == 2 and "not the one its record names" in res.output, res.output
     assert {p.name for p in out.iterdir()} == {"tokenizer.json", "tokenizer.sha256", ".train-tokenizer.json"}
+    for record in ("[1, 2]", "{not json", '{"sources": 3}'):  # a record edited into something else
+        (out / ".train-tokenizer.json").write_text(record)
+        res = cli(*argv)
+        assert res.exit_code == 2 and "already holds a tokenizer" in res.output, (record, res.output)
+        assert "Traceback" not in res.output
 
 
 def test_train_tokenizer_says_when_it_makes_fewer_tokens_than_asked(tmp_path, c4_lines):

@@ -148,12 +148,19 @@ def trained_from(
     }
 
 
+def _by_file(sources) -> dict[str, list]:
+    """A record's [file, size, mtime, version] rows by file; {} for anything else (a record edited)."""
+    try:
+        return {str(f): rest for f, *rest in sources}
+    except (TypeError, ValueError):
+        return {}
+
+
 def differs(recorded: dict, now: dict) -> str:
     """What differs between a tokenizer's `trained_from` record and the arguments given now, in words
     (a source file changed since, another option), for the refusal to name."""
     if recorded.get("sources") != now["sources"]:
-        was = {f: rest for f, *rest in recorded.get("sources") or []}
-        now_files = {f: rest for f, *rest in now["sources"]}
+        was, now_files = _by_file(recorded.get("sources")), _by_file(now["sources"])
         changed = [f for f in now_files if f in was and was[f] != now_files[f]]
         if changed:
             return f"a source changed since (size or modification time: {changed[0]})"

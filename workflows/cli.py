@@ -145,14 +145,15 @@ def _train_tokenizer_held(
 
 
 def _recorded(location) -> dict | None:
-    """A JSON record a command wrote, or None where it is absent or does not parse."""
+    """A JSON record a command wrote, or None where it is absent, does not parse or is no mapping."""
     from entroweight import storage
 
     try:
         with storage.open_input(location) as f:
-            return json.loads(f.read())
+            record = json.loads(f.read())
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 @main.command(cls=GeneratedOptions, generated=[engine_options])
