@@ -773,6 +773,16 @@ def remove_stale_tmp(directory: AnyPath) -> int:
     return n
 
 
+def json_record(p: AnyPath) -> dict | None:
+    """The JSON object a command wrote at `p`, or None where it is absent, does not parse or is no
+    mapping (edited into something else): the one lenient reader of a command's own records."""
+    try:
+        record = json.loads(path(p).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def remove(p: AnyPath) -> None:
     p = path(p)
     with contextlib.suppress(FileNotFoundError):

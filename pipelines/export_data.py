@@ -367,11 +367,7 @@ def _files_of(out) -> dict[str, str]:
 
 def _recorded(out) -> dict | None:
     """The record of the export in `out` (export.json), or None where it does not read as one."""
-    try:
-        record = json.loads(storage.path(out).joinpath(EXPORT_RECORD).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+    return storage.json_record(storage.path(out) / EXPORT_RECORD)
 
 
 def export_data(

@@ -110,7 +110,7 @@ def _train_tokenizer_held(
     except (SourceError, ValueError) as e:
         _fail(str(e))
     if held.exists() and not overwrite:  # data and models made with it would no longer match it
-        recorded = _recorded(storage.path(out) / TRAINED_FROM)
+        recorded = storage.json_record(storage.path(out) / TRAINED_FROM)
         sha = recorded.pop("tokenizer_sha256", None) if isinstance(recorded, dict) else None
         if recorded is None or made_of is None:
             which = "a tokenizer"
@@ -142,18 +142,6 @@ def _train_tokenizer_held(
     n = tok.get_vocab_size()
     short = f"; {vocab_size} asked: the documents give no more" if n < vocab_size else ""
     click.echo(f"wrote {path} ({n} tokens, sha256 {sha}){short}{skipped}")
-
-
-def _recorded(location) -> dict | None:
-    """A JSON record a command wrote, or None where it is absent, does not parse or is no mapping."""
-    from entroweight import storage
-
-    try:
-        with storage.open_input(location) as f:
-            record = json.loads(f.read())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
 
 
 @main.command(cls=GeneratedOptions, generated=[engine_options])

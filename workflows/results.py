@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from entroweight import storage
 from entroweight.models.checkpoint import CONFIG, WEIGHTS, edited_config
 from entroweight.trainers.checkpoint import STATE, is_the_file_saved
 
@@ -38,11 +39,7 @@ def step_record(path: Path) -> dict:
     """A step's own JSON record (its marker, a cached result, a checkpoint's state), or {} where there
     is none that can be read: absent, cut short, edited into something else. A step whose record is
     unreadable is not done, so it is made again (no run is blocked by a derived file gone bad)."""
-    try:
-        record = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
+    return storage.json_record(path) or {}
 
 
 def file_stat(path: Path) -> tuple[int, int] | tuple[None, None]:
