@@ -42,7 +42,7 @@ from entroweight.schemas import (
 )
 from entroweight.schemas.arrow import DOC_IDS
 from entroweight.schemas.datadir import STAGE_KINDS, DataDir
-from entroweight.schemas.manifest import ShardInput, is_manifest, manifest_name
+from entroweight.schemas.manifest import ShardInput, is_manifest, lineage_problem, manifest_name
 from entroweight.schemas.tokenizer import CARRIED_TOKENIZER
 from entroweight.schemas.weighted import (
     ENTROPY,
@@ -212,10 +212,8 @@ def _check_files_present(
 def _check_shard(out: Path, m: ShardManifest, record: StageRecord, problems: list[str]) -> dict | None:
     """All checks of one shard; returns its file metadata (for cross-shard consistency) or None."""
     where = f"{m.shard} ({m.output})"
-    if m.docs_in != m.docs_out + m.n_rejected:
-        problems.append(
-            f"{where}: manifest says {m.docs_in} documents in but {m.docs_out} out + {m.n_rejected} rejected"
-        )
+    if off := lineage_problem(m.lineage()):  # its own counts and those it carries, as every reader judges them
+        problems.append(f"{where}: its manifest's counts do not add up ({off})")
     if m.rejects_file:
         _check_rejects(out, m, problems)
     elif m.n_rejected:

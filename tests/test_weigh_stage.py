@@ -254,6 +254,8 @@ def test_every_source_document_is_accounted_for_down_the_chain(tokenizer_dir, mo
     path.write_text(json.dumps(record))
     code, out = cli("inspect", weighed)
     assert code == 2 and "its counts do not add up (score:" in out, out
+    code, out = cli("verify", weighed)  # verify judges the counts by the same rule as the readers
+    assert code == 1 and "counts do not add up (score:" in out, out
 
 
 @pytest.mark.parametrize("damage", ["removed", "replaced by other bytes"])
