@@ -113,6 +113,17 @@ def counts_off(d):
     return name
 
 
+def carried_counts_off(d):
+    """A manifest whose counts of an earlier stage (tokenize's, carried in its lineage) were edited."""
+    import json
+
+    name = manifest_name(DataDir(d).parts[1].manifest.shard)
+    m = json.loads((d / name).read_text())
+    m["extra"]["upstream"][0]["docs_out"] += 3
+    (d / name).write_text(json.dumps(m))
+    return name
+
+
 def bad_registry(d):
     (d / SHARDS_FILE).write_text("{not json")
     return SHARDS_FILE
@@ -133,6 +144,7 @@ DAMAGES = {
     "no stage record": no_stage_record,  # not other tools' data, which train reads as it is
     "manifest does not parse": bad_manifest,
     "manifest counts do not add up": counts_off,  # an impossible count carried into weigh's and the card
+    "carried counts do not add up": carried_counts_off,
     "registry does not parse": bad_registry,
     "registry not a mapping": registry_not_a_mapping,
 }
@@ -177,6 +189,18 @@ def test_every_reader_refuses_a_directory_it_cannot_show_whole(
         )
     ), line
     assert not out.exists() or not any(out.iterdir()), "output written before the refusal"
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+@pytest.mark.parametrize("which", ["scored", "weighed"])
+def test_verify_finds_every_damage_the_readers_refuse(which, damage, scored, weighed, tmp_path):
+    """`verify` is where a user is sent by every refusal above: what a reader refuses, it reports
+    (exit 1), naming the file, by the same rules (before, an edited count carried from the stages
+    before passed `verify` while every reader refused it)."""
+    d, name = damaged({"scored": scored, "weighed": weighed}[which], tmp_path / "damaged", damage)
+    r = invoke(["verify", d])
+    assert r.exit_code == 1, r.output
+    assert name in r.output or (name == STAGE_FILE and "no .stage.json" in r.output), r.output
 
 
 STAGES = {  # stage -> (its input, its committed output, its argv but --out)
@@ -263,7 +287,13 @@ def _flip_a_byte(path):
 
 
 @pytest.mark.parametrize(
-    "damage", ["a shard's bytes changed", "a rejects file removed", "a manifest's count edited"]
+    "damage",
+    [
+        "a shard's bytes changed",
+        "a rejects file removed",
+        "a manifest's count edited",
+        "a carried count edited",
+    ],
 )
 @pytest.mark.parametrize("stage", ["tokenize", *sorted(STAGES)])
 def test_overwrite_redoes_a_shard_whose_files_changed_since_its_manifest(
@@ -298,13 +328,17 @@ def test_overwrite_redoes_a_shard_whose_files_changed_since_its_manifest(
 
         path = d / manifest_name(part.shard)
         path.write_text(json.dumps({**json.loads(path.read_text()), "docs_in": part.docs_in + 1}))
+    elif damage == "a carried count edited":
+        if stage == "tokenize":
+            pytest.skip("tokenize is the first stage: it carries no counts")
+        carried_counts_off(d)
     else:
         _flip_a_byte(d / part.output)
     assert verify_dir(d) != []
     r = invoke([*argv, "--out", d])
     if damage == "a rejects file removed":  # seen in the listing: redone (it said "up to date")
         assert r.exit_code == 0 and "1 shard(s) run" in r.output, r.output
-    elif damage == "a manifest's count edited":  # refused as every reader refuses it, naming it
+    elif "count edited" in damage:  # refused as every reader refuses it, naming it
         assert r.exit_code == 2 and "its counts do not add up" in r.output and "--overwrite" in r.output
     else:
         assert r.exit_code == 0 and "up to date" in r.output, r.output  # trusted: no shard read
