@@ -28,8 +28,6 @@ import threading
 import uuid
 from dataclasses import asdict
 
-from tqdm.auto import tqdm
-
 from entroweight import storage
 from entroweight.schemas.manifest import ShardInput
 
@@ -257,7 +255,7 @@ def run(
 
 @contextlib.contextmanager
 def _progress(plan: RunPlan, enabled: bool, every: float = 0.5):
-    """A shard progress bar like the other engines': Beam reports nothing until the pipeline ends,
+    """The progress bar of the other engines (`RunPlan.progress`): Beam reports nothing until the pipeline ends,
     so a thread counts the shard manifests as workers write them (one listing of --out a tick)."""
     if not enabled:
         yield
@@ -272,7 +270,7 @@ def _progress(plan: RunPlan, enabled: bool, every: float = 0.5):
             return 0
 
     stop = threading.Event()
-    with tqdm(total=len(names), unit="shard", desc=f"{plan.stage.name} (beam)") as bar:
+    with plan.progress("beam") as bar:
 
         def watch():
             while not stop.wait(every):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from tqdm.auto import tqdm
-
 from .stage import EngineOption, RunPlan, ShardResult, StageError, run_task
 
 OPTIONS: dict[str, EngineOption] = {}  # nothing to set: one process, one shard after another
@@ -17,7 +15,7 @@ def run(plan: RunPlan, progress: bool = True) -> list[ShardResult]:
         raise StageError(f"{stage.name} cannot start: {e}") from e
     results = []
     docs = tokens = 0
-    with tqdm(total=len(plan.todo), unit="shard", desc=stage.name, disable=not progress) as bar:
+    with plan.progress(disable=not progress) as bar:
         for task in plan.todo:
             result = run_task(stage, task)
             results.append(result)

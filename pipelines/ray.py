@@ -237,9 +237,7 @@ def _run_pool(
     results: list[ShardResult] = []
     idle = [a for a in actors for _ in range(IN_FLIGHT_PER_ACTOR)]
     start, docs, tokens, looked = time.perf_counter(), 0, 0, time.monotonic()
-    with tqdm(
-        total=len(plan.todo), unit="shard", desc=f"{stage.name} (ray x{n})", disable=not progress
-    ) as bar:
+    with plan.progress(f"ray x{n}", disable=not progress) as bar:
         while pending or in_flight:
             while pending and idle:
                 task, actor = pending.pop(), idle.pop(0)

@@ -19,6 +19,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 import pyarrow.parquet as pq
+from tqdm.auto import tqdm
 
 from entroweight import __version__, storage
 from entroweight.options import setting_changes
@@ -248,6 +249,13 @@ class RunPlan:
     #: (previews) shards of `todo` whose output went missing while their manifest, of this config and
     #: these inputs, stayed: a stage's output is a function of both, so their run writes what it records
     lost: list[str] = field(default_factory=list)
+
+    def progress(self, engine: str = "", disable: bool = False):
+        """Every engine's progress bar over this plan's tasks. Its unit is the input (a file, or an
+        input shard): a task reads one, and a long file streamed into `--shard-docs` pieces commits
+        several shards, which the run's summary counts."""
+        desc = f"{self.stage.name} ({engine})" if engine else self.stage.name
+        return tqdm(total=len(self.todo), unit="input", desc=desc, disable=disable)
 
     def remakes_as_recorded(self) -> bool:
         """Whether all this run writes is shards its manifests already record (`lost`): what reads
