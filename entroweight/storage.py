@@ -56,6 +56,46 @@ def is_url(location: str | os.PathLike) -> bool:
     return "://" in s and not s.startswith("file://")
 
 
+#: The schemes of stores and servers a location names as a URL: a local path that starts with one and a
+#: colon is a URL mistyped (`url_slip`). Not fsspec's whole registry: `data:x.jsonl` is a file's name.
+STORE_SCHEMES = frozenset(
+    (
+        "s3",
+        "s3a",
+        "gs",
+        "gcs",
+        "az",
+        "abfs",
+        "abfss",
+        "adl",
+        "hdfs",
+        "webhdfs",
+        "http",
+        "https",
+        "ftp",
+        "sftp",
+        "oss",
+        "oci",
+    )
+)
+
+
+def url_slip(location: str | os.PathLike) -> str | None:
+    """Why `location` is refused as a local path when it reads as a store's URL with a slash missing
+    (`s3:/bucket/key`, `gs:bucket`): taken as typed it names a local folder `s3:`, so a command would
+    write there, exit 0, and put nothing in the store. None for any other location (`hf:OWNER/NAME`
+    is a source's hub id)."""
+    s = str(location)
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):(?!//)", s)
+    scheme = m.group(1).lower() if m else None
+    if scheme not in STORE_SCHEMES or is_url(s):
+        return None
+    return (
+        f"{s} is not a URL: write {scheme}://{s[m.end() :].lstrip('/')} (two slashes), or ./{s} for a "
+        f"local folder named '{m.group(1)}:'"
+    )
+
+
 def path(location: str | os.PathLike) -> AnyPath:
     """A `Path` for a local path (or file:// URL), a `UPath` for a URL. Refuses a store whose driver
     is not installed with the pip command that installs it."""
@@ -65,6 +105,8 @@ def path(location: str | os.PathLike) -> AnyPath:
     if s.startswith("file://"):
         return Path(s[len("file://") :])
     if not is_url(s):
+        if why := url_slip(s):
+            raise StorageError(why)
         return Path(s)
     protocol, rest = s.split("://", 1)
     if "//" in rest.rstrip("/") or not rest.strip("/"):  # s3://bucket//key: an empty key part

@@ -381,3 +381,53 @@ def test_an_out_through_a_directory_that_does_not_exist_makes_no_directory_there
     assert {p for p in base.rglob("*")} == before, f"{command} made something in {base}"
     if result.exit_code == 2:  # refused (the inputs here are stand-ins): nothing written anywhere
         assert not (base.parent / "x").exists() and not (base.parent / "x.html").exists(), command
+
+
+READERS = {  # the commands that only read: argv with SLIP for the location
+    "inspect": ["inspect", "SLIP"],
+    "verify": ["verify", "SLIP"],
+    "compare A": ["compare", "SLIP", "GOOD"],
+    "eval-bpb": ["eval-bpb", "SLIP"],
+    "eval-quant": ["eval-quant", "SLIP", "--data", "GOOD"],  # --data: read as train reads its data
+}
+
+
+def _slip_cases():
+    for command in writing_commands():
+        for name in [*ROWS[command][0], "--out"]:
+            if name not in CONFIG_FILE_INPUTS:  # local files only: `Location(local=True)`
+                yield pytest.param(command, name, id=f"{command}-{name}")
+    for case in READERS:
+        yield pytest.param(case, "SLIP", id=case)
+
+
+@pytest.mark.parametrize(("command", "name"), list(_slip_cases()))
+def test_a_url_with_a_slash_missing_is_refused_everywhere(tmp_path, monkeypatch, command, name):
+    """`s3:/bucket/key` (one slash) in any location a command takes: every command wrote a local
+    folder named `s3:` and exited 0 (or refused it as a missing local file), putting nothing in the
+    store. Refused up front, saying the URL meant (`storage.url_slip`), nothing written."""
+    monkeypatch.chdir(tmp_path)
+    slip = "s3:/bucket/x"
+    good = _make_input(tmp_path / "good", "data")
+    if command in READERS:
+        argv = [good if a == "GOOD" else slip if a == "SLIP" else a for a in READERS[command]]
+    else:
+        inputs = {n: _make_input(tmp_path / "apart" / f"in{i}", n) for i, n in enumerate(ROWS[command][0])}
+        out = str(tmp_path / "out")
+        if name == "--out":
+            out = slip
+        else:
+            inputs[name] = slip
+        argv = _argv(command, out, inputs)
+    line = refused(tmp_path, [str(a) for a in argv])
+    assert "s3://bucket/x (two slashes)" in line, line
+    assert not (tmp_path / "s3:").exists()
+
+
+def test_a_workflow_run_dir_with_a_slash_missing_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w.yaml").write_text(
+        "run_dir: s3:/bucket/run\nsources: [docs.jsonl]\ntokenizer: {train: {}}\n"
+    )
+    line = refused(tmp_path, ["run", "w.yaml", "--dry-run"])
+    assert "s3://bucket/run (two slashes)" in line, line

@@ -383,6 +383,8 @@ def source_files(
             repeated += [f for f in listed if f in out]
             out.update((f, (size, None, version)) for f, (size, version) in listed.items())
             continue
+        if why := storage.url_slip(spec):
+            raise SourceError(why)
         spec = str(storage.path(spec)) if spec.startswith("file://") else spec  # a local path, as elsewhere
         if is_glob(spec):
             matches = sorted(glob.glob(spec, recursive=True))

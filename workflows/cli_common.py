@@ -130,6 +130,8 @@ class Location(click.ParamType):
 
         if str(value).startswith("file://"):
             value = str(storage.path(value))
+        if why := storage.url_slip(value):
+            self.fail(why, param, ctx)
         if not storage.is_url(value):
             return self.local.convert(storage.as_meant(str(value)), param, ctx)
         if self.local_only:

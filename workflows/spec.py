@@ -96,6 +96,8 @@ def _local(v: str | None) -> str | None:
         v = str(storage.path(v))
     if v is not None and storage.is_url(v):
         raise ValueError(f"{v!r} is a URL; give a path on this machine (stage commands take URLs)")
+    if v is not None and (why := storage.url_slip(v)):
+        raise ValueError(why)
     return v if v is None else storage.as_meant(v)
 
 
