@@ -192,6 +192,12 @@ class DataDir:
         ]
 
     @property
+    def holds_stage_files(self) -> bool:
+        """Whether anything a stage writes is here (its record, registry, manifests or shards): a
+        stage's output, whole or damaged, rather than some other directory."""
+        return any(n in (STAGE_FILE, SHARDS_FILE) or n.startswith(("part-", ".part-")) for n in self.names)
+
+    @property
     def bookkeeping_without_record(self) -> bool:
         """A stage's shard bookkeeping (manifests, the registry) with its `.stage.json` gone: not other
         tools' data, but a stage's output that cannot say what it is (every reader refuses it)."""

@@ -118,6 +118,12 @@ def test_clean_directories_verify(tokens, scored):
 def test_not_a_stage_directory(tmp_path):
     assert "no .stage.json" in verify_dir(tmp_path)[0]
     assert "not a directory" in verify_dir(tmp_path / "nope")[0]
+    # from the command line a directory that is no stage's output is a wrong argument, as `inspect`
+    # says (exit 2, one line), not a damaged output (exit 1): a script tells the two apart
+    (tmp_path / "config.json").write_text("{}")
+    res = CliRunner().invoke(main, ["verify", str(tmp_path)])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert "is not a stage's output (no .stage.json)" in res.output, res.output
 
 
 def test_cli_exits_1_with_the_problems(tokens, tmp_path):

@@ -1,4 +1,5 @@
-"""`entroweight verify DIR`: every shard against its manifest; exit 1 with the list of problems."""
+"""`entroweight verify DIR`: every shard against its manifest; exit 1 with the list of problems, exit 2
+for a directory that is no stage's output at all (a wrong argument: nothing to check)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import json
 
 import click
 
-from .cli_common import EXIT_FAILED_SHARDS, Location
+from entroweight.schemas.manifest import STAGE_FILE
+
+from .cli_common import EXIT_FAILED_SHARDS, Location, _fail
 
 
 @click.command("verify")
@@ -15,7 +18,13 @@ from .cli_common import EXIT_FAILED_SHARDS, Location
 def verify_cmd(directory, as_json):
     """Re-check every shard of DIRECTORY (tokenized or scored) against its manifest and contracts."""
     from entroweight.pipelines.verify import verify_dir
+    from entroweight.schemas.datadir import DataDir
 
+    if not DataDir(directory).holds_stage_files:  # a wrong argument, not a damaged output: refused
+        _fail(
+            f"{directory} is not a stage's output (no {STAGE_FILE}): verify checks what tokenize, score "
+            "and weigh write"
+        )
     problems = verify_dir(directory)
     if as_json:
         click.echo(json.dumps({"directory": directory, "ok": not problems, "problems": problems}, indent=2))
