@@ -173,6 +173,20 @@ def test_report_cli_and_refusal(tiny_run, tmp_path):  # noqa: F811
     assert code == 2 and "run.json" in out
 
 
+def test_report_writes_over_its_own_reports_only(tiny_run, tmp_path):  # noqa: F811
+    """A file at --out that the report did not write (a user's page) was replaced without a word;
+    refused now (exit 2, the file as it was). Its own earlier report it writes over."""
+    mine = tmp_path / "mine.html"
+    mine.write_text("<html>my own page</html>")
+    code, out = run_cli("report", tiny_run["run_dir"], "--out", mine)
+    assert code == 2 and "a file the report did not write" in out, out
+    assert mine.read_text() == "<html>my own page</html>"
+    ours = tmp_path / "ours.html"
+    for _ in range(2):
+        code, out = run_cli("report", tiny_run["run_dir"], "--out", ours, "--samples", 0)
+        assert code == 0, out
+
+
 def test_report_takes_the_runs_own_report_settings_by_default(tiny_run, tmp_path):  # noqa: F811
     """`entroweight report RUN_DIR` writes what the run's report step writes: its `report.out` and its
     `report.samples` unless flags say otherwise (it wrote RUN_DIR/report.html with 3 samples)."""

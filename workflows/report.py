@@ -211,3 +211,21 @@ def check_report_out(out: str | Path) -> None:
         raise ReportError(
             f"--out {given}: the report is one HTML file; name a file ending in {REPORT_SUFFIX}"
         )
+    if not _ours_or_absent(out):
+        raise ReportError(
+            f"--out {given} is a file the report did not write (it writes over its own earlier "
+            "reports only): name another file, or move that one away"
+        )
+
+
+#: What every report's <head> holds (the template's <title>): a file without it is someone else's.
+REPORT_MARK = b"<title>entroweight report</title>"
+
+
+def _ours_or_absent(out) -> bool:
+    try:
+        with storage.open_input(out) as f:
+            head = f.read(1024)
+    except FileNotFoundError:
+        return True
+    return REPORT_MARK in head
