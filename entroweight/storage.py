@@ -80,6 +80,20 @@ STORE_SCHEMES = frozenset(
 )
 
 
+def has_glob_chars(text: str) -> bool:
+    """Whether `text` holds a character `glob` reads as a wildcard."""
+    return any(ch in text for ch in "*?[")
+
+
+def glob_not_expanded(location) -> str:
+    """The refusal of a quoted glob where a command takes directories and files (those of `tokenize`,
+    `train-tokenizer` and `evaluate --documents` expand globs; the rest read what is named)."""
+    return (
+        f"{location} is a glob, which this command does not expand: give the directory, or its files "
+        "(unquoted, the shell expands the glob)"
+    )
+
+
 def url_slip(location: str | os.PathLike) -> str | None:
     """Why `location` is refused as a local path when it reads as a store's URL with a slash missing
     (`s3:/bucket/key`, `gs:bucket`): taken as typed it names a local folder `s3:`, so a command would

@@ -409,6 +409,8 @@ class DataDir:
             )
             if storage.is_local(self.root) and not self.root.exists():
                 what = "does not exist"
+            if what == "does not exist" and storage.has_glob_chars(self.location):
+                raise DataDirError(storage.glob_not_expanded(self.location))
             if self.bookkeeping_without_record:
                 what = "holds a stage's shards whose record is gone"
                 hint = "; rerun the stage that made it into a new directory"

@@ -482,3 +482,19 @@ def test_refusals_about_the_data_say_what_is_wrong_before_anything_is_written(
         cli("train", tmp_path / "other", *tiny, "--out", resumed, "--resume"), "the data's tokenizer"
     )
     assert "--tokenizer differs" not in line
+
+
+@pytest.mark.parametrize("command", ["train", "eval-bpb --unigram", "inspect"])
+def test_a_quoted_glob_as_data_is_refused_as_a_glob(weighted_dir, tiny_ckpt, tmp_path, command):
+    """The readers of data take directories and files, not globs (the shell expands an unquoted one):
+    a quoted glob was refused as "does not exist (no .stage.json); tokenize data first" (train), or
+    "Path ... does not exist" (the commands whose argument click checks)."""
+    glob = f"{weighted_dir}/*.parquet"
+    if command == "train":
+        r = cli("train", glob, "--steps", 1, "--device", "cpu", "--out", tmp_path / "run")
+    elif command == "inspect":
+        r = cli("inspect", glob)
+    else:
+        r = cli("eval-bpb", tiny_ckpt, "--unigram", glob)
+    line = refused(r, "is a glob, which this command does not expand")
+    assert glob in line and not (tmp_path / "run").exists()

@@ -67,12 +67,7 @@ def is_glob(spec: str, exists: Callable[[str], bool] = os.path.exists) -> bool:
     """Whether a SOURCE is read as a glob pattern: it holds a glob character and names nothing as
     written (`exists`: the check of its filesystem). A file or directory whose name holds one
     (`a[0:5].jsonl`) is read as itself: as a pattern it would name other files (`a0.jsonl`) or none."""
-    return has_glob_chars(spec) and not exists(spec)
-
-
-def has_glob_chars(text: str) -> bool:
-    """Whether `text` holds a character `glob` reads as a wildcard."""
-    return any(ch in text for ch in "*?[")
+    return storage.has_glob_chars(spec) and not exists(spec)
 
 
 @dataclass(frozen=True)
@@ -160,7 +155,7 @@ def relation_to(directory: str | Path, spec: str) -> str:
         return ""
     spec = str(storage.path(spec)) if spec.startswith("file://") else spec
     if storage.is_url(spec):
-        if not has_glob_chars(spec):
+        if not storage.has_glob_chars(spec):
             return storage.relation(directory, spec)
         # a store's glob: its key parts against the directory's (a store has no links to follow)
         where = storage.key(directory)
@@ -172,7 +167,7 @@ def relation_to(directory: str | Path, spec: str) -> str:
     if not is_glob(spec):
         return storage.relation(directory, spec)
     written = Path(os.path.abspath(spec)).parts
-    first = next(i for i, part in enumerate(written) if has_glob_chars(part))
+    first = next(i for i, part in enumerate(written) if storage.has_glob_chars(part))
     # the directories before the first wildcard also resolved: a glob through a link to `directory`
     resolved = Path(os.path.realpath(Path(*written[:first]))).parts + written[first:]
     for pattern in {written, resolved}:
@@ -274,7 +269,7 @@ def _hidden_prefix(relative: str) -> str:
 def _fixed_prefix(spec: str) -> str:
     """The directories of a glob before its first wildcard (where its matches may lie below)."""
     parts = spec.split("/")
-    first = next(i for i, part in enumerate(parts) if has_glob_chars(part))
+    first = next(i for i, part in enumerate(parts) if storage.has_glob_chars(part))
     return "/".join(parts[:first]) or "."
 
 

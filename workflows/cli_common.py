@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import sys
 import threading
@@ -133,6 +134,8 @@ class Location(click.ParamType):
         if why := storage.url_slip(value):
             self.fail(why, param, ctx)
         if not storage.is_url(value):
+            if self.exists and storage.has_glob_chars(str(value)) and not os.path.lexists(value):
+                self.fail(storage.glob_not_expanded(value), param, ctx)
             return self.local.convert(storage.as_meant(str(value)), param, ctx)
         if self.local_only:
             self.fail(f"{value} is a URL; give a path on this machine", param, ctx)
@@ -443,7 +446,7 @@ def check_output(out, reads, command: str, overwrite: bool = False, flag: str = 
     writes calls it first, before it reads or creates anything. Returns the other command's output
     that --overwrite replaces whole (the caller removes it before writing), else None."""
     from entroweight import storage
-    from entroweight.transforms.sources import has_glob_chars, relation_to
+    from entroweight.transforms.sources import relation_to
 
     ctx = click.get_current_context(silent=True)
     if not _takes("overwrite"):
@@ -453,7 +456,7 @@ def check_output(out, reads, command: str, overwrite: bool = False, flag: str = 
     except storage.OutputHeld as e:
         _fail(str(e), EXIT_LOCKED)
     for what, read in reads:  # a glob read (SOURCES, --documents) may match what the run writes
-        if read is not None and has_glob_chars(str(read)) and not storage.blank(read):
+        if read is not None and storage.has_glob_chars(str(read)) and not storage.blank(read):
             if relation_to(out, str(read)).endswith("match"):
                 _fail(
                     f"{flag} {out} lies where {what} {read} may match files, which {command} reads (a "
