@@ -79,8 +79,8 @@ def test_refusals_say_what_to_do(weighted_dir, tokenized_dir, llama3_tokenizer, 
         train(cfg(weighted_dir, tmp_path / "f", loss="prefix_smooth"))
     out = tmp_path / "g"
     train(cfg(weighted_dir, out, steps=2))
-    with pytest.raises(TrainError, match="pass --resume"):
-        train(cfg(weighted_dir, out, steps=2))
+    with pytest.raises(TrainError, match="pass --resume"):  # another run's settings (the same: it continues)
+        train(cfg(weighted_dir, out, steps=3))
     with pytest.raises(TrainError, match="differs from the checkpoint"):
         train(cfg(weighted_dir, out, steps=4, resume=True, model_config={**TINY, "d_ff": 128}))
 

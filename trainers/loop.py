@@ -198,6 +198,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, wait: float = 0) 
         rank, world, device, own_group = _setup_dist(device)
         try:
             with _holding_out(cfg, wait, foreign, rank, world, device):
+                cfg = _the_same_run(cfg, rank)
                 if storage.is_url(cfg.out):
                     return _train_to_store(cfg, rank, world, device, allow_config_change)
                 return _train(cfg, rank, world, device, allow_config_change)
@@ -211,6 +212,33 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, wait: float = 0) 
             f"out of memory on {device} with --batch-size {cfg.batch_size} ({_first_line(e)}): lower "
             "--batch-size (--grad-accum keeps the tokens per step); the last checkpoint saved stays"
         ) from None
+
+
+def _the_same_run(cfg: TrainConfig, rank: int) -> TrainConfig:
+    """`cfg` with `resume` where --out holds a checkpoint of this very run: the same model kind and
+    every setting that changes what it computes as recorded (a scheduler's retry, a rerun after a
+    kill). It continues, or at its last step has nothing to train, as a stage's rerun does; any other
+    checkpoint there is refused as before (--resume or another --out). Read under the run's lock."""
+    if cfg.resume or cfg.overwrite:
+        return cfg
+    out = storage.path(cfg.out)
+    try:
+        prev = json.loads((out / "config.json").read_bytes())
+        state = json.loads((out / STATE).read_bytes())
+        old = {**prev["train"], "data": [storage.key(p) for p in _as_list(prev["train"].get("data", []))]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no checkpoint, or not ours
+        return cfg
+    new = _settings(cfg)
+    if prev.get("kind") != cfg.model or any(
+        old.get(k) != new.get(k) for k in old.keys() | new.keys() if k not in RUN_ONLY
+    ):
+        return cfg
+    if rank == 0 and not cfg.quiet:
+        print(
+            f"{cfg.out} holds this run (the same settings) at step {state.get('step')}: continuing it",
+            flush=True,
+        )
+    return cfg.model_copy(update={"resume": True})
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -758,5 +786,7 @@ def _trim_metrics(path: Path, step: int) -> None:
     """On resume, drop logged rows past the checkpoint's step (they will be logged again)."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-    path.write_text("".join(k + "\n" for k in keep))
+    text = path.read_text()
+    keep = "".join(ln + "\n" for ln in text.splitlines() if ln.strip() and json.loads(ln)["step"] <= step)
+    if keep != text:  # a resume with nothing to drop leaves the file as it was
+        path.write_text(keep)
