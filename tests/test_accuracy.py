@@ -462,3 +462,33 @@ def test_a_task_whose_data_cannot_be_fetched_is_one_line(tiny_ckpt, tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "cannot fetch the data of hellaswag" in r.stderr, r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["export-hf", "evaluate"])
+def test_the_same_command_again_does_nothing_and_other_options_are_refused(
+    tiny_ckpt, c4_path, llama3_tokenizer, tmp_path, command
+):
+    """The same export-hf or evaluate again (a scheduler's retry) found its own output and made it
+    again, and evaluate with other options (--items, --documents) replaced its results, exit 0. Now
+    the same command does nothing, exit 0, no file touched; other options are refused naming them
+    unless --overwrite; an output left incomplete (a file of it removed) is made again."""
+    extra = ["--documents", c4_path, "--items", 4, "--device", "cpu"] if command == "evaluate" else []
+    out = tmp_path / "out"
+    r = _cli(command, tiny_ckpt, *extra, "--out", out)
+    assert r.exit_code == 0, r.output
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
+    r = _cli(command, tiny_ckpt, *extra, "--out", out)
+    assert r.exit_code == 0 and f"nothing to do: {out} already holds this" in r.output, r.output
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
+    other = ["--items", 3] if command == "evaluate" else ["--tokenizer", llama3_tokenizer]
+    r = _cli(command, tiny_ckpt, *extra, *other, "--out", out)
+    assert r.exit_code == 2 and "of this checkpoint with other options (" in r.output, r.output
+    assert ("items: 4 -> 3" if command == "evaluate" else "tokenizer_sha256: ") in r.output, r.output
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
+    if command == "evaluate":  # replaced when asked
+        r = _cli(command, tiny_ckpt, *extra, "--items", 3, "--out", out, "--overwrite")
+        assert r.exit_code == 0 and json.loads((out / "accuracy.json").read_text())["made_of"]["items"] == 3
+    (out / ("items.jsonl" if command == "evaluate" else "model.safetensors")).unlink()
+    args = [*extra, "--items", 3] if command == "evaluate" else extra
+    r = _cli(command, tiny_ckpt, *args, "--out", out)
+    assert r.exit_code == 0 and "wrote" in r.output, r.output

@@ -427,18 +427,47 @@ def _takes(param: str) -> bool:
     return ctx is None or any(p.name == param for p in ctx.command.params)
 
 
-def made_from_another(out, record: str, what: str, ckpt_dir, overwrite: bool) -> bool:
-    """Whether `out` holds `what` (`record`, the file export-hf and evaluate mark their output with)
-    made from another checkpoint than CKPT_DIR (`models.checkpoint.another_checkpoint`): refused with
-    exit 2 naming it, unless --overwrite, which replaces it. Asked under the lock on `out`: a run
-    this one waited for may have written there meanwhile."""
+#: What an output made from a checkpoint (export-hf's mark, evaluate's results) records beside the
+#: checkpoint's weights once it is whole: the options its content is a function of, and its files.
+MADE_OF, FILES = "made_of", "files"
+
+
+def made_already(out, record: str, what: str, ckpt_dir, made_of: dict, overwrite: bool) -> str | None:
+    """What `out` holds of `what` (the output whose `record` export-hf and evaluate write): "same"
+    where it is this very output, whole (from CKPT_DIR's weights, with `made_of`, every file of its
+    `files` at its size): a rerun has nothing to do; "replace" where it is one of another checkpoint
+    or other options and --overwrite was given, or one of this checkpoint left incomplete (or recorded
+    before records said what it was made of): made again, whole; None where there is none. Another
+    checkpoint's or other options' is refused without --overwrite (exit 2), naming what differs.
+    Asked under the lock on `out`: a run this one waited for may have written there meanwhile."""
     from entroweight import storage
     from entroweight.models.checkpoint import another_checkpoint
+    from entroweight.options import setting_changes
 
-    other = another_checkpoint(storage.path(out) / record, ckpt_dir)
-    if other and not overwrite:
-        _fail(f"--out {out} holds {what} of {other}; write elsewhere, or pass --overwrite to replace it")
-    return other is not None
+    where = storage.path(out) / record
+    other = another_checkpoint(where, ckpt_dir)
+    recorded = storage.json_record(where) if other is None else None
+    was = recorded.get(MADE_OF) if recorded is not None else None
+    if other or (isinstance(was, dict) and was != made_of):
+        if not overwrite:
+            of = other or f"this checkpoint with other options ({'; '.join(setting_changes(was, made_of))})"
+            _fail(f"--out {out} holds {what} of {of}; write elsewhere, or pass --overwrite to replace it")
+        return "replace"
+    if recorded is None:
+        return None
+    files = recorded.get(FILES)
+    if was is None or not isinstance(files, dict):
+        return "replace"
+    listed = storage.listing(storage.path(out))
+    return "same" if all(listed.get(n) == size for n, size in files.items()) else "replace"
+
+
+def files_made(directory, names) -> dict[str, int]:
+    """{name: size} of the files `names` in `directory`: what `made_already` finds again."""
+    from entroweight import storage
+
+    listed = storage.listing(storage.path(directory))
+    return {n: listed[n] for n in names if n in listed}
 
 
 def check_output(out, reads, command: str, overwrite: bool = False, flag: str = "--out", **kw):

@@ -20,12 +20,15 @@ from entroweight.options import repeated
 
 from .cli_common import (
     DEVICE,
+    FILES,
+    MADE_OF,
     SEED,
     Location,
     _fail,
     check_output,
+    files_made,
     holding_out,
-    made_from_another,
+    made_already,
     wait_option,
 )
 
@@ -83,9 +86,30 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
         _fail(f"--tasks names {', '.join(twice)} more than once")
     if OFFLINE_TASK in names and not documents:
         _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
+    made_of = _made_of(names, documents, kw)
     with holding_out(out, wait):  # for the whole evaluation: another run's is refused (exit 3)
-        other = made_from_another(out, RESULTS, "an evaluation", ckpt_dir, overwrite)
-        _evaluate_held(ckpt_dir, names, documents, out, foreign or ("evaluate" if other else None), kw)
+        before = made_already(out, RESULTS, "an evaluation", ckpt_dir, made_of, overwrite)
+        if before == "same":
+            click.echo(f"nothing to do: {out} already holds this evaluation of {ckpt_dir}")
+            return
+        kw = {**kw, MADE_OF: made_of}
+        _evaluate_held(ckpt_dir, names, documents, out, foreign or ("evaluate" if before else None), kw)
+
+
+#: evaluate's options that change no result (speed and where it runs), as score's batch size and device
+NOT_MADE_OF = ("batch_size", "device")
+
+
+def _made_of(names, documents, kw) -> dict:
+    """What an evaluation's results are a function of, besides the checkpoint's weights: the tasks,
+    the options, and each --documents file as listed (size, mtime or an object's version)."""
+    from entroweight.transforms.sources import SourceError, source_files
+
+    try:
+        files = [[f, *(stat or ())] for f, stat in source_files(list(documents)).items()]
+    except (SourceError, OSError):  # refused with its reason when the items are built
+        files = list(documents)
+    return {"tasks": names, "documents": files, **{k: v for k, v in kw.items() if k not in NOT_MADE_OF}}
 
 
 def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
@@ -168,6 +192,8 @@ def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
         limit=kw["limit"],
     )
     res.update(made_from(ckpt_dir))  # where it lies (not as the shell named it), and its weights
+    res[MADE_OF] = kw[MADE_OF]
+    res[FILES] = files_made(dest, [ITEMS])
     tmp = dest / (RESULTS + ".tmp")
     tmp.write_text(json.dumps(res, indent=1))
     tmp.replace(dest / RESULTS)
