@@ -521,3 +521,6 @@ def test_the_same_train_command_again_continues_its_run(weighted_dir, tmp_path):
     for other in (["--seed", 2], ["--lr", "0.01"]):
         r = cli(*train_args(weighted_dir, out, "--steps", 4, "--seed", 1, *other))
         refused(r, "already holds a checkpoint; pass --resume to continue it, or another --out")
+    refused(
+        cli(*args, "--resume", "--overwrite"), "continues the checkpoint, overwrite (--overwrite) replaces"
+    )

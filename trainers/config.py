@@ -143,6 +143,14 @@ class TrainConfig(TrainSettings, LossSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _resume_or_overwrite(self):
+        if self.resume and self.overwrite:  # one continues the checkpoint, the other deletes it
+            raise ValueError(
+                "resume (--resume) continues the checkpoint, overwrite (--overwrite) replaces it: pass one"
+            )
+        return self
+
     @field_validator("data")
     @classmethod
     def _some_data(cls, v):
