@@ -105,8 +105,8 @@ def url_slip(location: str | os.PathLike) -> str | None:
     if scheme not in STORE_SCHEMES or is_url(s):
         return None
     return (
-        f"{s} is not a URL: write {scheme}://{s[m.end() :].lstrip('/')} (two slashes), or ./{s} for a "
-        f"local folder named '{m.group(1)}:'"
+        f"{s} is not a URL: write {scheme}://{s[m.end() :].lstrip('/')} (two slashes), or a local folder "
+        f"named '{m.group(1)}:' by its absolute path"
     )
 
 

@@ -424,10 +424,22 @@ def test_a_url_with_a_slash_missing_is_refused_everywhere(tmp_path, monkeypatch,
     assert not (tmp_path / "s3:").exists()
 
 
-def test_a_workflow_run_dir_with_a_slash_missing_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("run_dir", "s3:/bucket/run", "s3://bucket/run (two slashes)"),
+        ("sources", "[s3:/bucket/docs.jsonl]", "s3://bucket/docs.jsonl (two slashes)"),
+        ("tokenizer", "{path: s3:/bucket/tok}", "s3://bucket/tok (two slashes)"),
+        ("tokenize", "{out: s3:/bucket/tokens}", "names a store: a step's outputs are paths relative"),
+        ("tokenize", "{out: 's3://bucket/tokens'}", "names a store: a step's outputs are paths relative"),
+    ],
+)
+def test_a_workflow_location_with_a_slash_missing_is_refused(tmp_path, monkeypatch, key, value, says):
+    """Every location a workflow names: a step's `out` (relative to run_dir) took `s3://b/x` as
+    run_dir/s3:/b/x, and a slipped source traced back out of the runner."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "w.yaml").write_text(
-        "run_dir: s3:/bucket/run\nsources: [docs.jsonl]\ntokenizer: {train: {}}\n"
-    )
+    spec = {"run_dir": "run", "sources": "[docs.jsonl]", "tokenizer": "{train: {}}", key: value}
+    (tmp_path / "docs.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "w.yaml").write_text("".join(f"{k}: {v}\n" for k, v in spec.items()))
     line = refused(tmp_path, ["run", "w.yaml", "--dry-run"])
-    assert "s3://bucket/run (two slashes)" in line, line
+    assert says in line, line

@@ -98,10 +98,16 @@ STORE_CLIENTS = ("botocore", "aiobotocore", "aiohttp", "google")
 
 
 def unreachable(e: BaseException) -> str | None:
-    """The one line a store's client error is said in ("cannot reach object storage: ..."), or None
-    for any other error. The cause chain is walked: a reader may have wrapped it."""
+    """The one line a store's client error is said in ("cannot reach object storage: ..."), or a
+    location refused by the storage layer (`StorageError`: its message says why, e.g. a URL with a
+    slash missing, wherever a command meets it), or None for any other error. The cause chain is
+    walked: a reader may have wrapped it."""
+    from entroweight.storage import StorageError
+
     seen = e
     while seen is not None:
+        if isinstance(seen, StorageError):
+            return str(seen)
         if type(seen).__module__.split(".")[0] in STORE_CLIENTS:
             return (
                 f"cannot reach object storage: {type(seen).__name__}: {' '.join(str(seen).split())} "

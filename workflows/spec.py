@@ -71,6 +71,10 @@ def _inside(v: str | None) -> str | None:
     """An output path relative to run_dir that stays inside it."""
     if v is None:
         return v
+    if storage.is_url(v) or storage.url_slip(v):  # `s3://b/x` read as a path was run_dir/s3:/b/x
+        raise ValueError(
+            f"{v!r} names a store: a step's outputs are paths relative to run_dir, on this machine"
+        )
     p = PurePosixPath(v.replace("\\", "/"))
     if p.is_absolute() or v.startswith("~") or re.match(r"^[A-Za-z]:", v):
         raise ValueError(f"{v!r} is absolute: outputs are paths relative to run_dir")
@@ -459,6 +463,9 @@ class Workflow(_Strict):
     def _sources(cls, v):
         if any(storage.blank(s) for s in v):
             raise ValueError("a source is empty: name files, directories, globs or hf: ids")
+        for source in v:
+            if why := storage.url_slip(source):
+                raise ValueError(why)
         return v
 
     @model_validator(mode="after")
