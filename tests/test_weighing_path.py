@@ -423,7 +423,8 @@ def test_weighted_stages_count_documents_as_tokenize_does(
 
 def test_verify_refuses_packed_rows_counted_as_documents(layouts, models, tmp_path):
     """A weighted shard whose manifest counts packed rows as documents (as score and weigh once did)
-    fails verify twice: its rows hold other documents, and its input put out other documents."""
+    fails verify three times: its counts do not chain to what tokenize kept (the rule every reader
+    applies), its rows hold other documents, and its input put out other documents."""
     out = _score(layouts["packed"], "causal_loss", models, tmp_path / "score")
     (part,) = DataDir(out).parts
     manifest = out / manifest_name(part.manifest.shard)
@@ -431,6 +432,7 @@ def test_verify_refuses_packed_rows_counted_as_documents(layouts, models, tmp_pa
     assert m["docs_in"] == 12 < m["rows_in"]
     manifest.write_text(json.dumps({**m, "docs_in": m["rows_in"], "docs_out": m["rows_in"]}))
     problems = verify_dir(out)
-    assert len(problems) == 2, problems
-    assert f"its rows hold 12 documents, its manifest says {m['rows_in']} out" in problems[0]
-    assert f"{m['rows_in']} documents in, its input" in problems[1] and "put out 12" in problems[1]
+    assert len(problems) == 3, problems
+    assert f"score read {m['rows_in']} documents of the 12 tokenize kept" in problems[0]
+    assert f"its rows hold 12 documents, its manifest says {m['rows_in']} out" in problems[1]
+    assert f"{m['rows_in']} documents in, its input" in problems[2] and "put out 12" in problems[2]

@@ -7,8 +7,6 @@ import json
 
 import click
 
-from entroweight.schemas.manifest import STAGE_FILE
-
 from .cli_common import EXIT_FAILED_SHARDS, Location, _fail
 
 
@@ -19,6 +17,7 @@ def verify_cmd(directory, as_json):
     """Re-check every shard of DIRECTORY (tokenized or scored) against its manifest and contracts."""
     from entroweight.pipelines.verify import verify_dir
     from entroweight.schemas.datadir import DataDir
+    from entroweight.schemas.manifest import STAGE_FILE
 
     if not DataDir(directory).holds_stage_files:  # a wrong argument, not a damaged output: refused
         _fail(
