@@ -469,26 +469,55 @@ def test_the_same_command_again_does_nothing_and_other_options_are_refused(
     tiny_ckpt, c4_path, llama3_tokenizer, tmp_path, command
 ):
     """The same export-hf or evaluate again (a scheduler's retry) found its own output and made it
-    again, and evaluate with other options (--items, --documents) replaced its results, exit 0. Now
-    the same command does nothing, exit 0, no file touched; other options are refused naming them
-    unless --overwrite; an output left incomplete (a file of it removed) is made again."""
-    extra = ["--documents", c4_path, "--items", 4, "--device", "cpu"] if command == "evaluate" else []
+    again, and evaluate with other options (--items) replaced its results, exit 0. Now the same
+    command does nothing, exit 0, no file touched; other options are refused naming them unless
+    --overwrite; an output edited (a byte flipped at the same size, its record's numbers), missing a
+    file, or made of an input changed since (a --documents file touched) is made again; an export
+    that cannot be made (another tokenizer) is refused before --out is touched, --overwrite or not."""
+    docs = tmp_path / "docs.jsonl.gz"
+    docs.write_bytes(c4_path.read_bytes())
+    extra = ["--documents", docs, "--items", 4, "--device", "cpu"] if command == "evaluate" else []
     out = tmp_path / "out"
+
+    def files():
+        return sorted((p.name, p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir() if p.is_file())
+
     r = _cli(command, tiny_ckpt, *extra, "--out", out)
     assert r.exit_code == 0, r.output
-    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
+    before = files()
     r = _cli(command, tiny_ckpt, *extra, "--out", out)
     assert r.exit_code == 0 and f"nothing to do: {out} already holds this" in r.output, r.output
-    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
-    other = ["--items", 3] if command == "evaluate" else ["--tokenizer", llama3_tokenizer]
-    r = _cli(command, tiny_ckpt, *extra, *other, "--out", out)
-    assert r.exit_code == 2 and "of this checkpoint with other options (" in r.output, r.output
-    assert ("items: 4 -> 3" if command == "evaluate" else "tokenizer_sha256: ") in r.output, r.output
-    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
-    if command == "evaluate":  # replaced when asked
-        r = _cli(command, tiny_ckpt, *extra, "--items", 3, "--out", out, "--overwrite")
-        assert r.exit_code == 0 and json.loads((out / "accuracy.json").read_text())["made_of"]["items"] == 3
-    (out / ("items.jsonl" if command == "evaluate" else "model.safetensors")).unlink()
-    args = [*extra, "--items", 3] if command == "evaluate" else extra
-    r = _cli(command, tiny_ckpt, *args, "--out", out)
-    assert r.exit_code == 0 and "wrote" in r.output, r.output
+    assert files() == before
+    if command == "evaluate":
+        r = _cli(command, tiny_ckpt, *extra, "--items", 3, "--out", out)
+        assert r.exit_code == 2 and "of this checkpoint with other options (items: 4 -> 3)" in r.output
+        assert files() == before
+        r = _cli(command, tiny_ckpt, *extra, "--items", 3, "--out", out, "--overwrite")  # replaced when asked
+        assert (
+            r.exit_code == 0
+            and json.loads((out / "accuracy.json").read_text())["made_of"]["options"]["items"] == 3
+        )
+        extra = [*extra, "--items", 3]
+        damages = {
+            "the documents touched": lambda: os.utime(docs),
+            "the results edited": lambda: (out / "accuracy.json").write_text(
+                (out / "accuracy.json").read_text().replace('"n": ', '"n": 1')
+            ),
+            "the items removed": lambda: (out / "items.jsonl").unlink(),
+        }
+    else:
+        for flag in ([], ["--overwrite"]):
+            r = _cli(command, tiny_ckpt, "--tokenizer", llama3_tokenizer, *flag, "--out", out)
+            assert r.exit_code == 2 and "is not the tokenizer" in r.output, r.output
+            assert files() == before
+        weights = out / "model.safetensors"
+        damages = {
+            "a byte flipped": lambda: weights.write_bytes(weights.read_bytes()[:-1] + b"\x00"),
+            "the weights removed": weights.unlink,
+        }
+    for damage, do in damages.items():
+        do()
+        r = _cli(command, tiny_ckpt, *extra, "--out", out)
+        assert r.exit_code == 0 and "wrote" in r.output, (damage, r.output)
+        r = _cli(command, tiny_ckpt, *extra, "--out", out)
+        assert "nothing to do" in r.output, (damage, r.output)

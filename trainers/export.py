@@ -6,6 +6,7 @@ copy over unchanged; the test holds the logits to 1e-4.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -61,35 +62,55 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
 
 def export_hf(ckpt_dir, out_dir, tokenizer=None, allow_pickle: bool = False) -> Path:
     """Write config.json, model.safetensors and tokenizer files of a LlamaForCausalLM to `out_dir`."""
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    return write_hf(HFExport(ckpt_dir, tokenizer, allow_pickle), out_dir)
 
-    model, config = load_checkpoint(ckpt_dir, allow_pickle=allow_pickle)
-    if config["kind"] != "llama":
-        raise CheckpointError(
-            f"{ckpt_dir} holds {a_model_of(config['kind'])}; only llama checkpoints export to LlamaForCausalLM"
-        )
-    tok = checkpoint_tokenizer(ckpt_dir, tokenizer, config.get("tokenizer_sha256"))
-    vocab = tok.get_vocab(with_added_tokens=True)
-    specials = {}
-    for role, names in SPECIALS.items():
-        name = next((n for n in names if n in vocab), None)
-        if name is not None:
-            specials[role] = name
-    hf = LlamaForCausalLM(hf_config(model.config, {k: vocab[v] for k, v in specials.items()}))
-    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
-    missing = [k for k in missing if not (model.config.tie_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"weights do not map onto LlamaForCausalLM: missing {missing}, unexpected {unexpected}"
-        )
+
+class HFExport:
+    """A checkpoint read, checked and mapped onto a LlamaForCausalLM, before anything is written
+    (CheckpointError, ValueError: not llama, weights or a tokenizer that do not fit): a command
+    clears its --out only for an export that can be made. `tokenizer_sha256`: the tokenizer written."""
+
+    def __init__(self, ckpt_dir, tokenizer=None, allow_pickle: bool = False):
+        from transformers import LlamaForCausalLM
+
+        self.ckpt_dir = ckpt_dir
+        model, config = load_checkpoint(ckpt_dir, allow_pickle=allow_pickle)
+        if config["kind"] != "llama":
+            raise CheckpointError(
+                f"{ckpt_dir} holds {a_model_of(config['kind'])}; only llama checkpoints export to LlamaForCausalLM"
+            )
+        self.tok = checkpoint_tokenizer(ckpt_dir, tokenizer, config.get("tokenizer_sha256"))
+        self.tokenizer_sha256 = hashlib.sha256(self.tok.to_str().encode()).hexdigest()
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        self.specials = {}
+        for role, names in SPECIALS.items():
+            name = next((n for n in names if n in vocab), None)
+            if name is not None:
+                self.specials[role] = name
+        self.n_ctx = model.config.n_ctx
+        self.hf = LlamaForCausalLM(hf_config(model.config, {k: vocab[v] for k, v in self.specials.items()}))
+        missing, unexpected = self.hf.load_state_dict(hf_state_dict(model), strict=False)
+        missing = [k for k in missing if not (model.config.tie_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise CheckpointError(
+                f"weights do not map onto LlamaForCausalLM: missing {missing}, unexpected {unexpected}"
+            )
+
+
+def write_hf(export: HFExport, out_dir) -> Path:
+    """Write the checked export's files into `out_dir`: config.json, model.safetensors, the tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mark = {**made_from(ckpt_dir), "code_version": __version__}
+    mark = {**made_from(export.ckpt_dir), "code_version": __version__}
     (out / storage.EXPORT_HF_MARK).write_text(
         json.dumps(mark, indent=2) + "\n"
     )  # first: a stopped export is ours
-    hf.eval().save_pretrained(out, safe_serialization=True)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=model.config.n_ctx, **specials)
+    export.hf.eval().save_pretrained(out, safe_serialization=True)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=export.tok, model_max_length=export.n_ctx, **export.specials
+    )
     fast.save_pretrained(out)
     for f in out.iterdir():
         if f.is_file():

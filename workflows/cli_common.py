@@ -434,46 +434,56 @@ def _takes(param: str) -> bool:
 
 
 #: What an output made from a checkpoint (export-hf's mark, evaluate's results) records beside the
-#: checkpoint's weights once it is whole: the options its content is a function of, and its files.
+#: checkpoint's weights once it is whole: what it is made of (`options` a user chose, `inputs` read
+#: besides the checkpoint) and the sha256 of each of its files; the record is sealed (results.sealed).
 MADE_OF, FILES = "made_of", "files"
 
 
 def made_already(out, record: str, what: str, ckpt_dir, made_of: dict, overwrite: bool) -> str | None:
-    """What `out` holds of `what` (the output whose `record` export-hf and evaluate write): "same"
-    where it is this very output, whole (from CKPT_DIR's weights, with `made_of`, every file of its
-    `files` at its size): a rerun has nothing to do; "replace" where it is one of another checkpoint
-    or other options and --overwrite was given, or one of this checkpoint left incomplete (or recorded
-    before records said what it was made of): made again, whole; None where there is none. Another
-    checkpoint's or other options' is refused without --overwrite (exit 2), naming what differs.
+    """What `out` holds of `what` (the output whose `record` export-hf and evaluate write), for a run
+    that makes it of CKPT_DIR and `made_of` ({"options": ..., "inputs": ...}): "same" where it is
+    this very output, whole and as written (its seal and every file's sha256 hold): a rerun has
+    nothing to do; "replace" where it is to be made again, whole: of this checkpoint and options but
+    of inputs changed since, incomplete, edited, or recorded before records said what it was made
+    of, or of another checkpoint or other options with --overwrite; None where there is none. One of
+    another checkpoint or other options is refused without --overwrite (exit 2), naming what differs.
     Asked under the lock on `out`: a run this one waited for may have written there meanwhile."""
     from entroweight import storage
     from entroweight.models.checkpoint import another_checkpoint
     from entroweight.options import setting_changes
 
+    from .results import edited
+
     where = storage.path(out) / record
     other = another_checkpoint(where, ckpt_dir)
     recorded = storage.json_record(where) if other is None else None
-    was = recorded.get(MADE_OF) if recorded is not None else None
-    if other or (isinstance(was, dict) and was != made_of):
+    made = recorded.get(MADE_OF) if recorded is not None else None
+    was = made.get("options") if isinstance(made, dict) else None
+    if other or (isinstance(was, dict) and was != made_of["options"]):
         if not overwrite:
-            of = other or f"this checkpoint with other options ({'; '.join(setting_changes(was, made_of))})"
+            changes = "; ".join(setting_changes(was or {}, made_of["options"]))
+            of = other or f"this checkpoint with other options ({changes})"
             _fail(f"--out {out} holds {what} of {of}; write elsewhere, or pass --overwrite to replace it")
         return "replace"
     if recorded is None:
         return None
     files = recorded.get(FILES)
-    if was is None or not isinstance(files, dict):
+    if edited(recorded) or made != made_of or not isinstance(files, dict):
         return "replace"
-    listed = storage.listing(storage.path(out))
-    return "same" if all(listed.get(n) == size for n, size in files.items()) else "replace"
+    return "same" if files_sha256(out, files) == files else "replace"
 
 
-def files_made(directory, names) -> dict[str, int]:
-    """{name: size} of the files `names` in `directory`: what `made_already` finds again."""
+def files_sha256(directory, names) -> dict[str, str]:
+    """{name: sha256} of those of the files `names` in `directory` that are there."""
     from entroweight import storage
 
-    listed = storage.listing(storage.path(directory))
-    return {n: listed[n] for n in names if n in listed}
+    out = {}
+    for name in names:
+        try:
+            out[name] = storage.sha256(storage.path(directory) / name)
+        except OSError:  # gone: not the output recorded
+            continue
+    return out
 
 
 def check_output(out, reads, command: str, overwrite: bool = False, flag: str = "--out", **kw):

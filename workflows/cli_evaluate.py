@@ -26,7 +26,7 @@ from .cli_common import (
     Location,
     _fail,
     check_output,
-    files_made,
+    files_sha256,
     holding_out,
     made_already,
     wait_option,
@@ -101,15 +101,17 @@ NOT_MADE_OF = ("batch_size", "device")
 
 
 def _made_of(names, documents, kw) -> dict:
-    """What an evaluation's results are a function of, besides the checkpoint's weights: the tasks,
-    the options, and each --documents file as listed (size, mtime or an object's version)."""
+    """What an evaluation's results are a function of, besides the checkpoint's weights: the tasks and
+    options (another is refused unless --overwrite), and each --documents file as listed (size, mtime
+    or an object's version: one changed since is read again)."""
     from entroweight.transforms.sources import SourceError, source_files
 
     try:
         files = [[f, *(stat or ())] for f, stat in source_files(list(documents)).items()]
     except (SourceError, OSError):  # refused with its reason when the items are built
         files = list(documents)
-    return {"tasks": names, "documents": files, **{k: v for k, v in kw.items() if k not in NOT_MADE_OF}}
+    options = {"tasks": names, **{k: v for k, v in kw.items() if k not in NOT_MADE_OF}}
+    return {"options": options, "inputs": {"documents": files}}
 
 
 def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
@@ -179,6 +181,8 @@ def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
     from entroweight.models.checkpoint import made_from
     from entroweight.trainers.accuracy import evaluate_checkpoint, write_items
 
+    from .results import sealed
+
     dest.mkdir(parents=True, exist_ok=True)
     items_file = write_items(items, dest / ITEMS) if items is not None else None
     res = evaluate_checkpoint(  # AccuracyError, CheckpointError: said by the caller
@@ -193,9 +197,9 @@ def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
     )
     res.update(made_from(ckpt_dir))  # where it lies (not as the shell named it), and its weights
     res[MADE_OF] = kw[MADE_OF]
-    res[FILES] = files_made(dest, [ITEMS])
+    res[FILES] = files_sha256(dest, [ITEMS])
     tmp = dest / (RESULTS + ".tmp")
-    tmp.write_text(json.dumps(res, indent=1))
+    tmp.write_text(json.dumps(sealed(res), indent=1))
     tmp.replace(dest / RESULTS)
     return res
 

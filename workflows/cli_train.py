@@ -25,7 +25,7 @@ from .cli_common import (
     _fail,
     check_output,
     config_options,
-    files_made,
+    files_sha256,
     given_options,
     holding_out,
     made_already,
@@ -218,10 +218,16 @@ def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle, overwrite):
     """Write CKPT_DIR as a Hugging Face LlamaForCausalLM directory (config, safetensors, tokenizer)."""
     from entroweight import storage
     from entroweight.models.checkpoint import CheckpointError
-    from entroweight.trainers.export import export_hf
+    from entroweight.trainers.export import HFExport, write_hf
+
+    from .results import sealed
 
     foreign = check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf", overwrite)
-    made_of = {"tokenizer_sha256": _tokenizer_sha256(ckpt_dir, tokenizer)}  # what the files are made of
+    try:  # read and checked before anything in --out is touched
+        export = HFExport(ckpt_dir, tokenizer, allow_pickle=allow_pickle)
+    except (CheckpointError, ValueError) as e:
+        _fail(str(e))
+    made_of = {"options": {}, "inputs": {"tokenizer_sha256": export.tokenizer_sha256}}
     with holding_out(out):  # two exports into one --out would mix their files
         before = made_already(out, storage.EXPORT_HF_MARK, "the export", ckpt_dir, made_of, overwrite)
         if before == "same":
@@ -229,34 +235,17 @@ def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle, overwrite):
             return
         if foreign or before:  # replaced whole (the lock stays)
             storage.clear_output(out)
-        try:
-            with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
-                export_hf(ckpt_dir, local, tokenizer, allow_pickle=allow_pickle)
-                mark = Path(local) / storage.EXPORT_HF_MARK  # whole now: it says what it is made of
-                files = files_made(local, [f.name for f in Path(local).iterdir() if f.name != mark.name])
-                mark.write_text(json.dumps({**json.loads(mark.read_text()), MADE_OF: made_of, FILES: files}))
-        except (CheckpointError, ValueError) as e:
-            _fail(str(e))
+        with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
+            write_hf(export, local)
+            mark = Path(local) / storage.EXPORT_HF_MARK  # whole now: it says what it is made of
+            files = files_sha256(local, sorted(f.name for f in Path(local).iterdir() if f != mark))
+            record = {**json.loads(mark.read_text()), MADE_OF: made_of, FILES: files}
+            mark.write_text(json.dumps(sealed(record), indent=2) + "\n")
     # lm-eval and transformers read a local directory or a hub id, not an object store's URL
     where = "a local copy of it" if storage.is_url(out) else out
     click.echo(
         f"wrote {out}; evaluate with: lm_eval --model hf --model_args pretrained={where} --tasks hellaswag"
     )
-
-
-def _tokenizer_sha256(ckpt_dir, tokenizer) -> str | None:
-    """The sha256 of the tokenizer an export writes: --tokenizer's, else the checkpoint's own; None
-    where it cannot be read (the export refuses it, saying why)."""
-    from entroweight import storage
-    from entroweight.models.checkpoint import CheckpointError, read_checkpoint_config
-    from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path
-
-    try:
-        if tokenizer is None:
-            return read_checkpoint_config(ckpt_dir).get("tokenizer_sha256")
-        return storage.sha256(resolve_tokenizer_path(tokenizer))
-    except (CheckpointError, TokenizerError, OSError, ValueError):
-        return None
 
 
 COMMANDS = [train_cmd, eval_bpb_cmd, export_hf_cmd]
