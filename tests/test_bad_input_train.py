@@ -524,3 +524,25 @@ def test_the_same_train_command_again_continues_its_run(weighted_dir, tmp_path):
     refused(
         cli(*args, "--resume", "--overwrite"), "continues the checkpoint, overwrite (--overwrite) replaces"
     )
+    # a run continued under other settings (`train_history`): the same command is not this run
+    r = cli(*args, "--steps", 6, "--lr", "0.001", "--resume", "--allow-config-change", "--stop-at", 5)
+    assert r.exit_code == 0, r.output
+    refused(cli(*args, "--steps", 6, "--lr", "0.001"), "already holds a checkpoint; pass --resume")
+
+
+def test_the_same_train_command_on_other_data_at_the_same_path_is_refused(
+    weighted_dir, tokenized_dir, tmp_path
+):
+    """The data's shards are part of what makes the run: the same command on a directory rewritten
+    since is refused as another run's checkpoint (it said "continuing it", then refused --resume)."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(weighted_dir, data)
+    args = train_args(data, tmp_path / "run", "--steps", 4)
+    assert cli(*args, "--stop-at", 2).exit_code == 0
+    shutil.rmtree(data)
+    shutil.copytree(tokenized_dir, data)  # other shards under the same path
+    r = cli(*args)
+    refused(r, "already holds a checkpoint; pass --resume")
+    assert "continuing it" not in r.output

@@ -25,12 +25,12 @@ from entroweight import storage
 from entroweight.models import build_model, config_of, model_class
 from entroweight.models.checkpoint import WEIGHTS, a_model_of, load_weights, read_checkpoint_config
 from entroweight.options import device_here, setting_changes
-from entroweight.schemas.datadir import DataDir
+from entroweight.schemas.datadir import DataDir, DataDirError
 from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path, vocab_size
 
 from .checkpoint import METRICS, STATE, TOKENIZER, load_training_state, save_training_checkpoint
 from .config import CHECKED_APART, RUN_ONLY, TrainConfig, TrainError
-from .data import DataError, WeightedTokens, inspect_data, value_problems
+from .data import DataError, WeightedTokens, inspect_data, parquet_files, value_problems
 from .losses import LOSSES, Loss, per_token_ce
 
 
@@ -215,9 +215,10 @@ def train(cfg: TrainConfig, allow_config_change: bool = False, wait: float = 0) 
 
 
 def _the_same_run(cfg: TrainConfig, rank: int) -> TrainConfig:
-    """`cfg` with `resume` where --out holds a checkpoint of this very run: the same model kind and
-    every setting that changes what it computes as recorded (a scheduler's retry, a rerun after a
-    kill). It continues, or at its last step has nothing to train, as a stage's rerun does; any other
+    """`cfg` with `resume` where --out holds a checkpoint of this very run (a scheduler's retry, a
+    rerun after a kill): the same model kind, every setting that changes what it computes as
+    recorded and never changed on the way (`train_history`), the data's shards as recorded. It
+    continues, or at its last step has nothing to train, as a stage's rerun does; any other
     checkpoint there is refused as before (--resume or another --out). Read under the run's lock."""
     if cfg.resume or cfg.overwrite:
         return cfg
@@ -229,9 +230,15 @@ def _the_same_run(cfg: TrainConfig, rank: int) -> TrainConfig:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no checkpoint, or not ours
         return cfg
     new = _settings(cfg)
-    if prev.get("kind") != cfg.model or any(
-        old.get(k) != new.get(k) for k in old.keys() | new.keys() if k not in RUN_ONLY
-    ):
+    settings = [k for k in old.keys() | new.keys() if k not in RUN_ONLY]
+    if prev.get("kind") != cfg.model or any(old.get(k) != new.get(k) for k in settings):
+        return cfg
+    if len(prev.get("train_history") or ()) > 1:  # trained under other settings before: not this run
+        return cfg
+    try:  # the data as recorded (a shard rewritten since is other data)
+        if data_shards(parquet_files(cfg.data)) != prev.get("data_shards"):
+            return cfg
+    except (DataError, DataDirError, OSError):  # refused where the run reads it
         return cfg
     if rank == 0 and not cfg.quiet:
         print(
