@@ -89,8 +89,8 @@ def glob_not_expanded(location) -> str:
     """The refusal of a quoted glob where a command takes directories and files (those of `tokenize`,
     `train-tokenizer` and `evaluate --documents` expand globs; the rest read what is named)."""
     return (
-        f"{location} is a glob, which this command does not expand: give the directory, or its files "
-        "(unquoted, the shell expands the glob)"
+        f"{location} does not exist; as a glob it is not expanded here: give the directory, or its "
+        "files (unquoted, the shell expands the glob)"
     )
 
 

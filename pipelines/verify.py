@@ -217,7 +217,7 @@ def _check_shard(out: Path, m: ShardManifest, record: StageRecord, problems: lis
     ):  # its own counts and those it carries, as every reader judges them
         problems.append(
             f"{manifest_name(m.shard)}: its counts do not add up ({off}): edited, not as the stage wrote "
-            "it; rerun the stage with --overwrite (that shard is redone)"
+            "it; rerun the stage with --overwrite to make it again"
         )
     if m.rejects_file:
         _check_rejects(out, m, problems)

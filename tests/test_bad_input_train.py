@@ -485,7 +485,9 @@ def test_refusals_about_the_data_say_what_is_wrong_before_anything_is_written(
 
 
 @pytest.mark.parametrize("command", ["train", "eval-bpb --unigram", "inspect"])
-def test_a_quoted_glob_as_data_is_refused_as_a_glob(weighted_dir, tiny_ckpt, tmp_path, command):
+def test_a_quoted_glob_as_data_is_refused_as_a_glob(
+    weighted_dir, tokenized_dir, tiny_ckpt, tmp_path, command
+):
     """The readers of data take directories and files, not globs (the shell expands an unquoted one):
     a quoted glob was refused as "does not exist (no .stage.json); tokenize data first" (train), or
     "Path ... does not exist" (the commands whose argument click checks)."""
@@ -496,8 +498,15 @@ def test_a_quoted_glob_as_data_is_refused_as_a_glob(weighted_dir, tiny_ckpt, tmp
         r = cli("inspect", glob)
     else:
         r = cli("eval-bpb", tiny_ckpt, "--unigram", glob)
-    line = refused(r, "is a glob, which this command does not expand")
+    line = refused(r, "does not exist; as a glob it is not expanded here")
     assert glob in line and not (tmp_path / "run").exists()
+    # a directory whose name holds glob characters is read as named, through a `..` too
+    import shutil
+
+    odd = shutil.copytree(tokenized_dir, tmp_path / "exp[1]")
+    r = cli("inspect", f"{tmp_path}/nowhere/../exp[1]")
+    assert r.exit_code == 0, r.output
+    assert cli("inspect", odd).exit_code == 0
 
 
 def test_the_same_train_command_again_continues_its_run(weighted_dir, tmp_path):

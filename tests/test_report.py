@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from html.parser import HTMLParser
 
@@ -181,7 +182,12 @@ def test_report_writes_over_its_own_reports_only(tiny_run, tmp_path):  # noqa: F
     code, out = run_cli("report", tiny_run["run_dir"], "--out", mine)
     assert code == 2 and "a file the report did not write" in out, out
     assert mine.read_text() == "<html>my own page</html>"
+    fifo = tmp_path / "fifo.html"
+    os.mkfifo(fifo)  # reading it would block: refused as no file of the report's
+    code, out = run_cli("report", tiny_run["run_dir"], "--out", fifo)
+    assert code == 2 and "a file the report did not write" in out, out
     ours = tmp_path / "ours.html"
+    ours.touch()  # an empty file holds nothing to lose
     for _ in range(2):
         code, out = run_cli("report", tiny_run["run_dir"], "--out", ours, "--samples", 0)
         assert code == 0, out

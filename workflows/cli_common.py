@@ -140,9 +140,10 @@ class Location(click.ParamType):
         if why := storage.url_slip(value):
             self.fail(why, param, ctx)
         if not storage.is_url(value):
-            if self.exists and storage.has_glob_chars(str(value)) and not os.path.lexists(value):
+            meant = storage.as_meant(str(value))
+            if self.exists and storage.has_glob_chars(meant) and not os.path.lexists(meant):
                 self.fail(storage.glob_not_expanded(value), param, ctx)
-            return self.local.convert(storage.as_meant(str(value)), param, ctx)
+            return self.local.convert(meant, param, ctx)
         if self.local_only:
             self.fail(f"{value} is a URL; give a path on this machine", param, ctx)
         if self.exists:

@@ -22,6 +22,7 @@ import base64
 import functools
 import html
 import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -223,9 +224,13 @@ REPORT_MARK = b"<title>entroweight report</title>"
 
 
 def _ours_or_absent(out) -> bool:
+    """Whether the report may write `out`: nothing there, an empty file, or a report it wrote. Not a
+    FIFO or a device (reading one would block, writing one would not make a file)."""
+    if storage.is_local(out) and os.path.lexists(out) and not os.path.isfile(out):
+        return False
     try:
         with storage.open_input(out) as f:
             head = f.read(1024)
     except FileNotFoundError:
         return True
-    return REPORT_MARK in head
+    return not head or REPORT_MARK in head
