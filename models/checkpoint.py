@@ -142,7 +142,10 @@ def another_checkpoint(record: str | Path, ckpt_dir: str | Path) -> str | None:
         same = made["weights_sha256"] == ours["weights_sha256"]
     else:  # an evaluation of an earlier version recorded the path as it was typed: resolved here
         same = storage.key(where) == ours["checkpoint"]
-    return None if same else where
+    if same:
+        return None
+    # the same place, other weights: the checkpoint was trained again there since
+    return f"the earlier weights of {where}" if storage.key(where) == ours["checkpoint"] else where
 
 
 def load_checkpoint(

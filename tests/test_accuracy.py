@@ -491,6 +491,10 @@ def test_the_same_command_again_does_nothing_and_other_options_are_refused(
     if command == "evaluate":
         r = _cli(command, tiny_ckpt, *extra, "--items", 3, "--out", out)
         assert r.exit_code == 2 and "of this checkpoint with other options (items: 4 -> 3)" in r.output
+        other_docs = tmp_path / "other.jsonl.gz"
+        other_docs.write_bytes(docs.read_bytes())
+        r = _cli(command, tiny_ckpt, "--documents", other_docs, *extra[2:], "--out", out)
+        assert r.exit_code == 2 and "other options (documents: " in r.output, r.output
         assert files() == before
         r = _cli(command, tiny_ckpt, *extra, "--items", 3, "--out", out, "--overwrite")  # replaced when asked
         assert (
@@ -515,6 +519,12 @@ def test_the_same_command_again_does_nothing_and_other_options_are_refused(
             "a byte flipped": lambda: weights.write_bytes(weights.read_bytes()[:-1] + b"\x00"),
             "the weights removed": weights.unlink,
         }
+    record = out / ("accuracy.json" if command == "evaluate" else "entroweight-export.json")
+    made = record.read_text()
+    record.write_text(made.replace(json.loads(made)["weights_sha256"], "0" * 64))  # trained again since
+    r = _cli(command, tiny_ckpt, *extra, "--out", out)
+    assert r.exit_code == 2 and f"of the earlier weights of {tiny_ckpt.resolve()};" in r.output, r.output
+    record.write_text(made)
     for damage, do in damages.items():
         do()
         r = _cli(command, tiny_ckpt, *extra, "--out", out)

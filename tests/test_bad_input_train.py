@@ -509,30 +509,34 @@ def test_a_quoted_glob_as_data_is_refused_as_a_glob(
     assert cli("inspect", odd).exit_code == 0
 
 
-def test_the_same_train_command_again_continues_its_run(weighted_dir, tmp_path):
+def test_the_same_train_command_again_continues_its_run(tokenized_dir, weighted_dir, tmp_path):
     """A scheduler's retry, or the same command after a kill, continues the run its --out holds, as
     every stage's rerun does (it was refused "already holds a checkpoint; pass --resume"); at its last
     step it has nothing to train, exit 0, nothing rewritten. Other settings are still refused."""
     out = tmp_path / "run"
-    args = train_args(weighted_dir, out, "--steps", 4, "--seed", 1)
+    args = train_args(tokenized_dir, out, "--steps", 4, "--seed", 1)
     r = cli(*args, "--stop-at", 2)  # as a kill after the checkpoint of step 2 leaves it
     assert r.exit_code == 0, r.output
     r = cli(*args)
     assert r.exit_code == 0 and "holds this run (the same settings) at step 2: continuing it" in r.output
     assert "trained 4 steps" in r.output, r.output
     reference = tmp_path / "reference"  # the same run without a stop: the same weights
-    assert cli(*train_args(weighted_dir, reference, "--steps", 4, "--seed", 1)).exit_code == 0
+    assert cli(*train_args(tokenized_dir, reference, "--steps", 4, "--seed", 1)).exit_code == 0
     assert (out / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     r = cli(*args)
     assert r.exit_code == 0 and "nothing to train" in r.output, r.output
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
     for other in (["--seed", 2], ["--lr", "0.01"]):
-        r = cli(*train_args(weighted_dir, out, "--steps", 4, "--seed", 1, *other))
+        r = cli(*train_args(tokenized_dir, out, "--steps", 4, "--seed", 1, *other))
         refused(r, "already holds a checkpoint; pass --resume to continue it, or another --out")
     refused(
         cli(*args, "--resume", "--overwrite"), "continues the checkpoint, overwrite (--overwrite) replaces"
     )
+    # data of other tools (parquet no stage wrote, known by its size alone): not told to be the same
+    foreign = train_args(weighted_dir, tmp_path / "foreign", "--steps", 4)
+    assert cli(*foreign, "--stop-at", 2).exit_code == 0
+    refused(cli(*foreign), "already holds a checkpoint; pass --resume")
     # a run continued under other settings (`train_history`): the same command is not this run
     r = cli(*args, "--steps", 6, "--lr", "0.001", "--resume", "--allow-config-change", "--stop-at", 5)
     assert r.exit_code == 0, r.output

@@ -34,7 +34,7 @@ ROWS = {
         "nothing to do",
     ),
     "train": (
-        lambda f: [f["weighted_dir"], "--model-config", f["tiny.yaml"], "--steps", 2, "--batch-size", 4],
+        lambda f: [f["tokenized_dir"], "--model-config", f["tiny.yaml"], "--steps", 2, "--batch-size", 4],
         "nothing to train",
     ),
 }
@@ -63,7 +63,7 @@ def snapshot(root: Path) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("command", sorted(ROWS))
 def test_the_same_command_again_has_nothing_to_do(
-    command, c4_60, tokenizer_dir, tokens, scored, model, tiny_ckpt, weighted_dir, tmp_path
+    command, c4_60, tokenizer_dir, tokenized_dir, tokens, scored, model, tiny_ckpt, tmp_path
 ):
     config = tmp_path / "tiny.yaml"
     config.write_text("".join(f"{k}: {v}\n" for k, v in TINY.items()))
@@ -74,7 +74,7 @@ def test_the_same_command_again_has_nothing_to_do(
         "scored": scored,
         "model": model,
         "tiny_ckpt": tiny_ckpt,
-        "weighted_dir": weighted_dir,
+        "tokenized_dir": tokenized_dir,
         "tiny.yaml": config,
     }
     args, says = ROWS[command]

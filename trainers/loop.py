@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import filecmp
 import json
 import math
 import os
@@ -123,7 +124,7 @@ def _check_leftover_config(out) -> None:
     save (storage.LEFTOVERS: --resume has nothing to continue, --overwrite starts over) only if a
     training run wrote it; another program's config.json is a user's file, which no --overwrite
     replaces."""
-    config, state = storage.path(f"{out}/config.json"), storage.path(f"{out}/{STATE}")
+    config, state = storage.path(out) / "config.json", storage.path(out) / STATE  # (a trailing / too)
     if not config.exists() or state.exists():
         return
     try:
@@ -230,13 +231,19 @@ def _the_same_run(cfg: TrainConfig, rank: int) -> TrainConfig:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no checkpoint, or not ours
         return cfg
     new = _settings(cfg)
+    for record in (old, new):  # one tokenizer however it is named (its content is checked apart)
+        if record.get("tokenizer"):
+            record["tokenizer"] = storage.key(record["tokenizer"])
     settings = [k for k in old.keys() | new.keys() if k not in RUN_ONLY]
     if prev.get("kind") != cfg.model or any(old.get(k) != new.get(k) for k in settings):
         return cfg
     if len(prev.get("train_history") or ()) > 1:  # trained under other settings before: not this run
         return cfg
+    recorded = prev.get("data_shards")
+    if not isinstance(recorded, dict) or any(not str(v).startswith("sha256:") for v in recorded.values()):
+        return cfg  # files of other tools, known by their size alone: not told apart from others
     try:  # the data as recorded (a shard rewritten since is other data)
-        if data_shards(parquet_files(cfg.data)) != prev.get("data_shards"):
+        if data_shards(parquet_files(cfg.data)) != recorded:
             return cfg
     except (DataError, DataDirError, OSError):  # refused where the run reads it
         return cfg
@@ -520,7 +527,8 @@ def _prepare_out(out: Path, tokenizer: Path | None, step: int) -> None:
         if tokenizer is not None and not storage.is_local(tokenizer):  # the data's copy on a store
             (out / TOKENIZER).write_bytes(tokenizer.read_bytes())
         elif tokenizer is not None and tokenizer.resolve() != (out / TOKENIZER).resolve():
-            shutil.copyfile(tokenizer, out / TOKENIZER)
+            if not (out / TOKENIZER).is_file() or not filecmp.cmp(tokenizer, out / TOKENIZER, shallow=False):
+                shutil.copyfile(tokenizer, out / TOKENIZER)  # (a resume finds its own copy: left as it is)
         _trim_metrics(out / METRICS, step)
     except OSError as e:
         raise TrainError(f"cannot write to --out {out}: {e}") from None

@@ -101,17 +101,20 @@ NOT_MADE_OF = ("batch_size", "device")
 
 
 def _made_of(names, documents, kw) -> dict:
-    """What an evaluation's results are a function of, besides the checkpoint's weights: the tasks and
-    options (another is refused unless --overwrite), and each --documents file as listed (size, mtime
-    or an object's version: one changed since is read again)."""
+    """What an evaluation's results are a function of, besides the checkpoint's weights: the tasks, the
+    options and the --documents files (others are refused unless --overwrite), and each of those
+    files' size and mtime or an object's version (one changed since is read again)."""
     from entroweight.transforms.sources import SourceError, source_files
 
     try:
-        files = [[f, *(stat or ())] for f, stat in source_files(list(documents)).items()]
+        files = source_files(list(documents))
     except (SourceError, OSError):  # refused with its reason when the items are built
-        files = list(documents)
-    options = {"tasks": names, **{k: v for k, v in kw.items() if k not in NOT_MADE_OF}}
-    return {"options": options, "inputs": {"documents": files}}
+        files = dict.fromkeys(documents)
+    options = {"tasks": sorted(names), **{k: v for k, v in kw.items() if k not in NOT_MADE_OF}}
+    # which files are other documents (refused unless --overwrite); their size and mtime, a file
+    # changed since (read again)
+    options["documents"] = list(files)
+    return {"options": options, "inputs": {"documents": [list(stat or ()) for stat in files.values()]}}
 
 
 def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:

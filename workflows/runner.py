@@ -199,14 +199,17 @@ class Runner:
         lock = run_lock(root, self.wait)  # LockHeld -> exit 3
         start = time.perf_counter()
         gone = False
+        as_is = self._recorded_as_is()
         try:
-            self.write_record(0.0)  # a run killed part way is still known as a workflow run
+            if not as_is:
+                self.write_record(0.0)  # a run killed part way is still known as a workflow run
             self._all_steps()
         except WorkflowError:  # refused by a step's own work (what no plan can see: a count of documents)
             gone = not self.ctx.had_record and not any(s.status == "ran" for s in self.steps)
             raise
         finally:
-            if not gone:
+            # a run in which every step was up to date leaves run.json as the run that made them wrote it
+            if not gone and not (as_is and all(s.status == "up to date" for s in self.steps)):
                 self.write_record(time.perf_counter() - start)
             lock.release()
             if gone:  # a run that could not start leaves run_dir as it found it
@@ -441,6 +444,18 @@ class Runner:
                         )
         if wf.report is not None:
             yield ReportStep("report", "report", wf.root / wf.report.out, self.ctx)
+
+    def _recorded_as_is(self) -> bool:
+        """Whether run.json already records this workflow as it is now, written at the end of a run
+        (its steps; the record a run writes as it starts has none): its config, outputs and code."""
+        old = storage.json_record(self.wf.root / RUN_FILE)
+        return (
+            old is not None
+            and bool(old.get("steps"))
+            and old.get("config") == self.wf.model_dump(mode="json", by_alias=True)
+            and old.get(storage.RUN_OUTPUTS) == self.outputs
+            and old.get("code_version") == code_version()
+        )
 
     def write_record(self, seconds: float) -> None:
         record = {
