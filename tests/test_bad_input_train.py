@@ -559,3 +559,22 @@ def test_the_same_train_command_on_other_data_at_the_same_path_is_refused(
     r = cli(*args)
     refused(r, "already holds a checkpoint; pass --resume")
     assert "continuing it" not in r.output
+    # continued on it when asked: config.json records the change, and the same command is refused
+    assert cli(*args, "--resume", "--allow-config-change", "--stop-at", 3).exit_code == 0
+    history = json.loads((tmp_path / "run" / "config.json").read_text())["train_history"]
+    assert [(h["step"], h.get("changed")) for h in history] == [(0, None), (2, ["data"])]
+    refused(cli(*args), "already holds a checkpoint; pass --resume")
+
+
+def test_the_same_train_command_names_its_tokenizer_any_way(
+    tokenized_dir, tokenizer_dir, tmp_path, monkeypatch
+):
+    """The tokenizer is one by its content: named relatively from one directory, then absolutely (its
+    file) from another, the same command continues (config.json keeps the path as typed)."""
+    out = tmp_path / "run"
+    monkeypatch.chdir(tokenizer_dir.parent)
+    args = train_args(tokenized_dir, out, "--steps", 4)
+    assert cli(*args, "--tokenizer", tokenizer_dir.name, "--stop-at", 2).exit_code == 0
+    monkeypatch.chdir(tmp_path)
+    r = cli(*args, "--tokenizer", tokenizer_dir / "tokenizer.json")
+    assert r.exit_code == 0 and "continuing it" in r.output, r.output

@@ -1228,3 +1228,45 @@ def test_a_run_directory_is_known_by_what_its_record_holds(tiny_run):
     which tests/test_output_files.py feeds a record written by hand): the runner's record holds them."""
     run = tiny_run["run_dir"]
     assert storage.command_output(run, os.listdir(run)) == "run"
+
+
+def test_a_run_killed_before_its_record_is_not_taken_for_a_finished_one(
+    tmp_path, tokenizer_dir, c4_60, monkeypatch
+):
+    """A run with every step up to date leaves run.json as the run that made them wrote it; one that
+    runs a step marks run.json first (seconds 0), so a run killed after its steps but before its
+    record is not taken for the finished run by the next, which writes it (before, the previous
+    run's record stayed for good)."""
+    from entroweight.workflows.runner import Runner
+
+    spec = {
+        "run_dir": str(tmp_path / "run"),
+        "sources": [str(c4_60)],
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "tokenize": {"n_ctx": 32, "shard_docs": 20},
+        "report": None,
+    }
+    wf = write_yaml(tmp_path / "wf.yaml", spec)
+    assert run_cli("run", wf)[0] == 0
+    record = tmp_path / "run" / "run.json"
+    finished = record.read_bytes()
+    assert run_cli("run", wf)[0] == 0 and record.read_bytes() == finished  # nothing to do: as it was
+    shutil.rmtree(tmp_path / "run" / "tokens")
+    write = Runner.write_record
+
+    def killed_at_the_end(self, seconds):
+        if seconds > 0:
+            raise KeyboardInterrupt
+        write(self, seconds)
+
+    monkeypatch.setattr(Runner, "write_record", killed_at_the_end)
+    assert run_cli("run", wf)[0] == 130
+    monkeypatch.setattr(Runner, "write_record", write)
+    code, out = run_cli("run", wf)
+    assert code == 0 and "nothing to do" in out, out
+    now = json.loads(record.read_text())
+    assert now["seconds"] > 0 and {s["status"] for s in now["steps"]} == {"up to date"}
+    # the workflow file moved: the record names the one that runs now
+    wf.rename(tmp_path / "moved.yaml")
+    assert run_cli("run", tmp_path / "moved.yaml")[0] == 0
+    assert json.loads(record.read_text())["workflow_file"].endswith("moved.yaml")

@@ -231,12 +231,16 @@ def _the_same_run(cfg: TrainConfig, rank: int) -> TrainConfig:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no checkpoint, or not ours
         return cfg
     new = _settings(cfg)
-    for record in (old, new):  # one tokenizer however it is named (its content is checked apart)
-        if record.get("tokenizer"):
-            record["tokenizer"] = storage.key(record["tokenizer"])
-    settings = [k for k in old.keys() | new.keys() if k not in RUN_ONLY]
+    # the tokenizer by its content, however and from wherever it is named (its path is as typed)
+    settings = [k for k in old.keys() | new.keys() if k not in (*RUN_ONLY, "tokenizer")]
     if prev.get("kind") != cfg.model or any(old.get(k) != new.get(k) for k in settings):
         return cfg
+    if cfg.tokenizer is not None:
+        try:
+            if storage.sha256(resolve_tokenizer_path(cfg.tokenizer)) != prev.get("tokenizer_sha256"):
+                return cfg
+        except (TokenizerError, OSError, ValueError):  # refused where the run reads it
+            return cfg
     if len(prev.get("train_history") or ()) > 1:  # trained under other settings before: not this run
         return cfg
     recorded = prev.get("data_shards")
@@ -492,6 +496,9 @@ def _resolve(
     shards = data_shards(info.files)
     if cfg.resume:
         _check_same_data(prev.get("data_shards"), shards, allow_config_change)
+        if prev.get("data_shards") not in (None, shards):  # allowed: recorded with the step it took effect
+            history = [*(history or [{"step": 0, "train": prev.get("train")}])]
+            history.append({"step": state["step"], "changed": ["data"], "train": settings})
     meta = {
         "tokenizer_sha256": tok_sha or info.tokenizer_sha256,
         "vocab_size": mc.get("vocab_size", info.vocab_size),

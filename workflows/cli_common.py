@@ -460,6 +460,8 @@ def made_already(out, record: str, what: str, ckpt_dir, made_of: dict, overwrite
     recorded = storage.json_record(where) if other is None else None
     made = recorded.get(MADE_OF) if recorded is not None else None
     was = made.get("options") if isinstance(made, dict) else None
+    if isinstance(was, dict) and was.keys() != made_of["options"].keys():
+        was = None  # recorded by a version that recorded other options: made again, as before records
     if other or (isinstance(was, dict) and was != made_of["options"]):
         if not overwrite:
             changes = "; ".join(setting_changes(was or {}, made_of["options"]))
@@ -469,7 +471,7 @@ def made_already(out, record: str, what: str, ckpt_dir, made_of: dict, overwrite
     if recorded is None:
         return None
     files = recorded.get(FILES)
-    if edited(recorded) or made != made_of or not isinstance(files, dict):
+    if was is None or edited(recorded) or made != made_of or not isinstance(files, dict):
         return "replace"
     return "same" if files_sha256(out, files) == files else "replace"
 

@@ -104,12 +104,13 @@ def _made_of(names, documents, kw) -> dict:
     """What an evaluation's results are a function of, besides the checkpoint's weights: the tasks, the
     options and the --documents files (others are refused unless --overwrite), and each of those
     files' size and mtime or an object's version (one changed since is read again)."""
+    from entroweight.trainers.accuracy import OFFLINE_TASK
     from entroweight.transforms.sources import SourceError, source_files
 
-    try:
-        files = source_files(list(documents))
-    except (SourceError, OSError):  # refused with its reason when the items are built
-        files = dict.fromkeys(documents)
+    try:  # only the offline task reads them
+        files = source_files(list(documents)) if OFFLINE_TASK in names else {}
+    except (SourceError, OSError) as e:  # refused now, for what it is
+        _fail(f"--documents: {e}")
     options = {"tasks": sorted(names), **{k: v for k, v in kw.items() if k not in NOT_MADE_OF}}
     # which files are other documents (refused unless --overwrite); their size and mtime, a file
     # changed since (read again)

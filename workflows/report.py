@@ -227,7 +227,7 @@ def _ours_or_absent(out) -> bool:
     """Whether the report may write `out`: nothing there, an empty file, or a report it wrote. Not a
     FIFO or a device (reading one would block, writing one would not make a file)."""
     if storage.is_local(out) and os.path.lexists(out) and not os.path.isfile(out):
-        return False
+        return os.path.islink(out) and not os.path.exists(out)  # a link to nothing holds nothing
     try:
         with storage.open_input(out) as f:
             head = f.read(1024)

@@ -12,6 +12,7 @@ version, what each step did and every data stage's manifests.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.weigh import WeighStage
 from entroweight.trainers.config import LossSettings, TrainSettings
 from entroweight.transforms.sources import SourceError, expand_sources, relation_to
-from entroweight.transforms.writer import write_json_atomic
+from entroweight.transforms.writer import write_bytes_atomic, write_json_atomic
 
 from .results import STEP_FILE
 from .spec import TOKENS, ModelSpec, TrainSpec, Workflow, load_yaml
@@ -149,6 +150,7 @@ class Runner:
         self.ctx = RunContext(wf, engine, self.engine_options, dry_run, overwrite, [], self.write_record)
         self.steps: list[Step] = self.ctx.steps
         self.outputs: list[str] = []  # the names the steps write directly in run_dir (run.json's)
+        self.started = False  # whether run.json marks this run yet (`_start_record`)
         # the steps (Step.ref) that would run (dry run: what reads them must wait)
         self.stale: set[tuple[str, str]] = set()
         # ... and those that would run only to remake what their records hold (`Step.output_as_recorded`)
@@ -199,18 +201,17 @@ class Runner:
         lock = run_lock(root, self.wait)  # LockHeld -> exit 3
         start = time.perf_counter()
         gone = False
-        as_is = self._recorded_as_is()
+        as_is = self._recorded_as_is()  # (bytes, times) of a finished run's record of this workflow
+        if as_is is None:
+            self._start_record()  # a run killed part way is still known as a workflow run
         try:
-            if not as_is:
-                self.write_record(0.0)  # a run killed part way is still known as a workflow run
             self._all_steps()
         except WorkflowError:  # refused by a step's own work (what no plan can see: a count of documents)
             gone = not self.ctx.had_record and not any(s.status == "ran" for s in self.steps)
             raise
         finally:
-            # a run in which every step was up to date leaves run.json as the run that made them wrote it
-            if not gone and not (as_is and all(s.status == "up to date" for s in self.steps)):
-                self.write_record(time.perf_counter() - start)
+            if not gone:
+                self._end_record(as_is, time.perf_counter() - start)
             lock.release()
             if gone:  # a run that could not start leaves run_dir as it found it
                 _put_back(root, found)
@@ -319,6 +320,8 @@ class Runner:
         if self.dry_run:
             (self.remade if step.output_as_recorded else self.stale).add(step.ref)
             return self._say(step, "would run", step.plan())
+        if not self.started:  # the record as found says a finished run: no longer, from here
+            self._start_record()
         t0 = time.perf_counter()
         status, detail = step.run()
         step.seconds = time.perf_counter() - t0
@@ -445,17 +448,43 @@ class Runner:
         if wf.report is not None:
             yield ReportStep("report", "report", wf.root / wf.report.out, self.ctx)
 
-    def _recorded_as_is(self) -> bool:
-        """Whether run.json already records this workflow as it is now, written at the end of a run
-        (its steps; the record a run writes as it starts has none): its config, outputs and code."""
-        old = storage.json_record(self.wf.root / RUN_FILE)
-        return (
+    def _start_record(self) -> None:
+        self.write_record(0.0)
+        self.started = True
+
+    def _recorded_as_is(self) -> tuple[bytes, int, int] | None:
+        """run.json's bytes and times where it records this workflow as it is now (its file, config,
+        outputs and code), written at the end of a run (its seconds: the record a run writes before
+        its first step that runs, or for its report, has 0); else None. A run in which every step
+        is up to date puts it back as it was: one killed after a step ran leaves its start record,
+        which the next run replaces."""
+        path = self.wf.root / RUN_FILE
+        old = storage.json_record(path)
+        if not (
             old is not None
-            and bool(old.get("steps"))
+            and bool(old.get("seconds"))
+            and old.get("workflow_file") == self.workflow_file
             and old.get("config") == self.wf.model_dump(mode="json", by_alias=True)
             and old.get(storage.RUN_OUTPUTS) == self.outputs
             and old.get("code_version") == code_version()
-        )
+        ):
+            return None
+        st = path.stat()
+        return path.read_bytes(), st.st_atime_ns, st.st_mtime_ns
+
+    def _end_record(self, as_is: tuple[bytes, int, int] | None, seconds: float) -> None:
+        """run.json at the end of a run: this run's, or, where every step was up to date, put back as
+        the run that made every output wrote it (where a step ran that found nothing to do, a stage's
+        own "up to date", the start record written before it is undone)."""
+        if as_is is None or any(s.status != "up to date" for s in self.steps):
+            if self.started:
+                self.write_record(seconds)
+            return
+        if self.started:
+            data, atime_ns, mtime_ns = as_is
+            path = self.wf.root / RUN_FILE
+            write_bytes_atomic(data, path)
+            os.utime(path, ns=(atime_ns, mtime_ns))
 
     def write_record(self, seconds: float) -> None:
         record = {
