@@ -23,7 +23,6 @@ RAW_LISTING = {
     "transforms/sources.py": "source discovery: whether an input file lies in a stage's output (not its parts)",
     "pipelines/export_data.py": "check_request: whether the export's --out holds hidden files (an export, not a data directory)",
     "workflows/runner.py": "whether run_dir is a workflow run's (run.json, its lock), not a data directory",
-    "workflows/cli_common.py": "made_already: the files of an export-hf or evaluate output, not a data directory",
 }
 # modules that may name part files themselves: the naming contract, DataDir, the planner's bookkeeping,
 # and the path rule (storage.output_owner, foreign_files: a stage's shards told from a user's files, in
