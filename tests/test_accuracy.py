@@ -496,7 +496,8 @@ def test_the_same_command_again_does_nothing_and_other_options_are_refused(
         r = _cli(command, tiny_ckpt, "--documents", other_docs, *extra[2:], "--out", out)
         assert r.exit_code == 2 and "other options (documents: " in r.output, r.output
         r = _cli(command, tiny_ckpt, "--documents", tmp_path / "nope.jsonl", *extra[2:], "--out", out)
-        assert r.exit_code == 2 and "--documents: " in r.output and "other options" not in r.output
+        assert r.exit_code == 2 and "no such file" in r.output and "other options" not in r.output
+        assert files() == before
         assert files() == before
         r = _cli(command, tiny_ckpt, *extra, "--items", 3, "--out", out, "--overwrite")  # replaced when asked
         assert (

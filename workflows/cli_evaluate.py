@@ -88,7 +88,10 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
         _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
     made_of = _made_of(names, documents, kw)
     with holding_out(out, wait):  # for the whole evaluation: another run's is refused (exit 3)
-        before = made_already(out, RESULTS, "an evaluation", ckpt_dir, made_of, overwrite)
+        # documents that cannot be listed: refused with the checkpoint's checks, before --out is touched
+        before = (
+            made_already(out, RESULTS, "an evaluation", ckpt_dir, made_of, overwrite) if made_of else None
+        )
         if before == "same":
             click.echo(f"nothing to do: {out} already holds this evaluation of {ckpt_dir}")
             return
@@ -100,17 +103,18 @@ def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
 NOT_MADE_OF = ("batch_size", "device")
 
 
-def _made_of(names, documents, kw) -> dict:
+def _made_of(names, documents, kw) -> dict | None:
     """What an evaluation's results are a function of, besides the checkpoint's weights: the tasks, the
     options and the --documents files (others are refused unless --overwrite), and each of those
-    files' size and mtime or an object's version (one changed since is read again)."""
+    files' size and mtime or an object's version (one changed since is read again); None where the
+    files cannot be listed."""
     from entroweight.trainers.accuracy import OFFLINE_TASK
     from entroweight.transforms.sources import SourceError, source_files
 
     try:  # only the offline task reads them
         files = source_files(list(documents)) if OFFLINE_TASK in names else {}
-    except (SourceError, OSError) as e:  # refused now, for what it is
-        _fail(f"--documents: {e}")
+    except (SourceError, OSError):  # refused for what it is where the items are built: None
+        return None
     options = {"tasks": sorted(names), **{k: v for k, v in kw.items() if k not in NOT_MADE_OF}}
     # which files are other documents (refused unless --overwrite); their size and mtime, a file
     # changed since (read again)
