@@ -138,14 +138,15 @@ def another_checkpoint(record: str | Path, ckpt_dir: str | Path) -> str | None:
     if not where or not isinstance(where, str):
         return "an unknown checkpoint"
     ours = made_from(ckpt_dir)
+    here = storage.key(where) == ours["checkpoint"]  # (an earlier version recorded the path as typed)
     if made.get("weights_sha256") and ours["weights_sha256"]:
         same = made["weights_sha256"] == ours["weights_sha256"]
-    else:  # an evaluation of an earlier version recorded the path as it was typed: resolved here
-        same = storage.key(where) == ours["checkpoint"]
+    else:
+        same = here
     if same:
         return None
     # the same place, other weights: the checkpoint was trained again there since
-    return f"the earlier weights of {where}" if storage.key(where) == ours["checkpoint"] else where
+    return f"the earlier weights of {where}" if here else where
 
 
 def load_checkpoint(

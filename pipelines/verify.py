@@ -212,9 +212,8 @@ def _check_files_present(
 def _check_shard(out: Path, m: ShardManifest, record: StageRecord, problems: list[str]) -> dict | None:
     """All checks of one shard; returns its file metadata (for cross-shard consistency) or None."""
     where = f"{m.shard} ({m.output})"
-    if off := lineage_problem(
-        m.lineage()
-    ):  # its own counts and those it carries, as every reader judges them
+    # its own counts and those it carries of the stages before, as every reader judges them
+    if off := lineage_problem(m.lineage()):
         problems.append(
             f"{manifest_name(m.shard)}: its counts do not add up ({off}): edited, not as the stage wrote "
             "it; rerun the stage with --overwrite to make it again"

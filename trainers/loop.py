@@ -227,7 +227,7 @@ def _the_same_run(cfg: TrainConfig, rank: int) -> TrainConfig:
     try:
         prev = json.loads((out / "config.json").read_bytes())
         state = json.loads((out / STATE).read_bytes())
-        old = {**prev["train"], "data": [storage.key(p) for p in _as_list(prev["train"].get("data", []))]}
+        old = _recorded_settings(prev["train"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no checkpoint, or not ours
         return cfg
     new = _settings(cfg)
@@ -331,7 +331,13 @@ def _train_to_store(
 
 def _settings(cfg: TrainConfig) -> dict:
     """The train config as stored in config.json: JSON types, data paths absolute."""
-    return {**cfg.dump(), "data": [storage.key(p) for p in _as_list(cfg.data)]}
+    return _recorded_settings(cfg.dump())
+
+
+def _recorded_settings(train: dict) -> dict:
+    """Train settings with their data paths absolute (`storage.key`), as `_settings` stores them: a
+    config.json written before they were is compared as it would be written now."""
+    return {**train, "data": [storage.key(p) for p in _as_list(train.get("data", []))]}
 
 
 def _config_history(prev: dict, new: dict, step: int, allow: bool) -> list[dict]:
@@ -341,7 +347,7 @@ def _config_history(prev: dict, new: dict, step: int, allow: bool) -> list[dict]
     history = prev.get("train_history") or ([{"step": 0, "train": old}] if old else [])
     if old is None:
         return history
-    old = {**old, "data": [storage.key(p) for p in _as_list(old.get("data", []))]}
+    old = _recorded_settings(old)
     skip = set(RUN_ONLY) | set(CHECKED_APART)
     # keys of one side only come from another version of TrainConfig: their default kept the behaviour
     changed = sorted(k for k in new.keys() & old.keys() if k not in skip and old[k] != new[k])
