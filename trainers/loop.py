@@ -251,7 +251,7 @@ def _the_same_run(cfg: TrainConfig, rank: int) -> TrainConfig:
             return cfg
     except (DataError, DataDirError, OSError):  # refused where the run reads it
         return cfg
-    if rank == 0 and not cfg.quiet:
+    if rank == 0 and not cfg.quiet and state.get("step", 0) < cfg.steps:  # (finished: "nothing to train")
         print(
             f"{cfg.out} holds this run (the same settings) at step {state.get('step')}: continuing it",
             flush=True,
