@@ -32,7 +32,7 @@ from entroweight.schemas.tokenizer import TokenizerError, resolve_tokenizer_path
 from .checkpoint import METRICS, STATE, TOKENIZER, load_training_state, save_training_checkpoint
 from .config import CHECKED_APART, RUN_ONLY, TrainConfig, TrainError
 from .data import DataError, WeightedTokens, inspect_data, parquet_files, value_problems
-from .losses import LOSSES, Loss, per_token_ce
+from .losses import LOSSES, Loss, floor, per_token_ce
 
 
 class TrainFailed(TrainError):
@@ -623,7 +623,7 @@ def _train(
                 "world_size": world,
                 "tokens": tokens,
                 "seed": cfg.seed,
-                "log_window": {"loss_sums": [float(x) for x in sums], "micro_steps": n_micro},
+                "log_window": {"loss_sums": [float(x) for x in sums], "steps": n_steps},
             }
             with _failing(f"cannot save the checkpoint at step {step}", out, saved):
                 save_training_checkpoint(out, raw_model, cfg.model, optimizer, st, {**run.meta, "step": step})
@@ -636,52 +636,50 @@ def _train(
     mask_pads = bool(run.model_cfg.get("mask_pads"))  # a model that skips the left padding reads where it is
     last_stop = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
     t_run = t0 = time.perf_counter()
-    # summed on the device between log steps: the host reads them there (and once a step, below);
-    # a resumed run goes on with the sum its checkpoint saved (none before 2026-11-28: from 0)
-    window = (state or {}).get("log_window") or {"loss_sums": [0.0] * world, "micro_steps": 0}
+    # each rank's share of the steps' losses (they sum over ranks to the step's loss), summed on the
+    # device between log steps: the host reads them there (and once a step, below); a resumed run goes
+    # on with the sum its checkpoint saved (none before 2026-11-28: from 0)
+    window = _log_window((state or {}).get("log_window"), cfg.grad_accum, world)
     loss_sum = torch.tensor(window["loss_sums"][rank], dtype=torch.float32, device=device)
-    n_micro = window["micro_steps"]
+    n_steps = window["steps"]
     real = torch.zeros((), dtype=torch.int64, device=device)
     real_total = 0  # real tokens of every rank, as the log rows sum them (the run's tokens/s)
-    ce, last_loss = float("nan"), None
+    ce_sums, last_loss = None, None
     model.train()
     while step < last_stop:
         lr = lr_at(step, cfg)
         for g in optimizer.param_groups:
             g["lr"] = lr
-        step_loss = torch.zeros((), device=device)
-        for micro in range(cfg.grad_accum):
-            batch = next(batches)
-            ids = batch["input_ids"].to(device, non_blocking=True)
-            mask = batch["mask"][:, 1:].to(device)
-            columns = {k: batch[k][:, 1:].to(device) for k in loss_def.columns}
-            pads = {"attention_mask": batch["mask"].to(device)} if mask_pads else {}
-            # dropout / estimator noise drawn from (seed, step, micro, rank): resume-exact
+        micro_batches = [next(batches) for _ in range(cfg.grad_accum)]
+        logged = (step + 1) % cfg.log_every == 0 or step + 1 == last_stop
+
+        def seed(
+            micro, step=step
+        ):  # dropout / estimator noise drawn from (seed, step, micro, rank): resume-exact
             torch.manual_seed(hash((cfg.seed, step, micro, rank)) & 0x7FFFFFFF)
-            sync = micro == cfg.grad_accum - 1 or world == 1
-            with contextlib.nullcontext() if sync else model.no_sync(), autocast:
-                logits = model(ids, **fwd_kw, **pads)[:, :-1]
-                loss = loss_def.fn(logits, ids[:, 1:], mask, **columns, **loss_kw)
-            (loss / cfg.grad_accum).backward()
-            step_loss += loss.detach()
-            tokens += ids.numel() * world
-            real += mask.sum()
-            if ((step + 1) % cfg.log_every == 0 or step + 1 == last_stop) and micro == 0:
-                ce = _plain_ce(raw_model, logits.detach(), ids[:, 1:], mask, fwd_kw)
+
+        step_loss, plain = step_gradients(
+            model, micro_batches, loss_def, loss_kw, fwd_kw, world, device, autocast, mask_pads, seed, logged
+        )
+        for batch in micro_batches:
+            tokens += batch["input_ids"].numel() * world
+            real += batch["mask"][:, 1:].to(device).sum()
+        if plain is not None:
+            ce_sums = plain
         # the step's one host sync: a non-finite loss stops the run before it reaches the weights
         value = step_loss.item()
         _stop_if_not_finite(
             None if math.isfinite(value) else value, step + 1, cfg.loss, out, saved, world, device
         )
         loss_sum += step_loss
-        n_micro += cfg.grad_accum
+        n_steps += 1
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if step % cfg.log_every == 0 or step == last_stop:
-            row, real_logged = _log_row(step, lr, tokens, loss_sum / n_micro, ce, real, world, t0, t_run)
+            row, real_logged = _log_row(step, lr, tokens, loss_sum / n_steps, ce_sums, real, world, t0, t_run)
             real_total += real_logged
             last_loss = row["loss"]
             if rank == 0:
@@ -697,7 +695,7 @@ def _train(
             t0 = time.perf_counter()
             real.zero_()
             if step % cfg.log_every == 0:  # a run stopped between log steps keeps its sum (save, above)
-                n_micro = 0
+                n_steps = 0
                 loss_sum.zero_()
         if (cfg.save_every and step % cfg.save_every == 0) or step == last_stop:
             save()
@@ -714,28 +712,83 @@ def _train(
     )
 
 
-def _plain_ce(model, logits, targets, mask, fwd_kw) -> float:
-    """The plain CE of a micro-batch, logged for every loss so that runs compare."""
+def step_gradients(
+    model, micro_batches, loss_def: Loss, loss_kw, fwd_kw, world, device, autocast, mask_pads, seed, plain
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward and backward one optimizer step's micro-batches on this rank: (this rank's share of the
+    step's loss, and where `plain` the plain CE's (sum, count) over its real targets, else None).
+
+    The step's loss is the sum over every real target of the step, all micro-batches of all ranks,
+    divided by one normaliser counted up front over the same (`Loss.normaliser`: the real targets, or
+    their Σ w), so a token weighs the same in a step whatever micro-batch or rank it fell in: a step of
+    micro-batches of unequal real-token counts gives the loss and gradients of one batch of its rows,
+    not a mean of the micro-batches' means. DDP averages the ranks' gradients: each rank's backward is
+    scaled by the world size to make that average their sum. The ranks' shares sum to the step's loss."""
+    moved = []
+    for batch in micro_batches:
+        ids = batch["input_ids"].to(device, non_blocking=True)
+        columns = {k: batch[k][:, 1:].to(device) for k in loss_def.columns}
+        moved.append((ids, batch["mask"].to(device), columns))
+    normaliser = sum(loss_def.normaliser(mask[:, 1:], **columns, **loss_kw) for _, mask, columns in moved)
+    if world > 1:
+        torch.distributed.all_reduce(normaliser)
+    denominator = floor(normaliser)
+    step_loss = torch.zeros((), device=device)
+    ce = torch.zeros(2, dtype=torch.float64, device=device) if plain else None
+    for micro, (ids, mask, columns) in enumerate(moved):
+        seed(micro)
+        pads = {"attention_mask": mask} if mask_pads else {}
+        sync = micro == len(moved) - 1 or world == 1
+        with contextlib.nullcontext() if sync else model.no_sync(), autocast:
+            logits = model(ids, **fwd_kw, **pads)[:, :-1]
+            loss = loss_def.fn(logits, ids[:, 1:], mask[:, 1:], **columns, **loss_kw, denominator=denominator)
+        (loss * world).backward()
+        step_loss += loss.detach()
+        if ce is not None:
+            ce += _plain_ce(model, logits.detach(), ids[:, 1:], mask[:, 1:], fwd_kw)
+    return step_loss, ce
+
+
+def _plain_ce(model, logits, targets, mask, fwd_kw) -> torch.Tensor:
+    """The plain CE's (sum, count) over a micro-batch's real targets, logged for every loss so that
+    runs compare (a weighted loss says nothing of the model's quality)."""
     with torch.no_grad():
-        lg = model.scores(logits) if fwd_kw else logits  # a hashed head's vocabulary scores
-        return float((per_token_ce(lg, targets) * mask).sum() / mask.sum().clamp(min=1))
+        if fwd_kw:  # a hashed head's vocabulary scores
+            model = getattr(model, "module", model)  # (under DDP)
+            model = getattr(model, "_orig_mod", model)  # (compiled)
+            logits = model.scores(logits)
+        total = (per_token_ce(logits, targets) * mask).sum()
+        return torch.stack([total.double(), mask.sum().double()])
 
 
-def _log_row(step, lr, tokens, mean_loss, ce, real, world, t0, t_run) -> tuple[dict, int]:
-    """A metrics.jsonl row (the losses averaged over ranks, tokens/s over real, non-pad, tokens) and
-    the real tokens of every rank since the last row. The run ends on a log row: its last collective
-    is save()'s barrier, never one just before the process group is torn down (gloo can abort then)."""
-    values = torch.stack(
-        [mean_loss.double(), torch.tensor(ce, dtype=torch.float64, device=real.device), real.double()]
-    )
+def _log_window(saved: dict | None, grad_accum: int, world: int) -> dict:
+    """The log window a checkpoint saved: each rank's share of its steps' losses and the steps. One
+    saved before 2026-12 (`micro_steps`: each rank's sum of micro-batch means) is read as their mean."""
+    if not saved:
+        return {"loss_sums": [0.0] * world, "steps": 0}
+    if "micro_steps" in saved:
+        return {
+            "loss_sums": [x / (grad_accum * world) for x in saved["loss_sums"]],
+            "steps": saved["micro_steps"] // grad_accum,
+        }
+    return saved
+
+
+def _log_row(step, lr, tokens, mean_loss, ce_sums, real, world, t0, t_run) -> tuple[dict, int]:
+    """A metrics.jsonl row (the loss: the ranks' shares summed; the plain CE over every rank's real
+    targets of the logged step; tokens/s over real, non-pad, tokens) and the real tokens of every rank
+    since the last row. The run ends on a log row: its last collective is save()'s barrier, never one
+    just before the process group is torn down (gloo can abort then)."""
+    if ce_sums is None:  # (every log step computes them: never, but a row is still written)
+        ce_sums = torch.tensor([math.nan, 1.0], dtype=torch.float64, device=real.device)
+    values = torch.cat([mean_loss.double().reshape(1), ce_sums, real.double().reshape(1)])
     if world > 1:
         torch.distributed.all_reduce(values)
-        values[:2] /= world
-    loss, ce, real = values.tolist()
+    loss, ce_total, ce_count, real = values.tolist()
     row = {
         "step": step,
         "loss": _finite(loss),
-        "ce": _finite(ce),
+        "ce": _finite(ce_total / ce_count) if ce_count else None,
         "lr": lr,
         "tokens": tokens,
         "tokens_per_s": round(real / max(time.perf_counter() - t0, 1e-9), 1),
