@@ -1,11 +1,13 @@
 """Train a Hugging Face model on entroweight's weighted parquet with `transformers.Trainer`.
 
-    python examples/weighted_hf_trainer.py WEIGHTED_DIR --steps 100
+    python examples/weighted_hf_trainer.py WEIGHTED_DIR --steps 100 [--grad-accum 2] [--normalize weight]
 
-The only change to a stock Trainer is `compute_loss`: per-token CE times the token's weight,
-summed over real tokens and divided by their count. Under torchrun, keep the reader's rank
-sharding and turn off accelerate's batch dispatching (`accelerator_config={"dispatch_batches": False}`),
-or give the reader rank=0, world_size=1 and let accelerate dispatch.
+The library's `WeightedTrainer` (entroweight/trainers/hf.py) is a stock Trainer whose loss is our
+trainer's weighted CE, normalised over the whole accumulated batch across processes (the real
+targets' count, or their Σ w with `normalize="weight"`), and whose log rows hold the plain `ce`
+beside the weighted `loss`. `WeightedExamples` reads our output (a directory or a URL) as
+`input_ids`, `labels` (−100 on pads) and float32 `weight`. Under torchrun every process reads the
+same stream and accelerate hands each its share of the batches.
 """
 
 from __future__ import annotations
@@ -13,23 +15,21 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from entroweight.data import WeightedTokens, per_token_ce
-
-
-class WeightedTrainer(Trainer):
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        ids, mask, weight = inputs["input_ids"], inputs["mask"], inputs["weight"]
-        out = model(input_ids=ids)
-        ce = per_token_ce(out.logits[:, :-1], ids[:, 1:])  # nats per target token, fp32
-        real = mask[:, 1:]
-        loss = (ce * weight[:, 1:] * real).sum() / real.sum().clamp(min=1)
-        return (loss, out) if return_outputs else loss
+from entroweight.trainers.hf import WeightedCollator, WeightedExamples, WeightedTrainer
 
 
-def main(data: str, out_dir: str, steps: int = 100, batch_size: int = 16, lr: float = 3e-3):
-    ds = WeightedTokens(data, epochs=None, seed=0, require=("weight",))  # one sequence per item
+def main(
+    data: str,
+    out_dir: str,
+    steps: int = 100,
+    batch_size: int = 16,
+    lr: float = 3e-3,
+    grad_accum: int = 1,
+    normalize: str = "tokens",
+):
+    ds = WeightedExamples(data, seed=0)  # one sequence per example, shuffled, looping
     config = LlamaConfig(
         vocab_size=ds.info.vocab_size,
         hidden_size=64,
@@ -45,15 +45,22 @@ def main(data: str, out_dir: str, steps: int = 100, batch_size: int = 16, lr: fl
         output_dir=out_dir,
         max_steps=steps,
         per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=grad_accum,
         learning_rate=lr,
-        remove_unused_columns=False,  # keep weight and mask for compute_loss
+        remove_unused_columns=False,  # keep `weight` for the loss
         save_strategy="no",
         report_to=[],
         logging_steps=max(1, steps // 5),
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
     )
-    trainer = WeightedTrainer(model=model, args=args, train_dataset=ds)
+    trainer = WeightedTrainer(
+        model=model,
+        args=args,
+        train_dataset=ds,
+        data_collator=WeightedCollator(ds.pad_id),
+        normalize=normalize,
+    )
     result = trainer.train()
     return trainer, result
 
@@ -63,6 +70,11 @@ if __name__ == "__main__":
     ap.add_argument("data")
     ap.add_argument("--out", default="runs/hf_weighted")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--normalize", choices=["tokens", "weight"], default="tokens")
     args = ap.parse_args()
-    _, result = main(args.data, args.out, args.steps)
-    print(f"training loss {result.training_loss:.3f}")
+    trainer, result = main(
+        args.data, args.out, args.steps, grad_accum=args.grad_accum, normalize=args.normalize
+    )
+    last = [r for r in trainer.state.log_history if "ce" in r][-1]
+    print(f"weighted loss {last['loss']:.3f}, plain CE {last['ce']:.3f} (the model's quality)")

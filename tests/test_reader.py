@@ -277,11 +277,16 @@ def test_example_plain_torch_loop(weighted_dir):
 
 
 def test_example_hf_trainer_compute_loss(weighted_dir, tmp_path):
+    from entroweight.trainers.hf import WeightedCollator, WeightedExamples
+
     ex = _example("weighted_hf_trainer")
-    trainer, result = ex.main(str(weighted_dir), str(tmp_path / "hf"), steps=4, batch_size=4)
+    trainer, result = ex.main(str(weighted_dir), str(tmp_path / "hf"), steps=4, batch_size=4, grad_accum=2)
     assert result.global_step == 4 and np.isfinite(result.training_loss)
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert rows and all(r["ce"] > r["loss"] for r in rows)  # the plain CE logged beside the weighted loss
     # compute_loss applies the weights: zero weights give zero loss, doubled weights double it
-    batch = next(iter(WeightedTokens(weighted_dir, batch_size=4, shuffle=False)))
+    examples = iter(WeightedExamples(weighted_dir, shuffle=False))
+    batch = WeightedCollator()([next(examples) for _ in range(4)])
     model = trainer.model.eval()
     with torch.no_grad():
         base = trainer.compute_loss(model, dict(batch)).item()
