@@ -329,7 +329,7 @@ def test_workflow_accuracy_steps_run_and_are_cached(tmp_path):
         f"data-task='{OFFLINE_TASK}' data-run='copy' data-metric='acc_mutual_info' data-outcome='within noise'"
         in page
     )
-    assert "McNemar over 12 item pairs of 1 seeds" in page
+    assert "one seed only: the seed noise cannot be estimated" in page
     r = _cli("run", wf)  # nothing new: both cached
     assert "accuracy heldout-items: up to date - 12 items" in r.output
     assert "accuracy reference/seed-0: up to date" in r.output and ": ran" not in r.output

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+import numpy as np
 import pytest
 import torch
 from test_trainer_fixtures import one_thread, tiny_ckpt, weighted_dir  # noqa: F401 - fixtures
@@ -97,3 +98,21 @@ def test_eval_bpb_equals_hf_per_target_computation(tiny_ckpt, hf_dir, text, tmp_
     # a sane per-token loss: the old stride = n_ctx bug scored ~1 target per window (BPB ≈ 0.1)
     assert 1.0 < res["nats"] / res["tokens"] < math.log(1024)
     assert res["stride"] == min(stride, N_CTX - 1)  # the step the windows took (it said n_ctx for n_ctx − 1)
+
+
+def test_the_blocks_partition_the_text_and_its_nats(tiny_ckpt, wikitext_path, tmp_path):
+    """The report's clusters: every byte in one block, every target's nats in the block its bytes end
+    in (the first target's in the first block, the last's in the last)."""
+    from entroweight.trainers.bpb import BLOCK_BYTES
+
+    path = tmp_path / "text.txt"
+    path.write_bytes(wikitext_path.read_bytes()[:7_000].decode("utf-8", errors="ignore").encode("utf-8"))
+    res = eval_bpb(tiny_ckpt, path, n_ctx=N_CTX, stride=N_CTX // 2, device="cpu")
+    b = res["blocks"]
+    assert len(b["bytes"]) == -(-res["bytes"] // BLOCK_BYTES) > 1
+    assert sum(b["bytes"]) == res["bytes"] and b["bytes"][0] == BLOCK_BYTES
+    assert sum(b["nats"]) == pytest.approx(res["nats"], rel=1e-9)
+    assert all(n > 0 for n in b["nats"])  # no block without its tokens' losses
+    # per block, about the text's mean rate: no block holds another's tokens
+    rates = np.array(b["nats"]) / np.array(b["bytes"])
+    assert rates.max() < 3 * rates.mean()

@@ -239,7 +239,7 @@ def test_verdict_names_winners_losers_and_ties(tmp_path, tokenizer_dir):
 def test_report_names_the_primary_corrects_the_others_and_shows_what_noise_hides(tmp_path, tokenizer_dir):
     """6 seeds: the primary run (named in the workflow) is read unadjusted, the other runs' p are
     Holm-corrected per table, each within-noise verdict carries the smallest detectable difference at
-    the alpha it faces, Wilcoxon sits beside the paired t-test; the page opens with that table."""
+    the alpha it faces, the sign-flip test sits beside it; the page opens with that table."""
     from entroweight.workflows import stats
     from entroweight.workflows.report import write_report
 
@@ -271,7 +271,7 @@ def test_report_names_the_primary_corrects_the_others_and_shows_what_noise_hides
         assert by["weighted"]["primary"] and by["weighted"]["p_adjusted"] == by["weighted"]["p"]
         family = [by["topk"], by["causal-2"]]
         assert [c["p_adjusted"] for c in family] == pytest.approx(stats.holm([c["p"] for c in family]))
-        assert all(c["alpha"] == 0.025 and c["wilcoxon"] is not None for c in family)
+        assert all(c["alpha"] == 0.025 and c["sign_flip"] is not None for c in family)
         for c in by.values():
             d = np.subtract(bpb[(c["run"], text)], base)
             assert c["delta"] == pytest.approx(d.mean()) and c["p"] == pytest.approx(
@@ -300,7 +300,7 @@ def test_report_names_the_primary_corrects_the_others_and_shows_what_noise_hides
     assert "Holm-corrected except the primary comparison, weighted" in page.sentence
     cells = {(c["data-head-run"], c["data-head-text"]): c for c in page.cells}
     assert len(cells) == 8
-    assert "<td>weighted (primary)</td>" in html and "<th>Wilcoxon p</th>" in html
+    assert "<td>weighted (primary)</td>" in html and "<th>sign-flip p</th>" in html
     assert "Primary comparison, named in the workflow before the runs (report.primary): weighted" in html
     assert stats.RULE in unescape(html)
     causal2 = next(c for c in bpb_table(wf, "main")["comparisons"] if c["run"] == "causal-2")
@@ -521,3 +521,61 @@ def test_the_report_follows_the_workflow_and_shows_pairs_without_a_writeup_row(r
     code, out = run_cli("run", write_yaml(p, wf))
     assert code == 0 and "report report: ran" in out, out
     assert "Traceback" not in out
+
+
+def test_a_named_contrast_compares_two_runs_with_each_other(tmp_path, tokenizer_dir):
+    """report.contrasts: a weighted run against its own control, Δ = run − control with its interval,
+    in the tables and on the page; a contrast of a run that does not exist is refused from the spec."""
+    from entroweight.workflows import stats
+    from entroweight.workflows.report import write_report
+
+    base = [2.00, 2.01, 1.99, 2.005, 1.995, 2.0]
+    jitter = [0.004, -0.003, 0.002, -0.004, 0.003, -0.001]
+    bpb = {}
+    for text in ("main", "heldout"):
+        bpb[("reference", text)] = base
+        bpb[("weighted", text)] = [v - 0.03 + j for v, j in zip(base, jitter, strict=True)]
+        bpb[("topk", text)] = [v + j / 2 for v, j in zip(base, jitter, strict=True)]
+    wf = _fake_run(
+        tmp_path, tokenizer_dir, bpb, seeds=6, report={"samples": 0, "contrasts": [["weighted", "topk"]]}
+    )
+    for text in wf.eval_texts():
+        (c,) = bpb_table(wf, text)["contrasts"]
+        assert (c["run"], c["reference"]) == ("weighted", "topk")
+        assert c["p"] == pytest.approx(stats.paired_t(bpb[("weighted", text)], bpb[("topk", text)])["p"])
+        assert c["outcome"] == "better" and c["ci"][1] < 0
+    (wf.root / "run.json").write_text(json.dumps({"config": wf.model_dump(mode="json", by_alias=True)}))
+    html = write_report(wf.root, samples=0).read_text()
+    assert "Each run against its own control" in html
+    assert "data-contrast-run='weighted' data-contrast-other='topk'" in html
+    bad = spec(tmp_path, tokenizer_dir) | {"report": {"contrasts": [["weighted", "nope"]]}}
+    with pytest.raises(SpecError, match=r"report.contrasts\[0\].*'nope' is not a run"):
+        parse_workflow(bad)
+
+
+def test_bpb_is_compared_over_seeds_and_blocks_of_the_text(tmp_path, tokenizer_dir):
+    """Eval results with nats per block: Δ is the BPB difference, and a run that differs from the
+    reference on a few blocks alone has a wider interval than its per-seed numbers give."""
+    import math
+
+    from entroweight.workflows.report_data import compare
+
+    rng = np.random.default_rng(3)
+    sizes = [2000.0] * 20
+    ref_nats = {s: rng.normal(1000, 5, 20) for s in range(6)}
+    lumpy = {
+        s: v + np.where(np.arange(20) < 2, 200.0, -2.0) + rng.normal(0, 3, 20) for s, v in ref_nats.items()
+    }
+
+    def run(name, nats):
+        return {
+            "run": name,
+            "seeds": {s: float(np.sum(v) / (math.log(2) * 40_000)) for s, v in nats.items()},
+            "blocks": {s: {"bytes": sizes, "nats": list(v)} for s, v in nats.items()},
+        }
+
+    c = compare(run("lumpy", lumpy), run("reference", ref_nats))
+    seeds_only = compare({**run("lumpy", lumpy), "blocks": {}}, run("reference", ref_nats))
+    assert c["cluster"] == "blocks of the text" and c["clusters"] == 20 and seeds_only["clusters"] == 1
+    assert c["delta"] == pytest.approx(seeds_only["delta"], rel=1e-9)
+    assert c["var_cluster"] > 0 and c["ci"][1] - c["ci"][0] > seeds_only["ci"][1] - seeds_only["ci"][0]

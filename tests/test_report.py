@@ -82,7 +82,8 @@ def test_bpb_numbers_equal_the_eval_files(page, tiny_run):  # noqa: F811
         assert stats[(r, "std")] == pytest.approx(np.std(values, ddof=1), rel=1e-12)
     ((sentence, attrs),) = page.verdicts
     assert attrs["data-run"] == "weighted-causal" and attrs["data-primary"] == "False"
-    assert "seed noise" in sentence and "paired t-test over 2 seeds" in sentence
+    assert "within noise (t over 2 seeds × " in sentence and "blocks of the text, p = " in sentence
+    assert "95 % interval" in sentence and "sign-flip test of the 2 per-seed differences" in sentence
 
 
 def test_training_curves_come_from_the_metrics_files(tiny_run):  # noqa: F811
@@ -119,9 +120,11 @@ def test_noise_verdict():
     one = compare({"run": "w3", "seeds": {0: 0.9}}, ref)
     for c in decide([near, far, one], None, lower_is_better=True):
         c["verdict"] = verdict(c)
-    assert outcome(near) == "within noise" and "within the seed noise" in near["verdict"]
+    assert outcome(near) == "within noise" and "within noise (t over 3 seeds, p = " in near["verdict"]
     assert "could have detected |Δ| ≥" in near["verdict"] and near["mde"] > abs(near["delta"])
-    assert outcome(far) == "beats" and "beyond the seed noise" in far["verdict"]
+    assert outcome(far) == "beats" and "beyond the noise of seeds and documents" in far["verdict"]
+    lo, hi = far["ci"]
+    assert hi < 0 and f"95 % interval {lo:+.4f} to {hi:+.4f}" in far["verdict"]
     assert outcome(one) == "undecided" and "add seeds" in one["verdict"]
 
 
@@ -138,30 +141,30 @@ def test_runs_are_compared_seed_by_seed():
 
 
 def test_accuracy_verdict_from_item_vectors():
-    """The accuracy table's path: compare_accuracy per run, decide over the table, verdict(unit=accuracy)."""
-    from entroweight.workflows.stats import compare_accuracy
+    """The accuracy table's path: compare_items per run over seeds × documents, decide over the table,
+    verdict(unit=accuracy)."""
+    from entroweight.workflows.stats import compare_items
 
-    ref = {s: [1, 0, 0, 1] * 100 for s in range(6)}
-    better = {s: [1, 1, 0, 1] * 100 for s in range(6)}  # 100 more items right per seed
-    same = {s: [0, 1, 0, 1] * 100 for s in range(6)}  # as many right, other items
-    few = {s: [1, 0, 0, 1] * 100 for s in range(6)}
-    few[0] = [0] + few[0][1:]  # one item of one seed differs
+    rng = np.random.default_rng(0)
+    docs = np.repeat(np.arange(100), 4)  # 4 items per document
+    ref = {s: (rng.random(400) < 0.5).astype(int) for s in range(6)}
+    better = {s: np.maximum(v, rng.random(400) < 0.4) for s, v in ref.items()}  # ~20 % more right
+    same = {s: (rng.random(400) < 0.5).astype(int) for s in range(6)}  # as good, other items
     comps = [
-        {"run": n, "reference": "ref"} | compare_accuracy(ref, r)
-        for n, r in (("better", better), ("same", same), ("few", few))
+        {"run": n, "reference": "ref", "cluster": "documents"} | compare_items(ref, r, docs)
+        for n, r in (("better", better), ("same", same))
     ]
     for c in decide(comps, "better", lower_is_better=False):
         c["verdict"] = verdict(c, "accuracy")
-    b, s_, f = comps
-    assert outcome(b) == "beats" and b["delta"] == pytest.approx(0.25)
+    b, s_ = comps
+    assert outcome(b) == "beats" and b["clusters"] == 100
     assert b["verdict"].startswith(
-        "better (the primary comparison) is higher (better) than ref by 0.2500 accuracy"
+        f"better (the primary comparison) is higher (better) than ref by {b['delta']:.4f}"
     )
-    assert "McNemar over 2400 item pairs of 6 seeds (chi-square, continuity corrected)" in b["verdict"]
-    assert "Wilcoxon signed-rank p" in b["verdict"]
+    assert "t over 6 seeds × 100 documents" in b["verdict"]
     assert outcome(s_) == "within noise" and "could have detected |Δ| ≥" in s_["verdict"]
-    assert s_["alpha"] == 0.025 and "Holm-adjusted" in s_["verdict"]
-    assert outcome(f) == "within noise" and f["mde"] is None and "too few pairs disagree" in f["verdict"]
+    assert s_["alpha"] == 0.05 and "Holm-adjusted" in s_["verdict"]
+    assert s_["ci"][0] < 0 < s_["ci"][1] and "No difference can be claimed" in s_["verdict"]
 
 
 def test_report_cli_and_refusal(tiny_run, tmp_path):  # noqa: F811

@@ -1,11 +1,11 @@
-"""workflows/stats.py against published values: textbook examples (R's `sleep` data, Hollander &
-Wolfe's signed-rank example, Agresti's McNemar table) and statsmodels 0.15 (`multipletests`,
-`mcnemar`, `TTestPower`), whose numbers are written here because statsmodels is not a dependency;
-the McNemar power by brute-force enumeration of the test as implemented."""
+"""workflows/stats.py: against published values (R's `sleep` data, statsmodels 0.15's
+`multipletests` and `TTestPower`, whose numbers are written here because statsmodels is not a
+dependency), and the rule as a property: simulated experiments whose two arms are equal in
+distribution, with the structure of ours (seed noise larger than item noise, overlapping items from
+few documents), are called different at the nominal 5 %; the pooled McNemar test the rule replaced
+is not; and a real difference is found with the power the rule claims."""
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 import pytest
@@ -32,47 +32,6 @@ def test_paired_t_edges():
     assert S.paired_t([1.0, 2.0], [1.0, 2.0])["p"] == 1.0
     with pytest.raises(ValueError, match="at least 2 pairs"):
         S.paired_t([1.0], [2.0])
-
-
-def test_wilcoxon_is_hollander_wolfe():
-    # Hollander & Wolfe (1973, p. 29), R's wilcox.test(x, y, paired = TRUE): V = 40, two-sided
-    # p = 0.03906 (scipy reports the smaller rank sum, 45 - 40 = 5)
-    x = [1.83, 0.50, 1.62, 2.48, 1.68, 1.88, 1.55, 3.06, 1.30]
-    y = [0.878, 0.647, 0.598, 2.05, 1.06, 1.29, 1.06, 3.14, 1.29]
-    r = S.wilcoxon(x, y)
-    assert r["p"] == pytest.approx(0.0390625, rel=1e-12) and r["statistic"] == 5.0
-
-
-def test_wilcoxon_needs_six_pairs_to_reach_005():
-    """Below 6 pairs the exact two-sided p of the most extreme ranking is 2/2^n >= 0.0625: no test."""
-    assert S.MIN_WILCOXON_SEEDS == 6
-    assert S.wilcoxon([1, 2, 3, 4, 5], [0, 0, 0, 0, 0]) is None
-    assert S.wilcoxon([1, 2, 3, 4, 5, 6], [0] * 6)["p"] == pytest.approx(2 / 2**6)
-    assert 2 / 2**5 > S.ALPHA > 2 / 2**6
-    assert S.wilcoxon([1.0] * 6, [1.0] * 6)["p"] == 1.0
-
-
-@pytest.mark.parametrize(
-    ("b", "c", "statistic", "p", "method"),
-    [
-        # Agresti (2007), presidential approval, 794/150/86/570; statsmodels mcnemar(exact=False)
-        (150, 86, 16.81779661016949, 4.114562281345944e-05, "chi-square, continuity corrected"),
-        # statsmodels mcnemar(exact=True): binomial, statistic min(b, c)
-        (2, 8, 2.0, 0.109375, "exact binomial"),
-        (21, 3, 3.0, 0.0002771615982055664, "exact binomial"),
-        (0, 0, 0.0, 1.0, "no discordant pair"),
-    ],
-)
-def test_mcnemar_is_statsmodels(b, c, statistic, p, method):
-    r = S.mcnemar(b, c)
-    assert r["statistic"] == pytest.approx(statistic, rel=1e-12)
-    assert r["p"] == pytest.approx(p, rel=1e-9)
-    assert r["method"] == method
-
-
-def test_mcnemar_switches_to_chi_square_at_25_discordant_pairs():
-    assert S.mcnemar(5, 19)["method"] == "exact binomial"
-    assert S.mcnemar(5, 20)["method"] == "chi-square, continuity corrected"
 
 
 @pytest.mark.parametrize(
@@ -109,79 +68,60 @@ def test_mde_paired_t_edges():
     assert S.mde_paired_t(0.0, 4) == 0.0
 
 
-@functools.cache
-def _rejects(n: int, alpha: float = 0.05) -> list[np.ndarray]:
-    """Per number of discordant pairs d <= n, the counts c (run right) S.mcnemar(d - c, c) rejects."""
-    return [
-        np.array([k for k in range(d + 1) if S.mcnemar(d - k, k)["p"] < alpha], int) for d in range(n + 1)
-    ]
+# -- the comparison
+def test_one_number_per_seed_is_the_paired_t_test():
+    ref = dict(enumerate(SLEEP_2))
+    run = dict(enumerate(SLEEP_1))
+    c = S.compare(ref, run)
+    r = S.paired_t(SLEEP_1, SLEEP_2)
+    assert c["p"] == pytest.approx(r["p"], rel=1e-9) and c["delta"] == pytest.approx(r["delta"])
+    assert c["sd"] == pytest.approx(r["sd"]) and c["df"] == 9 and c["clusters"] == 1
+    half = sps.t.ppf(0.975, 9) * r["sd"] / np.sqrt(10)
+    assert c["ci"] == pytest.approx([r["delta"] - half, r["delta"] + half])
 
 
-def _enumerated_power(n: int, psi: float, delta: float) -> float:
-    """P(mcnemar rejects) over every (D discordant, c run-right) outcome, through S.mcnemar itself."""
-    q = (1 + delta / psi) / 2
-    return sum(sps.binom.pmf(d, n, psi) * sps.binom.pmf(c, d, q).sum() for d, c in enumerate(_rejects(n)))
+def test_clusters_that_differ_widen_the_interval_and_never_narrow_it():
+    rng = np.random.default_rng(1)
+    seeds, docs = 6, 40
+    base = rng.normal(0, 1, (seeds, docs))
+    flat = {s: base[s] for s in range(seeds)}
+    ref = {s: np.zeros(docs) for s in range(seeds)}
+    # the same per-seed totals, but the run's difference lives on a few documents: documents matter
+    lumpy = {s: base[s] + np.where(np.arange(docs) < 4, 5.0, -0.5) for s in range(seeds)}
+    a, b = S.compare(ref, flat), S.compare(ref, lumpy)
+    seed_only = S.compare({s: 0.0 for s in ref}, {s: float(lumpy[s].sum() / docs) for s in ref})
+    assert a["se"] >= np.sqrt(a["var_seed"]) - 1e-15
+    assert b["var_cluster"] > 0 and b["se"] > seed_only["se"]
+    assert b["delta"] == pytest.approx(seed_only["delta"])
 
 
-@pytest.mark.parametrize(("n", "psi"), [(60, 0.2), (60, 0.5), (40, 0.6)])
-def test_mde_mcnemar_has_the_power_it_claims(n, psi):
-    delta = S.mde_mcnemar(n, psi)
-    assert 0 < delta <= psi
-    assert _enumerated_power(n, psi, delta) == pytest.approx(S.POWER, abs=1e-6)
-    assert S.power_mcnemar(n, psi, delta) == pytest.approx(_enumerated_power(n, psi, delta), abs=1e-9)
-    assert _enumerated_power(n, psi, 0.0) <= S.ALPHA  # the test keeps its size
+def test_a_ratio_is_weighted_by_its_cluster_sizes():
+    sizes = np.array([1.0, 3.0])
+    c = S.compare({0: [0, 0], 1: [0, 0]}, {0: [1.0, 3.0], 1: [2.0, 2.0]}, sizes)
+    assert c["per_seed"] == pytest.approx([1.0, 1.0]) and c["delta"] == pytest.approx(1.0)
 
 
-def test_mde_mcnemar_nears_connors_formula_for_many_items():
-    """Connor (1987): n δ² = (z_{1-α/2} √ψ + z_{0.8} √(ψ - δ²))² — the normal approximation the
-    exact power tends to as the discordant pairs grow."""
-    n, psi = 20_000, 0.25
-    za, zb = sps.norm.ppf(0.975), sps.norm.ppf(0.8)
-    delta = S.mde_mcnemar(n, psi)
-    assert n * delta**2 == pytest.approx((za * np.sqrt(psi) + zb * np.sqrt(psi - delta**2)) ** 2, rel=0.02)
+def test_compare_refuses_mismatched_items():
+    with pytest.raises(ValueError, match="same items"):
+        S.compare_items({0: [1, 0]}, {0: [1, 0, 1]})
+    with pytest.raises(ValueError, match="same clusters"):
+        S.compare({0: [1, 2], 1: [1, 2, 3]}, {0: [1, 2], 1: [1, 2, 3]})
 
 
-def test_mde_mcnemar_out_of_reach():
-    assert S.mde_mcnemar(10, 0.1) is None  # one discordant pair expected: nothing reaches 80 %
-    assert S.mde_mcnemar(100, 0.0) is None
+@pytest.mark.parametrize("n", [1, 3, 6, 10])
+def test_sign_flip_reaches_2_over_2_to_the_n_at_most(n):
+    assert S.sign_flip([1.0] * n) == pytest.approx(2 / 2**n)
+    assert S.sign_flip([0.0] * n) == 1.0
+    # one difference against the rest: its sign pattern and the mirror, and those more extreme
+    d = [3.0] + [1.0] * (n - 1)
+    assert 2 / 2**n <= S.sign_flip(d) <= 1.0
 
 
-def test_compare_accuracy_pools_items_over_seeds():
-    ref = {0: [1, 1, 0, 0, 1, 0], 1: [1, 0, 1, 0, 1, 1], 2: [0, 0, 0, 0, 0, 0]}
-    run = {0: [1, 0, 1, 1, 1, 0], 1: [True, True, True, False, False, True]}  # seed 2: not run yet
-    r = S.compare_accuracy(ref, run)
-    # seed 0: b (ref right, run wrong) = 1, c = 2; seed 1: b = 1, c = 1
-    assert (r["mcnemar"]["b"], r["mcnemar"]["c"]) == (2, 3)
-    assert r["p"] == S.mcnemar(2, 3)["p"] and r["mcnemar"]["method"] == "exact binomial"
-    assert (r["seeds"], r["n_pairs"], r["n_items"]) == ([0, 1], 12, 6)
-    assert r["delta"] == pytest.approx((3 - 2) / 12)
-    assert r["acc_ref"] == {0: 0.5, 1: 4 / 6} and r["acc_run"] == {0: 4 / 6, 1: 4 / 6}
-    assert r["delta"] == pytest.approx(
-        np.mean(list(r["acc_run"].values())) - np.mean(list(r["acc_ref"].values()))
+def test_seeds_for_a_stated_precision():
+    n = S.seeds_for(0.02, 0.01)
+    assert (
+        sps.t.ppf(0.975, n - 1) * 0.02 / np.sqrt(n) <= 0.01 < sps.t.ppf(0.975, n - 2) * 0.02 / np.sqrt(n - 1)
     )
-    seeds = r["seeds_test"]
-    assert seeds["p"] == pytest.approx(S.paired_t([4 / 6, 4 / 6], [0.5, 4 / 6])["p"])
-    assert seeds["wilcoxon"] is None  # 2 seeds
-
-
-def test_compare_accuracy_large_and_many_seeds():
-    rng = np.random.default_rng(0)
-    ref = {s: rng.random(500) < 0.40 for s in range(6)}
-    run = {s: np.where(rng.random(500) < 0.2, ~ref[s], ref[s]) | (rng.random(500) < 0.05) for s in range(6)}
-    r = S.compare_accuracy(ref, run)
-    b = sum(int(np.sum(ref[s] & ~run[s])) for s in range(6))
-    c = sum(int(np.sum(~ref[s] & run[s])) for s in range(6))
-    assert (r["mcnemar"]["b"], r["mcnemar"]["c"]) == (b, c)
-    assert r["mcnemar"]["method"] == "chi-square, continuity corrected"
-    assert r["mcnemar"]["statistic"] == pytest.approx((abs(b - c) - 1) ** 2 / (b + c))
-    assert r["seeds_test"]["wilcoxon"] is not None  # 6 seeds
-
-
-def test_compare_accuracy_refuses_mismatched_items():
-    with pytest.raises(ValueError, match="seed 0: the reference answered 3 items and the run 2"):
-        S.compare_accuracy({0: [1, 0, 1]}, {0: [1, 0]})
-    with pytest.raises(ValueError, match="0/1"):
-        S.compare_accuracy({0: [1, 0, 2]}, {0: [1, 0, 1]})
 
 
 def test_decide_primary_unadjusted_others_holm_with_their_mde():
@@ -192,33 +132,81 @@ def test_decide_primary_unadjusted_others_holm_with_their_mde():
         "noisy": {s: v + 0.01 * (s % 2) - 0.005 for s, v in ref.items()},
         "one-seed": {0: 0.5},
     }
-    comps = [{"run": name} | S.compare_seeds(ref, seeds) for name, seeds in runs.items()]
+    comps = [{"run": name} | S.compare(ref, seeds) for name, seeds in runs.items()]
     S.decide(comps, "primary", lower_is_better=True)
     by = {c["run"]: c for c in comps}
     p = by["primary"]
     assert p["primary"] and p["p_adjusted"] == p["p"] and p["alpha"] == S.ALPHA
-    assert p["outcome"] == "within noise"
+    assert p["outcome"] == "within noise" and p["ci"][0] < 0 < p["ci"][1]
     assert p["mde"] == pytest.approx(S.mde_paired_t(p["sd"], 6, S.ALPHA))
     family = [by["better"], by["noisy"]]  # one-seed has no p: outside the family
     assert [c["p_adjusted"] for c in family] == pytest.approx(S.holm([c["p"] for c in family]))
     assert all(c["alpha"] == S.ALPHA / 2 and not c["primary"] for c in family)
     assert by["better"]["outcome"] == "better" and by["better"]["mde"] is None
+    assert by["better"]["ci"][1] < 0
     assert by["noisy"]["outcome"] == "within noise"
     assert by["noisy"]["mde"] == pytest.approx(S.mde_paired_t(by["noisy"]["sd"], 6, S.ALPHA / 2))
     assert by["one-seed"]["outcome"] == "undecided" and by["one-seed"]["p"] is None
-    assert by["primary"]["wilcoxon"] is not None
 
 
-def test_decide_accuracy_direction_and_mde():
-    ref = {0: [1, 0] * 200, 1: [0, 1] * 200}
-    better = {s: [1] * 400 for s in ref}
-    worse = {s: [0] * 400 for s in ref}
-    same = {s: v[::-1] for s, v in ref.items()}  # every answer swapped: discordant, balanced
-    comps = [
-        {"run": n} | S.compare_accuracy(ref, r)
-        for n, r in (("better", better), ("worse", worse), ("same", same))
-    ]
-    S.decide(comps, None, lower_is_better=False)
-    assert [c["outcome"] for c in comps] == ["better", "worse", "within noise"]
-    assert all(not c["primary"] and c["alpha"] == S.ALPHA / 3 for c in comps)
-    assert comps[2]["mde"] == pytest.approx(S.mde_mcnemar(800, 1.0, S.ALPHA / 3))
+# -- the rule as a property: simulated experiments of our shape
+SEEDS, DOCS, ITEMS_PER_DOC = 6, 100, 21  # experiment.yaml: 6 seeds, ~2,100 items of 100 documents
+EXPERIMENTS = 400
+
+
+def _simulate(shift: float, rng: np.random.Generator):
+    """One experiment's 0/1 answers: (reference, run) as {seed: items}, and each item's document.
+    Items share their document's difficulty (overlapping cuts); each trained model has its own skill
+    (seed noise on the logit) and its own item-by-item luck; the run's logit is `shift` higher."""
+    doc = np.repeat(np.arange(DOCS), ITEMS_PER_DOC)
+    difficulty = -0.55 + rng.normal(0, 0.6, DOCS)[doc] + rng.normal(0, 0.6, len(doc))
+
+    def arm(offset):
+        skill = rng.normal(0, 0.08, (SEEDS, 1))
+        luck = rng.normal(0, 1.0, (SEEDS, len(doc)))
+        p = 1 / (1 + np.exp(-(difficulty + offset + skill + luck)))
+        return dict(enumerate((rng.random(p.shape) < p).astype(np.int8)))
+
+    return arm(0.0), arm(shift), doc
+
+
+def _pooled_mcnemar_p(ref: dict, run: dict) -> float:
+    """The rule this one replaced: McNemar's χ² (continuity corrected) over every (seed, item) pair."""
+    b = sum(int(np.sum((ref[s] == 1) & (run[s] == 0))) for s in ref)
+    c = sum(int(np.sum((ref[s] == 0) & (run[s] == 1))) for s in ref)
+    return float(sps.chi2.sf((abs(b - c) - 1) ** 2 / (b + c), 1))
+
+
+def _rates(shift: float, seed: int):
+    rng = np.random.default_rng(seed)
+    called, pooled, deltas, sds, covered = 0, 0, [], [], 0
+    for _ in range(EXPERIMENTS):
+        ref, run, doc = _simulate(shift, rng)
+        c = S.compare_items(ref, run, doc)
+        called += c["p"] < S.ALPHA
+        pooled += _pooled_mcnemar_p(ref, run) < S.ALPHA
+        deltas.append(c["delta"])
+        sds.append(c["sd"])
+        covered += c["ci"][0] <= 0 <= c["ci"][1]
+    return called / EXPERIMENTS, pooled / EXPERIMENTS, np.array(deltas), np.array(sds), covered / EXPERIMENTS
+
+
+def test_equal_arms_are_called_different_at_the_nominal_rate_and_pooled_mcnemar_is_not():
+    rate, pooled, deltas, sds, covered = _rates(0.0, seed=7)
+    slack = 2.5 * np.sqrt(S.ALPHA * (1 - S.ALPHA) / EXPERIMENTS)  # the simulation's own error
+    # the structure of ours: per-seed noise (sd of an arm's accuracy over seeds) above item noise
+    assert np.sqrt(np.mean(sds**2) / 2) > np.sqrt(0.37 * 0.63 / (DOCS * ITEMS_PER_DOC))
+    assert rate <= S.ALPHA + slack, f"the rule calls equal arms different {rate:.1%} of the time"
+    assert covered >= 1 - S.ALPHA - slack
+    assert pooled > 3 * S.ALPHA, f"pooled McNemar kept its size ({pooled:.1%}): the simulation is too kind"
+
+
+def test_a_difference_of_the_claimed_smallest_detectable_size_is_found_as_often_as_claimed():
+    _, _, _, sds, _ = _rates(0.0, seed=11)
+    mde = S.mde_paired_t(float(np.sqrt(np.mean(sds**2))), SEEDS)
+    shift = mde / (
+        0.37 * 0.63 * 0.78
+    )  # logit shift giving about that much accuracy (the logistic's slope, thinned by the noise)
+    rate, _, deltas, _, _ = _rates(shift, seed=13)
+    assert deltas.mean() == pytest.approx(mde, rel=0.2)
+    assert rate == pytest.approx(S.POWER, abs=0.1), f"power {rate:.0%} at the claimed detectable {mde:.4f}"

@@ -33,6 +33,7 @@ from entroweight.options import device_here
 OFFLINE_TASK = "entroweight_heldout"
 CHOICE_METRICS = ("acc", "acc_norm", "acc_mutual_info")
 TASK_DIR = "tasks"  # under work_dir: the offline task's YAML (include_path)
+ITEMS_FILE = "items.jsonl"  # the offline task's items, where a workflow or `evaluate` keeps them
 CACHE_DIR = "hf-datasets"  # under work_dir: HF datasets' cache (the items file's Arrow copy, hub data)
 
 
@@ -285,7 +286,8 @@ def _binary(v) -> float | None:
 
 def summarize(results: dict) -> dict:
     """lm-eval's results as plain values: {"tasks": {task: {"n", "chance", "metrics": {metric: {"value",
-    "stderr"}}, "items": {metric: [0/1 per item, in item order]}}}, "groups": {group: {"metrics"}},
+    "stderr"}}, "items": {metric: [0/1 per item, in item order], "margin": [nats per item]}}},
+    "groups": {group: {"metrics"}},
     "lm_eval": version, "num_fewshot": {task: shots}}. A metric keeps lm-eval's filter in its name
     unless it is the default `none` (gsm8k: `exact_match,strict-match`)."""
     from lm_eval import __version__ as lm_version
@@ -317,6 +319,9 @@ def summarize(results: dict) -> dict:
                 v = _binary(s.get(metric))
                 if v is not None:
                     items.setdefault(metric if filt == "none" else f"{metric},{filt}", []).append(v)
+            m = margin(s) if filt == "none" else None
+            if m is not None:
+                items.setdefault(MARGIN, []).append(m)
         n = len({s["doc_id"] for s in logged})
         entry = {
             "n": n,
@@ -328,6 +333,26 @@ def summarize(results: dict) -> dict:
             entry["chance"] = float(sum(1 / _n_choices(s) for s in logged) / len(logged))
         out["tasks"][task] = entry
     return out
+
+
+# Each multiple-choice item's log-likelihood margin: the true continuation's over the mean of the
+# distractors' (nats; lm-eval's conditional log-likelihoods). A continuous endpoint beside 0/1
+# accuracy: at small scale it carries more signal per item (docs/experiments.md).
+MARGIN = "margin"
+
+
+def margin(sample: dict) -> float | None:
+    """The sample's margin (MARGIN), or None where it has no single gold choice among numbers."""
+    gold = sample.get("target")
+    resps = sample.get("filtered_resps") or []
+    n = _n_choices(sample) if "arguments" in sample else len(resps)
+    try:
+        lls = [float(r[0] if isinstance(r, list | tuple) else r) for r in resps[:n]]
+    except (TypeError, ValueError, IndexError):
+        return None
+    if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(lls) or len(lls) < 2:
+        return None
+    return lls[gold] - (sum(lls) - lls[gold]) / (len(lls) - 1)
 
 
 def _n_choices(sample: dict) -> int:

@@ -41,6 +41,9 @@ DEFAULT_TEXT = Path(files(__package__) / "data" / "wikitext" / "wiki.test.raw")
 # The token a text is read after: the end-of-text token that separates documents in packed training
 # data (the one tokenize found, by the same names), else a begin-of-text token.
 START_CANDIDATES = EOS_CANDIDATES + BOS_CANDIDATES
+# The evaluation text in clusters of this many bytes (the last one shorter): about one C4 document,
+# so 200 kB of text is 100 clusters for the report's two-way intervals.
+BLOCK_BYTES = 2000
 
 
 def read_text(path: str | Path | None, max_bytes: int | None = None) -> str:
@@ -101,6 +104,25 @@ def encode(tok: Tokenizer, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
 
 
+def token_block(tok: Tokenizer, text: str, n_bytes: int, block_bytes: int = BLOCK_BYTES) -> np.ndarray:
+    """Per token of `encode(tok, text)`, the block of `block_bytes` bytes its text ends in."""
+    enc = tok.encode(text, add_special_tokens=False)
+    # the byte offset at which each character starts (offsets are in characters)
+    byte_at = np.concatenate([[0], np.cumsum([len(c.encode("utf-8")) for c in text])])
+    ends = byte_at[np.array([e for _, e in enc.offsets], dtype=np.int64)] if enc.offsets else np.zeros(0, int)
+    last = max(0, -(-n_bytes // block_bytes) - 1)
+    return np.minimum(np.maximum(ends - 1, 0) // block_bytes, last)
+
+
+def blocks(ce: np.ndarray, block_of_target: np.ndarray, n_bytes: int, block_bytes: int = BLOCK_BYTES) -> dict:
+    """{"bytes": [...], "nats": [...]} per block: Σ bytes = n_bytes, Σ nats = ce.sum()."""
+    n_blocks = max(1, -(-n_bytes // block_bytes))
+    nats = np.bincount(block_of_target, weights=ce, minlength=n_blocks)[:n_blocks]
+    size = np.full(n_blocks, float(block_bytes))
+    size[-1] = n_bytes - block_bytes * (n_blocks - 1)
+    return {"bytes": size.tolist(), "nats": nats.tolist()}
+
+
 def check_window(n_ctx: int, stride: int) -> None:
     if n_ctx < 2:
         raise ValueError(f"--n-ctx must be at least 2 (one context token and one target), not {n_ctx}")
@@ -127,20 +149,20 @@ def windows(n_tokens: int, n_ctx: int, stride: int):
 @torch.no_grad()
 def score_stream(
     model, ids: list[int], n_ctx: int, stride: int, batch_size: int = 16, device="cpu", progress=None
-) -> float:
-    """Σ CE in nats of ids[1:] given their left context, by sliding windows (all of one length)."""
+) -> np.ndarray:
+    """CE in nats of each of ids[1:] given its left context, by sliding windows (all of one length)."""
     seq = torch.tensor(ids, dtype=torch.long)
     wins = list(windows(len(ids), n_ctx, stride))
-    total = 0.0
+    out = np.zeros(max(len(ids) - 1, 0), np.float64)
     with tqdm(total=len(wins), unit="window", desc="eval-bpb", disable=not progress, file=sys.stderr) as bar:
         for i in range(0, len(wins), batch_size):
             group = wins[i : i + batch_size]
             x = torch.stack([seq[b:e] for b, e, _ in group]).to(device)
             ce = per_token_ce(model(x)[:, :-1], x[:, 1:]).double().cpu()
-            for row, (b, _, first) in enumerate(group):
-                total += ce[row, first - b - 1 :].sum().item()  # target index t sits at column t-b-1
+            for row, (b, e, first) in enumerate(group):
+                out[first - 1 : e - 1] = ce[row, first - b - 1 :].numpy()  # target t sits at column t-b-1
             bar.update(len(group))
-    return total
+    return out
 
 
 def eval_bpb(
@@ -202,10 +224,14 @@ def eval_bpb(
         return _amortized(
             model, ids, n_ctx, stride, batch_size, dev, n_bytes, embed_format, text_path, progress
         )
-    nats = score_stream(model, ids, n_ctx, stride, batch_size, dev, progress)
+    ce = score_stream(model, ids, n_ctx, stride, batch_size, dev, progress)
+    nats = float(ce.sum())
+    text_blocks = token_block(tok, text, n_bytes)
+    block_of = text_blocks[len(text_blocks) - len(ce) :]  # the targets: the text's last len(ce) tokens
     return {
         "bpb": nats / (math.log(2) * n_bytes),
         "nats": nats,
+        "blocks": blocks(ce, block_of, n_bytes),
         "bytes": n_bytes,
         "tokens": len(ids) - 1,
         "n_ctx": n_ctx,
@@ -226,7 +252,7 @@ def _amortized(model, ids, n_ctx, stride, batch_size, dev, n_bytes, fmt, text_pa
         batch_size,
         dev,
         progress,
-    )
+    ).sum()
     embed_bits = n_windows * embedding_bits(model.embed_dim, fmt)
     token_bpb = nats / (math.log(2) * n_bytes)
     return {
@@ -236,7 +262,7 @@ def _amortized(model, ids, n_ctx, stride, batch_size, dev, n_bytes, fmt, text_pa
         "amortized": True,
         "embed_format": fmt,
         "windows": n_windows,
-        "nats": nats,
+        "nats": float(nats),
         "bytes": n_bytes,
         "tokens": len(ids) - 1,
         "n_ctx": n_ctx,

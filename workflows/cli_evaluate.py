@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from entroweight.options import repeated
+from entroweight.trainers.accuracy import ITEMS_FILE
 
 from .cli_common import (
     DEVICE,
@@ -33,7 +34,6 @@ from .cli_common import (
 )
 
 RESULTS = "accuracy.json"  # marks DIR as this command's output (entroweight.storage.OUTPUT_MARKS)
-ITEMS = "items.jsonl"
 
 
 @click.command("evaluate")
@@ -170,7 +170,7 @@ def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
         if not storage.is_url(out):  # (a store's --out: nothing was uploaded)
             shutil.rmtree(storage.path(out) / ".lm-eval", ignore_errors=True)
             if items is not None:
-                (storage.path(out) / ITEMS).unlink(missing_ok=True)
+                (storage.path(out) / ITEMS_FILE).unlink(missing_ok=True)
         _fail(str(e))
     for task, t in res["tasks"].items():
         metrics = ", ".join(
@@ -192,7 +192,7 @@ def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
     from .results import sealed
 
     dest.mkdir(parents=True, exist_ok=True)
-    items_file = write_items(items, dest / ITEMS) if items is not None else None
+    items_file = write_items(items, dest / ITEMS_FILE) if items is not None else None
     res = evaluate_checkpoint(  # AccuracyError, CheckpointError: said by the caller
         ckpt_dir,
         names,
@@ -205,7 +205,7 @@ def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
     )
     res.update(made_from(ckpt_dir))  # where it lies (not as the shell named it), and its weights
     res[MADE_OF] = kw[MADE_OF]
-    res[FILES] = files_sha256(dest, [ITEMS])
+    res[FILES] = files_sha256(dest, [ITEMS_FILE])
     tmp = dest / (RESULTS + ".tmp")
     tmp.write_text(json.dumps(sealed(res), indent=1))
     tmp.replace(dest / RESULTS)

@@ -2,9 +2,9 @@
 
 Reads run.json and the step outputs under the run directory: the scores' entropy and weight
 columns, the BPB and the downstream accuracy (lm-eval) of every run and seed, the training metrics,
-the manifests; compares each run with the reference seed by seed (workflows/stats.py: paired tests,
-McNemar over the items, the primary comparison, Holm, the smallest detectable difference) and says,
-per run and in one sentence, which runs beat it. No HTML.
+the manifests; compares each run with the reference, and each named contrast, over seeds × documents
+(workflows/stats.py: Δ with its 95 % interval, the primary comparison, Holm, the smallest detectable
+difference) and says, per run and in one sentence, which runs beat it. No HTML.
 """
 
 from __future__ import annotations
@@ -182,16 +182,20 @@ def text_name(wf: Workflow, text: str) -> str:
 
 
 def bpb_table(wf: Workflow, text: str = "main") -> dict:
-    """Per run: each seed's BPB (from eval/RUN/seed-S[.TEXT].json), mean, std; per compared run: the
-    paired comparison with the reference seed by seed, decided by the rule of workflows/stats.py
-    (the primary run unadjusted, the others Holm-corrected over this table), with its verdict."""
+    """Per run: each seed's BPB (from eval/RUN/seed-S[.TEXT].json) and its nats per block of the text,
+    mean, std; per compared run: the comparison with the reference over seeds × blocks, decided by the
+    rule of workflows/stats.py (the primary run unadjusted, the others Holm-corrected over this
+    table), with its verdict; and the contrasts the workflow names (report.contrasts), run against
+    run, Holm-corrected over the contrasts."""
     runs = []
     for r in wf.train.runs:
-        seeds = {}
+        seeds, blocks = {}, {}
         for s in wf.train.seeds:
             f = wf.eval_file(r.name, s, text)
             if f.is_file():
                 seeds[s] = read_number(f, "bpb", "evaluation")
+                if isinstance(b := read_result(f, "evaluation").get("blocks"), dict):
+                    blocks[s] = b
         v = np.array(list(seeds.values()), dtype=np.float64)
         runs.append(
             {
@@ -199,6 +203,7 @@ def bpb_table(wf: Workflow, text: str = "main") -> dict:
                 "data": r.data,
                 "loss": r.loss,
                 "seeds": seeds,
+                "blocks": blocks,
                 "mean": float(v.mean()) if len(v) else None,
                 "std": float(v.std(ddof=1)) if len(v) > 1 else None,
             }
@@ -207,51 +212,73 @@ def bpb_table(wf: Workflow, text: str = "main") -> dict:
     ref = next((x for x in runs if x["run"] == ref_name), None)
     comparisons = [compare(x, ref) for x in runs if ref is not None and x is not ref and x["seeds"]]
     stats.decide(comparisons, wf.primary_run(), lower_is_better=True)
-    for c in comparisons:
+    by = {x["run"]: x for x in runs}
+    contrasts = [compare(by[a], by[b]) for a, b in contrast_pairs(wf) if by[a]["seeds"] and by[b]["seeds"]]
+    stats.decide(contrasts, None, lower_is_better=True)
+    for c in comparisons + contrasts:
         c["verdict"] = verdict(c)
-    return {"reference": ref_name, "primary": wf.primary_run(), "runs": runs, "comparisons": comparisons}
+    return {
+        "reference": ref_name,
+        "primary": wf.primary_run(),
+        "runs": runs,
+        "comparisons": comparisons,
+        "contrasts": contrasts,
+    }
 
 
-def compare(run: dict, ref: dict) -> dict:
-    """`run`'s BPB against `ref`'s, seed by seed (stats.compare_seeds): Δ = mean of the per-seed
-    differences, the paired t-test's p, Wilcoxon's from 6 seeds. `decide` then reads it."""
-    return {"run": run["run"], "reference": ref["run"]} | stats.compare_seeds(ref["seeds"], run["seeds"])
+def contrast_pairs(wf: Workflow) -> list[tuple[str, str]]:
+    return [tuple(p) for p in wf.report.contrasts] if wf.report is not None else []
+
+
+def compare(run: dict, other: dict) -> dict:
+    """`run`'s BPB against `other`'s over the seeds both have (stats.compare): per seed, the bits of
+    each block of the text over its bytes where every evaluation of both holds the same blocks
+    (results written before blocks: one number per seed). `decide` then reads it."""
+    seeds = [s for s in other["seeds"] if s in run["seeds"]]
+    pairs = {"run": run["run"], "reference": other["run"]}
+    held = [x.get("blocks", {}) for x in (run, other)]
+    sizes = {tuple(b[s]["bytes"]) for b in held for s in seeds if s in b}
+    whole = all(s in b for b in held for s in seeds)
+    if seeds and whole and len(sizes) == 1:
+
+        def bits(b):
+            return {s: np.asarray(b[s]["nats"]) / math.log(2) for s in seeds}
+
+        return (
+            pairs
+            | stats.compare(bits(held[1]), bits(held[0]), sizes.pop())
+            | {"cluster": "blocks of the text"}
+        )
+    return pairs | stats.compare(other["seeds"], run["seeds"]) | {"cluster": None}
 
 
 def verdict(c: dict, unit: str = "BPB") -> str:
-    """The sentence of one comparison that `stats.decide` decided (BPB from `compare`, or accuracy
-    from `stats.compare_accuracy` with unit "accuracy"): the outcome, the test and its p
-    (Holm-adjusted where it is not the primary), the test beside it, and, within noise, the smallest
-    difference it could have detected."""
+    """The sentence of one comparison that `stats.decide` decided (BPB from `compare`, or an accuracy
+    endpoint from `stats.compare_items`): the outcome, Δ with its interval, the test and its p
+    (Holm-adjusted where it is not the primary), the sign-flip test beside it, and, within noise, the
+    smallest difference it could have detected."""
     who = f"{c['run']}{' (the primary comparison)' if c['primary'] else ''}"
     ref = c.get("reference", "the reference")
     if c["delta"] is None:
         return f"{who}: nothing paired with {ref} yet: nothing to compare."
     if c["p"] is None:
         return f"{who}: one seed only: the seed noise cannot be estimated; add seeds."
-    if c["test"] == "mcnemar":
-        m, beside = c["mcnemar"], c["seeds_test"]
-        test = f"McNemar over {c['n_pairs']} item pairs of {c['n']} seeds ({m['method']}), p = {c['p']:.3g}"
-        noise = "the noise"
-    else:
-        beside, test, noise = None, f"paired t-test over {c['n']} seeds, p = {c['p']:.3g}", "the seed noise"
+    lo, hi = c["ci"]
+    interval = f"95 % interval {lo:+.4f} to {hi:+.4f}"
+    over = f"{c['n']} seeds" + (f" × {c['clusters']} {c['cluster']}" if c.get("cluster") else "")
+    test = f"t over {over}, p = {c['p']:.3g}"
     if not c["primary"]:
         test += f", Holm-adjusted {c['p_adjusted']:.3g}"
-    if beside is not None and beside["p"] is not None:
-        test += f"; per-seed paired t-test p = {beside['p']:.3g}"
-    wilcoxon = (beside or c).get("wilcoxon")
-    if wilcoxon:
-        test += f"; Wilcoxon signed-rank p = {wilcoxon['p']:.3g}"
+    test += f"; sign-flip test of the {c['n']} per-seed differences p = {c['sign_flip']:.3g}"
     if c["outcome"] in ("better", "worse"):
         direction = f"{'lower' if c['delta'] < 0 else 'higher'} ({c['outcome']})"
-        return f"{who} is {direction} than {ref} by {abs(c['delta']):.4f} {unit}, beyond {noise} ({test})."
-    reach = (
-        f"it could have detected |Δ| ≥ {c['mde']:.4f} {unit} ({stats.POWER:.0%} power at α = {c['alpha']:.3g})"
-        if c["mde"] is not None
-        else f"too few pairs disagree for any difference to reach {stats.POWER:.0%} power"
-    )
+        return (
+            f"{who} is {direction} than {ref} by {abs(c['delta']):.4f} {unit} ({interval}), beyond the "
+            f"noise of seeds and documents ({test})."
+        )
     return (
-        f"{who} differs from {ref} by {c['delta']:+.4f} {unit}: within {noise} ({test}); {reach}. "
+        f"{who} differs from {ref} by {c['delta']:+.4f} {unit} ({interval}): within noise ({test}); it "
+        f"could have detected |Δ| ≥ {c['mde']:.4f} {unit} ({stats.POWER:.0%} power at α = {c['alpha']:.3g}). "
         "No difference can be claimed."
     )
 
@@ -289,7 +316,7 @@ def verdict_sentence(wf: Workflow, tables: dict[str, dict]) -> str:
             )
     seeds = seeds_said(wf, tables, "each")
     primary = wf.primary_run()
-    rule = "paired t-test seed by seed, p < 0.05, " + (
+    rule = "t over seeds × blocks of the text, p < 0.05, " + (
         f"Holm-corrected except the primary comparison, {primary}"
         if primary
         else "all Holm-corrected (no primary)"
@@ -333,9 +360,10 @@ def _say(kind: str, n: int = 1) -> str:
 
 
 def headline(wf: Workflow) -> dict:
-    """The experiment at a glance: per run and evaluation text, mean ± std over seeds, Δ, the paired
-    test's p (Holm-adjusted but for the primary), Wilcoxon's p from 6 seeds, the outcome and, within
-    noise, the smallest detectable difference; the verdict sentence and the rule it applies."""
+    """The experiment at a glance: per run and evaluation text, mean ± std over seeds, Δ with its 95 %
+    interval, p (Holm-adjusted but for the primary), the sign-flip p, the outcome and, within noise, the
+    smallest detectable difference; the named contrasts; the seeds a ±0.01 interval needs; the verdict
+    sentence and the rule it applies."""
     texts = wf.eval_texts()
     tables = {t: bpb_table(wf, t) for t in texts}
     rows = []
@@ -352,8 +380,9 @@ def headline(wf: Workflow) -> dict:
                     "std": run["std"],
                     "n": len(run["seeds"]),
                     "delta": c["delta"] if compared else None,
+                    "ci": c["ci"] if compared else None,
                     "p": c["p_adjusted"] if compared else None,
-                    "wilcoxon": c["wilcoxon"]["p"] if compared and c["wilcoxon"] else None,
+                    "sign_flip": c["sign_flip"] if compared else None,
                     "outcome": outcome(c) if compared else None,
                     "mde": c["mde"] if compared else None,
                     "reference": not compared and r.name == tables[t]["reference"],
@@ -370,10 +399,8 @@ def headline(wf: Workflow) -> dict:
                 "cells": cells,
             }
         )
-    n_seeds = len(wf.train.seeds)
     return {
         "seeds": seeds_said(wf, tables, "per run"),
-        "wilcoxon": n_seeds >= stats.MIN_WILCOXON_SEEDS,
         "texts": [text_name(wf, t) for t in texts],
         "verdict": verdict_sentence(wf, tables),
         "primary": wf.primary_run(),
@@ -386,7 +413,33 @@ def headline(wf: Workflow) -> dict:
         ),
         "rule": stats.RULE,
         "rows": rows,
+        "contrasts": [
+            {
+                "run": a,
+                "other": b,
+                "cells": [
+                    next((c for c in tables[t]["contrasts"] if c["run"] == a and c["reference"] == b), None)
+                    for t in texts
+                ],
+            }
+            for a, b in contrast_pairs(wf)
+        ],
+        "precision": precision(tables, wf.primary_run()),
     }
+
+
+PRECISION = 0.01  # the half-width of an interval worth having at this scale (BPB, accuracy)
+
+
+def precision(tables: dict[str, dict], primary: str | None) -> list[dict]:
+    """Per text: the primary comparison's per-seed noise and the seeds its interval would need to
+    reach ±PRECISION (stats.seeds_for): what to run next for a stated precision."""
+    out = []
+    for t, tab in tables.items():
+        c = next((c for c in tab["comparisons"] if c["run"] == primary and c.get("sd")), None)
+        if c is not None:
+            out.append({"text": t, "sd": c["sd"], "seeds": stats.seeds_for(c["sd"], PRECISION)})
+    return out
 
 
 # -- downstream accuracy (lm-eval; workflows/steps.py AccuracyStep writes accuracy/RUN/seed-S.json)
@@ -455,16 +508,31 @@ def accuracy_tables(wf: Workflow) -> list[dict]:
     return tables
 
 
-# The metric an accuracy table's comparisons decide on, named before any run: acc_mutual_info where a
-# task has it (plain acc favours continuations of frequent tokens for models near the unigram level,
-# which every run here is), else acc. The other metrics are shown, not tested.
+# Where a task lacks the endpoint the workflow names (accuracy.decides), the comparisons decide on the
+# first of these it has: acc_mutual_info (plain acc favours continuations of frequent tokens for models
+# near the unigram level, which every run here is), else acc. The other metrics are shown, not tested.
 DECIDING_METRICS = ("acc_mutual_info", "acc")
 
 
+def item_documents(wf: Workflow, task: str, n_items: int) -> list | None:
+    """Each item's document, from the offline task's items file (items cut from one document are one
+    cluster); None (each item its own) for lm-eval's tasks, whose items we did not cut."""
+    from entroweight.trainers.accuracy import ITEMS_FILE, OFFLINE_TASK
+
+    f = wf.accuracy_items_dir() / ITEMS_FILE
+    if task != OFFLINE_TASK or not f.is_file():
+        return None
+    docs = [json.loads(line).get("doc") for line in f.read_text(encoding="utf-8").splitlines() if line]
+    return docs if len(docs) == n_items and None not in docs else None
+
+
 def accuracy_comparisons(wf: Workflow, results: dict, task: str, metrics: list[str]) -> dict:
-    """Each run against the reference on one task, item by item (stats.compare_accuracy: McNemar pooled
-    over the seeds both have, on the same items file), decided by the rule of workflows/stats.py."""
-    metric = next((m for m in DECIDING_METRICS if m in metrics), metrics[0] if metrics else None)
+    """Each run against the reference on one task, and each named contrast, on the endpoint named
+    before the runs (accuracy.decides), item by item over seeds × documents (stats.compare_items, on
+    the same items file), decided by the rule of workflows/stats.py."""
+    named = wf.accuracy.decides if wf.accuracy is not None else DECIDING_METRICS[0]
+    has = {k for res in results.values() for k in res.get("tasks", {}).get(task, {}).get("items", {})}
+    metric = named if named in has else next((m for m in DECIDING_METRICS if m in has), None)
     ref = wf.reference_run()
 
     def answers(run: str) -> dict[int, tuple[str | None, list[float]]]:
@@ -476,24 +544,30 @@ def accuracy_comparisons(wf: Workflow, results: dict, task: str, metrics: list[s
                 out[s] = (res.get("items_sha256"), items)
         return out
 
-    ref_answers = answers(ref) if ref else {}
-    comparisons = []
-    for r in wf.train.runs:
-        if r.name == ref or not ref_answers:
-            continue
-        mine = answers(r.name)
+    def against(run: str, other: str) -> dict | None:
+        mine, theirs = answers(run), answers(other)
         # only the seeds answered on the same items (a stale result of other items is left out)
-        shared = [s for s in mine if s in ref_answers and mine[s][0] == ref_answers[s][0]]
+        shared = [s for s in mine if s in theirs and mine[s][0] == theirs[s][0]]
         if not shared:
-            continue
-        c = {"run": r.name, "reference": ref} | stats.compare_accuracy(
-            {s: ref_answers[s][1] for s in shared}, {s: mine[s][1] for s in shared}
-        )
-        comparisons.append(c)
+            return None
+        docs = item_documents(wf, task, len(mine[shared[0]][1]))
+        c = stats.compare_items({s: theirs[s][1] for s in shared}, {s: mine[s][1] for s in shared}, docs)
+        return {"run": run, "reference": other, "cluster": "documents" if docs else "items"} | c
+
+    comparisons, contrasts = [], []
+    if metric is not None:
+        comparisons = [c for r in wf.train.runs if ref and r.name != ref and (c := against(r.name, ref))]
+        contrasts = [c for a, b in contrast_pairs(wf) if (c := against(a, b))]
     stats.decide(comparisons, wf.primary_run(), lower_is_better=False)
-    for c in comparisons:
+    stats.decide(contrasts, None, lower_is_better=False)
+    for c in comparisons + contrasts:
         c["verdict"] = verdict(c, unit=metric)
-    return {"deciding_metric": metric, "comparisons": comparisons}
+    return {
+        "deciding_metric": metric,
+        "named_metric": named,
+        "comparisons": comparisons,
+        "contrasts": contrasts,
+    }
 
 
 def above_chance(ref_row: dict | None, chance: float | None) -> list[dict]:

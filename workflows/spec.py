@@ -405,6 +405,11 @@ class AccuracySpec(_Strict):
     limit: int | None = Field(None, ge=1)  # items per lm-eval task (a quick look, not a result)
     batch_size: int = Field(32, ge=1)
     device: DeviceName = "auto"
+    # The endpoint that decides the accuracy comparisons, named before the runs: `margin` (each item's
+    # log-likelihood margin of the true continuation over its distractors': more signal per item than
+    # 0/1 at small scale) or an lm-eval metric (acc_mutual_info, acc, ...). A task without it is
+    # decided on acc_mutual_info, else acc (said in the report).
+    decides: str = "margin"
     out: str = "accuracy"
 
     _out = field_validator("out")(_inside)
@@ -426,6 +431,9 @@ class ReportSpec(_Strict):
     # others are Holm-corrected. Given: it must name a run. Left out: weighted-occlusion where the
     # workflow has that run, else none (every comparison corrected; Workflow._resolve_primary).
     primary: str | None = PRIMARY
+    # Runs compared with each other, not with the reference: [run, other] (a weighted run and its own
+    # control), Δ = run − other, Holm-corrected over the contrasts of a table. Named before the runs.
+    contrasts: list[tuple[str, str]] = Field(default_factory=list)
     samples: int = Field(3, ge=0, le=50)  # sample texts highlighted per scorer
     max_tokens: int = Field(2_000_000, ge=1000)  # tokens read per scorer for the histograms
 
@@ -592,6 +600,7 @@ class Workflow(_Strict):
         self._values_kept()
         if self.report is not None:
             self._resolve_primary()
+            self._check_contrasts()
         if self.eval is not None and self.train is None:
             raise _At("eval", "evaluation needs a train section (the models it evaluates)")
         if self.accuracy is not None:
@@ -685,6 +694,19 @@ class Workflow(_Strict):
             )
         if given == self.reference_run():
             raise _At("report.primary", f"{given!r} is the reference: name a run compared with it")
+
+    def _check_contrasts(self) -> None:
+        """report.contrasts: pairs of two different runs of train.runs, each pair once."""
+        names = [r.name for r in self.train.runs] if self.train is not None else []
+        for i, pair in enumerate(self.report.contrasts):
+            where = f"report.contrasts[{i}]"
+            for name in pair:
+                if name not in names:
+                    raise _At(where, f"{name!r} is not a run of train.runs ({', '.join(names) or 'none'})")
+            if pair[0] == pair[1]:
+                raise _At(where, f"compares {pair[0]!r} with itself: name two runs")
+        if twice := repeated(f"{a} vs {b}" for a, b in self.report.contrasts):
+            raise _At("report.contrasts", f"{', '.join(twice)} is given more than once")
 
     def step_outputs(self) -> list[tuple[str, PurePosixPath]]:
         """(field, path under run_dir) of every step's output, as the runner writes them."""

@@ -1,62 +1,58 @@
-"""The tests that compare a run with the reference: paired, because the runs share everything but
-their weights (per seed: the same init, the same rows in the same order; docs/experiments.md).
+"""How a run is compared with another (the reference, or its own control): the unit of inference is
+what varies independently, the training seed and the evaluated document.
 
-Pure functions of numbers (numpy and scipy only); the report (report_data.py) and the accuracy
-table call them. The rule they implement, as the report states it (`RULE`):
+Pure functions of numbers (numpy and scipy only); the report (report_data.py) calls them. The rule
+they implement, as the report states it (`RULE`; docs/experiments.md#statistics):
 
-- **One primary comparison, named in advance** (`report.primary` in the workflow, by default
-  `weighted-occlusion` against the reference). Its test is read at ALPHA = 0.05 unadjusted; every
-  other run's test in the same table (one measure on one text) is Holm-corrected over those runs.
-- **BPB** (or any one number per seed): the paired t-test over the seeds both runs have,
-  `d_s = run_s − ref_s` (`compare_seeds`). It decides. With at least 6 seeds the Wilcoxon
-  signed-rank test of the same differences is reported beside it (below 6 its exact two-sided p
-  cannot fall under 0.05: 2/2⁵ = 0.0625), as a check that does not assume normal differences.
-- **Accuracy** (`compare_accuracy`): McNemar's test on the items, pooled over seeds: every (seed,
-  item) pair of the reference's and the run's 0/1 answers, `b` = reference right and run wrong,
-  `c` = reference wrong and run right. Exact binomial (two-sided, b ~ Bin(b + c, ½)) while
-  b + c < 25, else χ² with continuity correction, (|b − c| − 1)² / (b + c). It decides. The paired
-  t-test (and Wilcoxon, ≥ 6 seeds) over the per-seed accuracies is reported beside it: pooling
-  items treats the seeds as replicates, the per-seed test sees the training noise.
-- **Within noise** carries the smallest difference the comparison could have detected (`mde`):
-  80 % power (POWER), two-sided, at the alpha the comparison faces — 0.05 for the primary, 0.05/m
-  for one of m Holm-corrected comparisons (the threshold a lone real effect must pass) — at the
-  comparison's own n and noise: the paired t-test's noncentral t with the observed standard
-  deviation of the differences; for McNemar, the test's exact power at the observed share of
-  discordant pairs.
+- **The data of one comparison**: per seed, per cluster j (a held-out document, or a block of about
+  `trainers.bpb.BLOCK_BYTES` of an evaluation text), the run's and the other's totals (bits, items
+  right, log-likelihood margins) over the cluster's size `n_j` (bytes, items). The estimate is
+  Δ = mean over seeds of Σ_j (run − other)_sj / Σ_j n_j: the difference in BPB, in accuracy, in mean
+  margin. A number per seed with no clusters is one cluster of size 1.
+- **Its variance** (`two_way`): the two-way cluster-robust variance of Cameron, Gelbach & Miller
+  (2011) over seeds × clusters of the linearised estimate, V = V_seed + max(0, V_cluster − V_cell),
+  each with its small-sample factor G/(G − 1). V_seed is exactly the paired t-test's s²_d / S over
+  the per-seed differences: training noise, which a pooled test of items over seeds never sees
+  (pooled McNemar, the earlier rule, called equal arms different in a quarter of simulated
+  experiments: tests/test_stats.py). V_cluster adds what the choice of documents adds: a run that
+  differs from the other on some documents and not on others. Documents can only add uncertainty,
+  so V never falls below V_seed.
+- **It decides**: t = Δ / √V on S − 1 degrees of freedom (fewer clusters than seeds: J − 1), two-sided
+  p; the 95 % interval Δ ± t₀.₉₇₅ √V. Beside it, the exact sign-flip permutation test of the S
+  per-seed differences (no normality assumed; its p cannot fall under 2/2^S, 0.031 at 6 seeds).
+- **One primary comparison, named in advance** (`report.primary`), read at ALPHA = 0.05 unadjusted;
+  every other comparison of the same table is Holm-corrected over those.
+- **Within noise** shows the interval and the smallest difference the comparison could have
+  detected (`mde`): 80 % power (POWER), two-sided, at the alpha it faces (0.05/m for one of m
+  corrected comparisons), by the noncentral t on S − 1 df with the per-seed standard deviation
+  √(S·V) the comparison measured.
 
-Input format of `compare_accuracy`: two mappings seed -> sequence of 0/1 (or bool) per item, one
-for the reference and one for the run, each vector in the same item order (item i of the run's
-seed s is item i of the reference's seed s) and of the same length within a seed. Only the seeds
-both hold are paired; a seed whose vectors differ in length is refused (ValueError). Example::
-
-    compare_accuracy({0: [1, 0, 1, 1], 1: [1, 1, 0, 1]}, {0: [1, 1, 1, 0], 1: [1, 1, 1, 1]})
-
-Then `decide(comparisons, primary, lower_is_better=False)` applies the rule to the list of one
-table's comparisons (each carries `run`; `primary` is `Workflow.primary_run()`): Holm, alpha in
-effect, MDE, outcome; `report_data.verdict(c, "accuracy")` words each one (tests/test_report.py's
-test_accuracy_verdict_from_item_vectors walks that path).
+`tests/test_stats.py` simulates experiments with two arms equal in distribution (seed noise larger
+than item noise, overlapping items from few documents) and checks that this rule calls a difference
+at its nominal 5 %, and a second simulation with a real difference checks the power it claims.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 ALPHA = 0.05
 POWER = 0.80
-MIN_WILCOXON_SEEDS = 6  # the fewest pairs whose exact two-sided signed-rank p can be < 0.05
-EXACT_BELOW = 25  # McNemar: exact binomial while b + c is below this, else χ² with continuity correction
+CONFIDENCE = 0.95
+EXACT_SIGN_FLIPS = 16  # up to this many seeds the sign-flip test enumerates every sign pattern
 
 RULE = (
-    f"A run differs from the reference when its test's p < {ALPHA:g}: the paired t-test over seeds "
-    "for BPB (each seed's run against the same seed's reference), McNemar's test over items pooled "
-    f"over seeds for accuracy. The primary comparison is read unadjusted; every other run's p is "
-    f"Holm-corrected over the other runs of the same table. Within noise: the smallest difference "
-    f"the comparison could have detected ({POWER:.0%} power, two-sided, at the alpha it faces: "
-    f"{ALPHA:g} for the primary, {ALPHA:g}/m for one of m corrected comparisons). With at least "
-    f"{MIN_WILCOXON_SEEDS} seeds the Wilcoxon signed-rank p is shown beside the paired t-test's."
+    f"A run differs from the one it is compared with when p < {ALPHA:g}, p from t = Δ / √V on the "
+    "seeds' degrees of freedom, V the two-way cluster-robust variance over training seeds × held-out "
+    "documents (blocks of the evaluation text for BPB): each seed's run against the same seed's "
+    f"other run, on the same documents. The {CONFIDENCE:.0%} interval is Δ ± t √V. The primary "
+    "comparison is read unadjusted; every other p is Holm-corrected over the other comparisons of the "
+    f"same table. Within noise: the smallest difference the comparison could have detected "
+    f"({POWER:.0%} power, two-sided, at the alpha it faces) at its per-seed noise. Beside it: the exact "
+    "sign-flip test of the per-seed differences."
 )
 
 
@@ -78,39 +74,48 @@ def paired_t(run: Sequence[float], ref: Sequence[float]) -> dict:
     return {"n": len(d), "delta": mean, "sd": sd, "t": t, "df": len(d) - 1, "p": p}
 
 
-def wilcoxon(run: Sequence[float], ref: Sequence[float]) -> dict | None:
-    """Wilcoxon signed-rank test of run − ref (two-sided; zero differences dropped, scipy's
-    default; exact null distribution for small n without ties); None below MIN_WILCOXON_SEEDS pairs."""
-    from scipy import stats
+def sign_flip(d: Sequence[float]) -> float:
+    """The two-sided p of the sign-flip permutation test of mean(d) = 0: the share of sign patterns
+    whose |mean| reaches the observed one (every pattern up to EXACT_SIGN_FLIPS values, else 2**16
+    seeded draws). Valid whenever each difference is symmetric about 0 under the null."""
+    d = np.asarray(d, np.float64)
+    n = len(d)
+    if n == 0 or not np.any(d):
+        return 1.0
+    if n <= EXACT_SIGN_FLIPS:
+        signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)
+    else:
+        signs = np.random.default_rng(0).choice([-1, 1], size=(2**16, n))
+    means = np.abs(signs @ d) / n
+    return float(np.mean(means >= abs(d.mean()) * (1 - 1e-12)))
 
-    d = np.asarray(run, np.float64) - np.asarray(ref, np.float64)
-    if len(d) < MIN_WILCOXON_SEEDS:
-        return None
-    if not np.any(d):
-        return {"n": len(d), "statistic": 0.0, "p": 1.0}
-    r = stats.wilcoxon(d)
-    return {"n": len(d), "statistic": float(r.statistic), "p": float(r.pvalue)}
 
+def two_way(diff: np.ndarray, sizes: np.ndarray) -> dict:
+    """Δ and its two-way cluster-robust variance (module docstring) from `diff[s, j]`, seed s's
+    total of run − other over cluster j, and `sizes[j]`, each cluster's denominator."""
+    diff = np.asarray(diff, np.float64)
+    sizes = np.asarray(sizes, np.float64)
+    n_seeds, n_clusters = diff.shape
+    total = sizes.sum()
+    per_seed = diff.sum(axis=1) / total
+    delta = float(per_seed.mean())
+    # the estimate linearised per cell: its mean over cells is Δ − Δ = 0, its seed means d_s − Δ
+    u = (diff - delta * sizes) * n_clusters / total
 
-def mcnemar(b: int, c: int) -> dict:
-    """McNemar's test from the discordant counts: b (reference right, run wrong) and c (reference
-    wrong, run right). Exact binomial while b + c < EXACT_BELOW, else χ² (1 df) with continuity
-    correction. No discordant pair: p = 1."""
-    from scipy import stats
+    def clustered(sums: np.ndarray, cells: int) -> float:
+        g = len(sums)
+        return float(np.sum(sums**2)) / cells**2 * g / (g - 1) if g > 1 else 0.0
 
-    n = b + c
-    if n == 0:
-        return {"b": b, "c": c, "statistic": 0.0, "p": 1.0, "method": "no discordant pair"}
-    if n < EXACT_BELOW:
-        p = float(stats.binomtest(min(b, c), n, 0.5).pvalue)
-        return {"b": b, "c": c, "statistic": float(min(b, c)), "p": min(p, 1.0), "method": "exact binomial"}
-    chi2 = (abs(b - c) - 1) ** 2 / n
+    cells = n_seeds * n_clusters
+    v_seed = clustered(u.sum(axis=1), cells)
+    v_cluster = clustered(u.sum(axis=0), cells) if n_clusters > 1 else 0.0
+    v_cell = clustered(u.ravel(), cells) if n_clusters > 1 else 0.0
     return {
-        "b": b,
-        "c": c,
-        "statistic": chi2,
-        "p": float(stats.chi2.sf(chi2, 1)),
-        "method": "chi-square, continuity corrected",
+        "delta": delta,
+        "per_seed": per_seed.tolist(),
+        "var": v_seed + max(0.0, v_cluster - v_cell),
+        "var_seed": v_seed,
+        "var_cluster": max(0.0, v_cluster - v_cell),
     }
 
 
@@ -151,138 +156,127 @@ def mde_paired_t(sd: float, n: int, alpha: float = ALPHA, power: float = POWER) 
     return float(optimize.brentq(short, 0.0, hi, xtol=1e-10)) * sd
 
 
-def power_mcnemar(n_pairs: int, discordant: float, delta: float, alpha: float = ALPHA) -> float:
-    """The exact power of `mcnemar` (as implemented: exact binomial below EXACT_BELOW discordant
-    pairs, χ² with continuity correction from there) on `n_pairs` pairs when a share `discordant`
-    (ψ) of them disagree and the run's accuracy exceeds the reference's by `delta` (0 ≤ δ ≤ ψ):
-    the number of discordant pairs D ~ Bin(n, ψ), and given D, the run-right ones c ~ Bin(D, (1 + δ/ψ)/2)."""
+def seeds_for(sd: float, half_width: float, confidence: float = CONFIDENCE) -> int | None:
+    """The fewest seeds whose interval Δ ± t √(sd²/S) is no wider than ±`half_width` at the per-seed
+    standard deviation `sd` (what to run next time for a stated precision)."""
     from scipy import stats
 
-    psi = discordant
-    lo_d, hi_d = stats.binom.ppf([1e-12, 1 - 1e-12], n_pairs, psi)
-    d = np.arange(max(int(lo_d) - 1, 1), min(int(hi_d) + 1, n_pairs) + 1)
-    crit = stats.chi2.isf(alpha, 1)
-    # the largest c the test rejects on the low side (run worse), per D; -1: none
-    lo = np.ceil((d - 1 - np.sqrt(crit * d)) / 2) - 1
-    for i in np.flatnonzero(d < EXACT_BELOW):
-        k = np.arange(d[i] + 1)
-        rejected = np.flatnonzero(2 * stats.binom.cdf(k, d[i], 0.5) < alpha)
-        lo[i] = rejected[-1] if len(rejected) else -1
-    hi = d - lo  # the region is symmetric: c ≥ D − lo on the high side
-    q = (1 + delta / psi) / 2
-    given_d = stats.binom.cdf(lo, d, q) + stats.binom.sf(hi - 1, d, q)
-    return float(np.sum(stats.binom.pmf(d, n_pairs, psi) * given_d))
-
-
-def mde_mcnemar(n_pairs: int, discordant: float, alpha: float = ALPHA, power: float = POWER) -> float | None:
-    """The smallest |accuracy difference| that `mcnemar` on `n_pairs` pairs detects with probability
-    `power` at `alpha` when a share `discordant` of the pairs disagree (the exact power,
-    `power_mcnemar`). None when even δ = ψ (every discordant pair in the run's favour) falls short
-    of the power, or nothing disagrees."""
-    from scipy import optimize
-
-    psi = discordant
-    if n_pairs < 1 or psi <= 0:
+    if sd <= 0 or half_width <= 0:
         return None
-    if power_mcnemar(n_pairs, psi, psi, alpha) < power:
-        return None
-    return float(
-        optimize.brentq(lambda x: power_mcnemar(n_pairs, psi, x, alpha) - power, 0.0, psi, xtol=1e-9)
-    )
+    for n in range(2, 10_000):
+        if stats.t.ppf(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n) <= half_width:
+            return n
+    return None
 
 
 def mde(comparison: dict, alpha: float) -> float | None:
-    """The comparison's smallest detectable difference at `alpha`, by the test that decides it."""
-    if comparison["test"] == "mcnemar":
-        m = comparison["mcnemar"]
-        n = comparison["n_pairs"]
-        return mde_mcnemar(n, (m["b"] + m["c"]) / n if n else 0.0, alpha)
+    """The comparison's smallest detectable difference at `alpha`, at its per-seed noise."""
     return mde_paired_t(comparison["sd"], comparison["n"], alpha)
 
 
 # -- one comparison
-def _shared(ref: Mapping, run: Mapping) -> list:
-    return [s for s in ref if s in run]
-
-
-def compare_seeds(ref_by_seed: Mapping[int, float], run_by_seed: Mapping[int, float]) -> dict:
-    """One number per seed (BPB, an accuracy) of the run against the reference's same seed: the
-    paired t-test (it decides: `p`) and Wilcoxon beside it. `n` < 2: undecidable, `p` None."""
-    seeds = _shared(ref_by_seed, run_by_seed)
-    a = [run_by_seed[s] for s in seeds]
-    b = [ref_by_seed[s] for s in seeds]
-    out = {
-        "test": "paired_t",
-        "seeds": seeds,
-        "n": len(seeds),
-        "delta": None,
-        "sd": None,
-        "t": None,
-        "p": None,
-    }
-    out["wilcoxon"] = None
+def compare(
+    ref_by_seed: Mapping[int, float | Sequence[float]],
+    run_by_seed: Mapping[int, float | Sequence[float]],
+    sizes: Sequence[float] | None = None,
+) -> dict:
+    """The run against the other (`ref`) over the seeds both have: per seed a number, or the totals
+    per cluster (each seed's the same clusters, in the same order) over `sizes` (default 1 each).
+    Decided by `two_way` (module docstring): `delta`, its `ci`, `p`, `sign_flip` beside; `n` < 2
+    seeds: `p` None (undecidable)."""
+    seeds = [s for s in ref_by_seed if s in run_by_seed]
+    out = {"test": "two_way_t", "seeds": seeds, "n": len(seeds), "clusters": None, "delta": None}
+    out |= {k: None for k in ("per_seed", "sd", "se", "t", "df", "p", "ci", "sign_flip")}
     if not seeds:
         return out
-    out["delta"] = float(np.mean(np.subtract(a, b)))
-    if len(seeds) < 2:
-        return out
-    out |= {k: v for k, v in paired_t(a, b).items() if k in ("sd", "t", "df", "p")}
-    out["wilcoxon"] = wilcoxon(a, b)
-    return out
-
-
-def compare_accuracy(
-    ref_items_by_seed: Mapping[int, Sequence[int]], run_items_by_seed: Mapping[int, Sequence[int]]
-) -> dict:
-    """Accuracy of the run against the reference, item by item (the module docstring gives the
-    input format): McNemar pooled over the shared seeds decides (`p`); the per-seed accuracies'
-    paired t-test (`seeds_test`, with Wilcoxon from 6 seeds) is beside it. `delta` = the run's
-    accuracy minus the reference's over all pooled pairs; `acc_ref`/`acc_run` per seed."""
-    seeds = _shared(ref_items_by_seed, run_items_by_seed)
-    b = c = n_pairs = 0
-    acc_ref, acc_run = {}, {}
+    rows = []
     for s in seeds:
-        x = _zero_one(ref_items_by_seed[s], f"reference seed {s}")
-        y = _zero_one(run_items_by_seed[s], f"run seed {s}")
-        if len(x) != len(y):
+        a = np.atleast_1d(np.asarray(run_by_seed[s], np.float64))
+        b = np.atleast_1d(np.asarray(ref_by_seed[s], np.float64))
+        if a.shape != b.shape or (rows and a.shape != rows[0].shape):
             raise ValueError(
-                f"seed {s}: the reference answered {len(x)} items and the run {len(y)}: "
-                "accuracy vectors must list the same items in the same order"
+                f"seed {s}: the runs hold {a.shape[0]} and {b.shape[0]} values where every seed of both "
+                "must hold the same clusters (items, documents) in the same order"
             )
-        b += int(np.sum(x & ~y))
-        c += int(np.sum(~x & y))
-        n_pairs += len(x)
-        acc_ref[s], acc_run[s] = float(x.mean()) if len(x) else None, float(y.mean()) if len(y) else None
-    test = mcnemar(b, c)
-    return {
-        "test": "mcnemar",
-        "seeds": seeds,
-        "n": len(seeds),
-        "n_pairs": n_pairs,
-        "n_items": n_pairs // len(seeds) if seeds else 0,
-        "acc_ref": acc_ref,
-        "acc_run": acc_run,
-        "delta": (c - b) / n_pairs if n_pairs else None,
-        "mcnemar": test,
-        "p": test["p"] if n_pairs else None,
-        "seeds_test": compare_seeds(acc_ref, acc_run),
+        rows.append(a - b)
+    diff = np.stack(rows)
+    n_seeds, n_clusters = diff.shape
+    sizes = np.ones(n_clusters) if sizes is None else np.asarray(sizes, np.float64)
+    if sizes.shape != (n_clusters,) or not (sizes > 0).all():
+        raise ValueError(f"sizes must be {n_clusters} positive numbers, one per cluster")
+    w = two_way(diff, sizes)
+    out |= {"clusters": n_clusters, "delta": w["delta"], "per_seed": w["per_seed"]}
+    if n_seeds < 2:
+        return out
+    from scipy import stats
+
+    df = (n_seeds if n_clusters == 1 else min(n_seeds, n_clusters)) - 1
+    se = math.sqrt(w["var"])
+    if se == 0.0:
+        t, p = (math.copysign(math.inf, w["delta"]), 0.0) if w["delta"] else (0.0, 1.0)
+    else:
+        t = w["delta"] / se
+        p = float(2 * stats.t.sf(abs(t), df))
+    reach = float(stats.t.ppf(0.5 + CONFIDENCE / 2, df)) * se
+    return out | {
+        "sd": se * math.sqrt(n_seeds),  # the per-seed noise the interval implies
+        "se": se,
+        "var_seed": w["var_seed"],
+        "var_cluster": w["var_cluster"],
+        "t": t,
+        "df": df,
+        "p": p,
+        "ci": [w["delta"] - reach, w["delta"] + reach],
+        "sign_flip": sign_flip(w["per_seed"]),
     }
 
 
-def _zero_one(v: Iterable, what: str) -> np.ndarray:
-    a = np.asarray(list(v))
-    if a.size and not np.isin(a, (0, 1)).all():
-        raise ValueError(f"{what}: accuracy items must be 0/1 (or bool)")
-    return a.astype(bool)
+def by_cluster(values: Sequence[float], clusters: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """Per-item values summed per cluster (the item's document), clusters in order of first
+    appearance: (totals, sizes). No clusters given: each item its own."""
+    v = np.asarray(values, np.float64)
+    if clusters is None:
+        return v, np.ones(len(v))
+    if len(clusters) != len(v):
+        raise ValueError(f"{len(v)} items but {len(clusters)} cluster labels")
+    keys, index = np.unique(np.asarray(clusters), return_inverse=True)
+    totals, sizes = np.zeros(len(keys)), np.zeros(len(keys))
+    np.add.at(totals, index, v)
+    np.add.at(sizes, index, 1.0)
+    return totals, sizes
+
+
+def compare_items(
+    ref_items_by_seed: Mapping[int, Sequence[float]],
+    run_items_by_seed: Mapping[int, Sequence[float]],
+    clusters: Sequence | None = None,
+) -> dict:
+    """Per-item values (0/1 answers, log-likelihood margins; each seed's vector the same items in the
+    same order) compared seed by seed with the items clustered by `clusters` (each item's document:
+    items cut from one document are not independent). Δ is the difference in the mean per item."""
+    seeds = [s for s in ref_items_by_seed if s in run_items_by_seed]
+    lengths = {len(v) for s in seeds for v in (ref_items_by_seed[s], run_items_by_seed[s])}
+    if len(lengths) > 1:
+        raise ValueError(
+            f"the item vectors hold {sorted(lengths)} items: every seed of both runs must list the same "
+            "items in the same order"
+        )
+    sizes = None
+    ref, run = {}, {}
+    for s in seeds:
+        ref[s], sizes = by_cluster(ref_items_by_seed[s], clusters)
+        run[s], _ = by_cluster(run_items_by_seed[s], clusters)
+    out = compare(ref, run, sizes)
+    return out | {"n_items": lengths.pop() if lengths else 0}
 
 
 # -- the rule over one table
 def decide(comparisons: list[dict], primary: str | None, lower_is_better: bool) -> list[dict]:
     """Apply the rule (module docstring) to one table's comparisons, each a dict with `run`, `p`
-    (None: undecidable) and `delta` from compare_seeds/compare_accuracy: adds `primary`,
-    `p_adjusted` (Holm over the non-primary comparisons that have a p; the primary's own p),
-    `alpha` (the alpha its MDE is computed at), `outcome` (better | worse | within noise |
-    undecided) and, within noise, `mde`. Returns the same dicts, in order."""
+    (None: undecidable) and `delta` from `compare`/`compare_items`: adds `primary`, `p_adjusted`
+    (Holm over the non-primary comparisons that have a p; the primary's own p), `alpha` (the alpha
+    its MDE is computed at), `outcome` (better | worse | within noise | undecided) and, within
+    noise, `mde`. Returns the same dicts, in order."""
     family = [c for c in comparisons if c["run"] != primary and c["p"] is not None]
     for c, p in zip(family, holm([c["p"] for c in family]), strict=True):
         c["p_adjusted"] = p

@@ -27,6 +27,7 @@ from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.stage import preview_run, read_manifests
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas.tokenizer import TOKENIZER_FILE
+from entroweight.trainers.accuracy import ITEMS_FILE
 from entroweight.trainers.checkpoint import STATE
 from entroweight.transforms.writer import sha256_file, write_json_atomic
 
@@ -409,7 +410,9 @@ class EvalStep(Step):
         if self.text != "main":
             settings |= {"text": self.text, "max_bytes": wf.holdout.max_bytes, "holdout": wf.holdout.docs}
         weights = step_record(self.ckpt / STATE).get("weights_sha256")
-        return _key({"weights": weights, **settings})
+        from entroweight.trainers.bpb import BLOCK_BYTES  # a result of other clusters is made again
+
+        return _key({"weights": weights, **settings, "block_bytes": BLOCK_BYTES})
 
     def done(self):
         if not (self.ckpt / STATE).exists():
@@ -575,8 +578,6 @@ class AccuracyItemsStep(Step):
     sha256 and the item settings) is this run's and the file is the one it wrote. What every accuracy
     step would refuse (lm-eval missing, an unknown task) the runner refuses first: `check_accuracy`."""
 
-    ITEMS = "items.jsonl"
-
     @property
     def spec(self):
         return self.wf.accuracy
@@ -594,7 +595,7 @@ class AccuracyItemsStep(Step):
         return OFFLINE_TASK in self.spec.tasks
 
     def items_file(self) -> Path | None:
-        return self.out / self.ITEMS if self.offline else None
+        return self.out / ITEMS_FILE if self.offline else None
 
     def key(self) -> str:
         a, tok = self.spec, Path(self.run_ctx.tokenizer_file())
@@ -611,7 +612,7 @@ class AccuracyItemsStep(Step):
     def done(self):
         if not self.offline:
             return "no offline task"
-        f, marker = self.out / self.ITEMS, self.out / STEP_FILE
+        f, marker = self.out / ITEMS_FILE, self.out / STEP_FILE
         if f.is_file() and _recorded_key(marker) == self.key():
             made = step_record(marker)
             if made.get("sha256") == sha256_file(f):  # a file changed since (by hand, a bad disk): rebuilt
@@ -649,13 +650,13 @@ class AccuracyItemsStep(Step):
             raise WorkflowError(f"accuracy items: {e}") from None
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / STEP_FILE).unlink(missing_ok=True)
-        write_items(items, self.out / self.ITEMS)
+        write_items(items, self.out / ITEMS_FILE)
         docs = len({it["doc"] for it in items})
         made = {
             "key": self.key(),
             "items": len(items),
             "documents": docs,
-            "sha256": sha256_file(self.out / self.ITEMS),
+            "sha256": sha256_file(self.out / ITEMS_FILE),
         }
         write_json_atomic(made, self.out / STEP_FILE)
         return "ran", f"{len(items)} items from {docs} of {len(held)} held-out documents"
@@ -719,7 +720,7 @@ class AccuracyStep(Step):
             raise WorkflowError(f"accuracy {self.name}: {e}") from None
         items = self.items.items_file()
         res = {"key": self.key(), "run": r.name, "seed": self.seed, "loss": r.loss, "data": r.data, **res}
-        # what pairs two results item by item (McNemar): the same items file
+        # what pairs two results item by item: the same items file
         res["items_sha256"] = sha256_file(items) if items is not None else None
         write_json_atomic(sealed({**res, "checkpoint": str(self.ckpt)}), self.out)
         return "ran", headline_metrics(res)
