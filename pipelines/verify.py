@@ -47,6 +47,7 @@ from entroweight.schemas.tokenizer import CARRIED_TOKENIZER
 from entroweight.schemas.weighted import (
     ENTROPY,
     EXCLUDED,
+    SURPRISAL,
     WEIGHT,
     excluded_mask,
     matrix,
@@ -302,7 +303,7 @@ def _expected_schema(
                 problems.append(
                     f"{where}: weights are stored as {dtype}, its file metadata says {meta['weight_dtype']}"
                 )
-            return weighted_sequence_schema(vocab, packed, dtype, with_entropy)
+            return weighted_sequence_schema(vocab, packed, dtype, with_entropy, SURPRISAL in stored.names)
     except (KeyError, ValueError, TypeError) as e:
         problems.append(f"{where}: file metadata lacks what the schema needs ({e})")
         return None
@@ -312,7 +313,7 @@ def _expected_schema(
 def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, problems: list[str]) -> None:
     n_ctx, pad_id = int(meta["n_ctx"]), int(meta["pad_id"])
     names = pf.schema_arrow.names
-    lists = [c for c in ("input_ids", ENTROPY, WEIGHT) if c in names]
+    lists = [c for c in ("input_ids", ENTROPY, SURPRISAL, WEIGHT) if c in names]
     columns = [*lists, "n_pad", "n_bytes", *([EXCLUDED] if EXCLUDED in names else [])]
     documents = ROW_IN_DOC in names  # rows written before `row_in_doc` cannot say where documents start
     columns += [ROW_IN_DOC, *([DOC_IDS] if DOC_IDS in names else [])] if documents else []
@@ -358,9 +359,9 @@ def _check_values(pf: pq.ParquetFile, m: ShardManifest, meta: dict, where: str, 
             flag("pads with a weight other than 0", (w[pad] != 0).sum())
             if excluded is not None:
                 flag("excluded positions with a weight other than 0", (w[excluded] != 0).sum())
-        if ENTROPY in lists:
-            e = matrix(batch.column(ENTROPY), width=n_ctx)
-            flag("entropy NaN or infinite", (~np.isfinite(e)).sum())
+        for c in (ENTROPY, SURPRISAL):
+            if c in lists:
+                flag(f"{c} NaN or infinite", (~np.isfinite(matrix(batch.column(c), width=n_ctx))).sum())
     for kind, n in bad.items():
         problems.append(f"{where}: {n} {kind}")
     if documents and docs != m.docs_out:

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 from entroweight import storage
 
-from .weighted import ENTROPY, EXCLUDED, EXCLUDED_TYPE, WEIGHT, weight_type
+from .weighted import ENTROPY, EXCLUDED, EXCLUDED_TYPE, SURPRISAL, WEIGHT, weight_type
 
 # The one key-value entry every output parquet file carries: JSON of FileMetadata.
 METADATA_KEY = b"entroweight"
@@ -129,13 +129,21 @@ def sequence_schema(vocab_size: int, packed: bool = False) -> pa.Schema:
 
 
 def weighted_sequence_schema(
-    vocab_size: int, packed: bool = False, weight_dtype: str = "float16", with_entropy: bool = True
+    vocab_size: int,
+    packed: bool = False,
+    weight_dtype: str = "float16",
+    with_entropy: bool = True,
+    with_surprisal: bool = False,
 ) -> pa.Schema:
     """A sequence plus `entropy` (raw scorer output), `excluded` (real positions the scorer gave no
-    value) and `weight` (0 on pads and excluded positions); the codec is schemas/weighted.py."""
+    value) and `weight` (0 on pads and excluded positions); the codec is schemas/weighted.py. A
+    synthetic corpus (the synthesize stage) has `surprisal` beside its entropy: the stored sequences
+    carry it through the weighing as they carry their ids (`weighted_batch`)."""
     schema = sequence_schema(vocab_size, packed)
     if with_entropy:
         schema = schema.append(pa.field(ENTROPY, pa.list_(pa.float32()), nullable=False))
+    if with_surprisal:
+        schema = schema.append(pa.field(SURPRISAL, pa.list_(pa.float32()), nullable=False))
     schema = schema.append(pa.field(EXCLUDED, pa.list_(EXCLUDED_TYPE), nullable=False))
     return schema.append(pa.field(WEIGHT, pa.list_(weight_type(weight_dtype)), nullable=False))
 

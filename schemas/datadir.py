@@ -35,7 +35,7 @@ from .manifest import (
 from .weighted import WEIGHT, weight_dtype
 
 # what each stage's output is: the table of schemas/arrow.py its shards hold
-STAGE_KINDS = {"tokenize": "sequences", "score": "weighted", "weigh": "weighted"}
+STAGE_KINDS = {"tokenize": "sequences", "score": "weighted", "weigh": "weighted", "synthesize": "weighted"}
 
 
 class DataDirError(ValueError):

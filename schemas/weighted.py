@@ -22,6 +22,8 @@ import pyarrow.compute as pc
 WEIGHT = "weight"
 ENTROPY = "entropy"
 EXCLUDED = "excluded"
+# a synthetic corpus's second value per token (the synthesize stage): −log p of the token drawn, in nats
+SURPRISAL = "surprisal"
 WEIGHT_TYPES: dict[str, pa.DataType] = {"float16": pa.float16(), "uint8": pa.uint8()}
 WEIGHT_DTYPES = tuple(WEIGHT_TYPES)
 UINT8_SCALE = 255.0

@@ -67,6 +67,21 @@ READERS = {
         out,
     ],  # fmt: skip
     "train": lambda d, good, tokens, model, out: ["train", d, "--steps", "1", "--out", out],
+    "synthesize": lambda d, good, tokens, model, out: [
+        "synthesize",
+        "--model",
+        model,
+        "--prefix-from",
+        d,
+        "--prefix-tokens",
+        "2",
+        "--sequences",
+        "1",
+        "--n-ctx",
+        "8",
+        "--out",
+        out,
+    ],  # fmt: skip
 }
 # a reader of what there is: a directory whose completeness is unknown is read (--quantiles-from,
 # read as a sample until 2026-11-28, reads its reference whole: tests/test_read_checks.py)

@@ -152,6 +152,7 @@ def argv(command: str, flag: str, inputs: dict, out: str) -> list[str]:
         "tokenize": ["tokenize", inputs["docs"], "--tokenizer", inputs["tokenizer"], "--out", out],
         "train-tokenizer": ["train-tokenizer", inputs["docs"], "--out", out],
         "weigh": ["weigh", d, "--out", out],
+        "synthesize": ["synthesize", "--model", d, "--sequences", "1", "--n-ctx", "8", "--out", out],
         "run": ["run", inputs["workflow"]],
         "report": ["report", d, "--out", out + ".html"],
     }[command]
@@ -304,7 +305,7 @@ BAD_DEVICES = ["", "gpu", "CUDA", "meta", "cpu:7", *not_here()]
 
 
 def test_the_device_commands_are_every_command_that_runs_a_model():
-    assert DEVICE_COMMANDS == ["eval-bpb", "eval-quant", "evaluate", "score", "train"]
+    assert DEVICE_COMMANDS == ["eval-bpb", "eval-quant", "evaluate", "score", "synthesize", "train"]
 
 
 @pytest.mark.parametrize("device", BAD_DEVICES)

@@ -49,6 +49,7 @@ def stage_argv(c4_60, tokenizer_dir, tokens, model, scored):  # noqa: F811 - fix
         "tokenize": [str(c4_60), "--tokenizer", str(tokenizer_dir), "--n-ctx", "64"],
         "score": [str(tokens), "--scorer", "causal_loss", "--model", str(model), "--batch-size", "8"],
         "weigh": [str(scored), "--weighting", "minmax"],
+        "synthesize": ["--model", str(model), "--sequences", "2", "--n-ctx", "8"],
     }
 
 

@@ -48,6 +48,10 @@ ROWS: dict[str, tuple[dict[str, str | None], list[str]]] = {
         ["--steps", "1"],
     ),
     "report": ({"RUN_DIR": None}, []),
+    "synthesize": (
+        {"--checkpoint": "--checkpoint", "--prefix-from": "--prefix-from"},
+        ["--sequences", "1", "--n-ctx", "8", "--prefix-tokens", "2"],
+    ),
 }
 # (command, relation) pairs the rule allows by design, with the reason
 ALLOWED = {

@@ -27,6 +27,7 @@ ROWS = {
         "nothing to do",
     ),
     "weigh": (lambda f: [f["scored"], "--weight-dtype", "uint8"], "nothing to do"),
+    "synthesize": (lambda f: ["--model", f["model"], "--sequences", 4, "--n-ctx", 12], "nothing to do"),
     "export-data": (lambda f: [f["scored"], "--format", "hf"], "nothing to do"),
     "export-hf": (lambda f: [f["tiny_ckpt"]], "nothing to do"),
     "evaluate": (

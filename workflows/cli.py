@@ -40,6 +40,7 @@ COMMAND_MODULES = (
     "cli_export",
     "cli_weigh",
     "cli_evaluate",
+    "cli_synthesize",
 )
 
 
