@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import time
@@ -75,7 +76,9 @@ def run_stage(
         try:
             if foreign:  # another command's output, which --overwrite replaces whole (never mixed into)
                 storage.clear_output(out_dir)  # all but the lock this run holds
-            plan = plan_past_damage(stage, out_dir, overwrite=overwrite, inputs=inputs)
+            # a whole-input plan (tokenize's duplicate ids) runs on the engine too, on its own shuffle
+            shuffle = functools.partial(module.shuffle, out_dir=out_dir, **engine_options)
+            plan = plan_past_damage(stage, out_dir, overwrite=overwrite, inputs=inputs, shuffle=shuffle)
             start = time.perf_counter()
             results = module.run(plan, progress=progress, **engine_options) if plan.todo else []
             # A worker that died mid-shard (SIGKILL, OOM) left its temp file; we hold the lock and the

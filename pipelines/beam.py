@@ -36,6 +36,7 @@ from .stage import (
     RunPlan,
     ShardResult,
     ShardTask,
+    Shuffle,
     Stage,
     manifest_name,
     reconcile_results,
@@ -171,10 +172,10 @@ def with_hints(transform, stage: Stage, accelerator: str):
     return transform
 
 
-def results_root(plan: RunPlan, options: dict) -> str:
+def results_root(out_dir, options: dict) -> str:
     """Where workers write results: the run's temp_location if given (gs://...), else the output dir."""
     temp = (options or {}).get("temp_location") or (options or {}).get("temp-location")
-    base = temp.rstrip("/") if temp else storage.key(plan.out_dir)
+    base = temp.rstrip("/") if temp else storage.key(out_dir)
     return f"{base}/{RESULTS_DIR}"
 
 
@@ -212,7 +213,7 @@ def run(
     options = dict(options or {})
     accelerator = options.pop("accelerator", DEFAULT_ACCELERATOR)
     runner, pipeline_options, threads = build_runner(options, workers)
-    root = results_root(plan, options)
+    root = results_root(plan.out_dir, options)
     in_out = root == f"{storage.key(plan.out_dir)}/{RESULTS_DIR}"  # --out's own, under the driver's lock
     if in_out:
         storage.remove_tree(root)  # a killed run's leftovers
@@ -251,6 +252,54 @@ def run(
     if stop is not None:  # stopped, not failed: what is committed stays, as with the other engines
         raise stop
     return reconcile_results(plan, found, error or "no result came back from the Beam workers")
+
+
+def shuffle(job: Shuffle, out_dir, options: dict | None = None, workers: int | None = None, progress=True):
+    """A whole-input plan (`Stage.whole_plan`) as a Beam pipeline: the items' file | FlatMap(map) |
+    GroupByKey (Beam's own shuffle: a partition's tables meet on one worker) | Map(group), each
+    group's table written to this run's directory, which the driver reads back (as `run` does)."""
+    beam = _import_beam()
+    import pyarrow as pa
+
+    _quiet_beam()
+    options = dict(options or {})
+    options.pop("accelerator", None)
+    runner, pipeline_options, threads = build_runner(options, workers)
+    root = results_root(out_dir, options)
+    run_dir = f"{root}/plan-{uuid.uuid4().hex}"
+    results, items_file = f"{run_dir}/results", f"{run_dir}/items.jsonl"
+    storage.write_text_atomic("".join(i + "\n" for i in job.items), items_file)
+    quiet = _filtered_stderr() if threads else contextlib.nullcontext()
+    try:
+        with quiet, beam.Pipeline(runner=runner, options=pipeline_options) as p:
+            _ = (
+                p
+                | "ItemsFile" >> beam.Create([(items_file, results)])
+                | "Items" >> beam.FlatMap(_read_lines)
+                | "Spread" >> beam.Reshuffle()
+                | "Map" >> beam.FlatMap(lambda element: job.map(element[0]))
+                | "Partition" >> beam.GroupByKey()
+                | "Group" >> beam.Map(_group_to, job.group, results)
+            )
+        paths = [storage.path(results) / n for n in sorted(storage.listing(results)) if n.endswith(".arrow")]
+        return [pa.ipc.open_stream(b).read_all() for b in storage.read_many(paths)]
+    finally:
+        storage.remove_tree(run_dir)
+        if storage.is_local(root):  # an empty .engine/ left behind: gone too (another run's stays)
+            with contextlib.suppress(OSError):
+                os.rmdir(root)
+
+
+def _group_to(element, group, results: str) -> None:
+    """One partition's group, its table written (Arrow IPC) where the driver reads it back."""
+    import pyarrow as pa
+
+    part, tables = element
+    table = group(part, list(tables))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    storage.write_bytes_atomic(sink.getvalue().to_pybytes(), f"{results}/{part:06d}.arrow")
 
 
 @contextlib.contextmanager
@@ -293,6 +342,7 @@ def task_to_json(task: ShardTask) -> str:
             "out_dir": task.out_dir,
             "inputs": [i.model_dump() for i in task.inputs],
             "every": task.every,
+            "plan": task.plan,
         }
     )
 
@@ -300,7 +350,7 @@ def task_to_json(task: ShardTask) -> str:
 def task_from_json(line: str) -> ShardTask:
     d = json.loads(line)
     inputs = tuple(ShardInput.model_validate(i) for i in d["inputs"])
-    return ShardTask(d["shard"], inputs, d["out_dir"], d["every"])
+    return ShardTask(d["shard"], inputs, d["out_dir"], d["every"], tuple(map(tuple, d.get("plan", ()))))
 
 
 def _quiet_beam() -> None:

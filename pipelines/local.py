@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from .stage import EngineOption, RunPlan, ShardResult, StageError, run_task
+from .stage import EngineOption, RunPlan, ShardResult, StageError, run_task, shuffle_here
 
 OPTIONS: dict[str, EngineOption] = {}  # nothing to set: one process, one shard after another
+
+
+# a whole-input plan's map and group (`Stage.whole_plan`): in this process, a partition at a time
+shuffle = shuffle_here
 
 
 def run(plan: RunPlan, progress: bool = True) -> list[ShardResult]:

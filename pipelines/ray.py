@@ -21,7 +21,16 @@ import time
 
 from tqdm.auto import tqdm
 
-from .stage import EngineOption, RunPlan, ShardResult, Stage, StageError, reconcile_results, run_task
+from .stage import (
+    EngineOption,
+    RunPlan,
+    ShardResult,
+    Shuffle,
+    Stage,
+    StageError,
+    reconcile_results,
+    run_task,
+)
 
 OPTIONS = {
     "address": EngineOption(
@@ -215,6 +224,40 @@ def run(
     finally:
         if started:
             ray.shutdown()
+
+
+def shuffle(
+    job: Shuffle, out_dir=None, address: str | None = None, workers: int | None = None, progress=True, **_
+) -> list:
+    """A whole-input plan (`Stage.whole_plan`) as Ray tasks: a map task per item returns one object per
+    partition (`num_returns`), and a group task per partition takes that partition's object of every
+    map: Ray's object store is the shuffle, and a partition's tables meet in one worker alone."""
+    ray, started = start_ray(address)
+    try:
+        parts = job.parts
+        mapper = ray.remote(_map_parts).options(num_returns=parts, num_cpus=1)
+        grouper = ray.remote(_group_part).options(num_cpus=1)
+        maps = [mapper.remote(job.map, item, parts) for item in job.items]
+        maps = [m if parts > 1 else [m] for m in maps]  # one return: a ref, not a list of one
+        groups = [grouper.remote(job.group, p, *[m[p] for m in maps]) for p in range(parts)]
+        return [t for t in ray.get(groups) if t is not None]
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _map_parts(map_fn, item: str, parts: int):
+    """A map task: its tables by partition, one return each (None where it gives a partition nothing)."""
+    out = [None] * parts
+    for part, table in map_fn(item):
+        out[part] = table
+    return tuple(out) if parts > 1 else out[0]
+
+
+def _group_part(group_fn, part: int, *tables):
+    """A group task: one partition's tables from every map."""
+    tables = [t for t in tables if t is not None]
+    return group_fn(part, tables) if tables else None
 
 
 def _run_pool(

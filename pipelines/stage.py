@@ -7,14 +7,15 @@ and the driver ends with `finish_run`, which raises StageFailed naming every fai
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -26,6 +27,7 @@ from entroweight.options import setting_changes
 from entroweight.schemas import ShardManifest, StageRecord, config_hash
 from entroweight.schemas.datadir import DataDir, Unreadable
 from entroweight.schemas.manifest import (
+    DUPLICATES_KEPT,
     REJECTS_DIR,
     SHARDS_FILE,
     STAGE_FILE,
@@ -84,6 +86,48 @@ class ShardTask:
     # a streamed input (Stage.streams): a shard is committed every `every` rows, named shard, then
     # next_shard(shard), ...; None: one shard
     every: int | None = None
+    # what the stage planned over the whole input for this task's rows (`Stage.whole_plan`): (row, note)
+    # pairs; tokenize: the rows that repeat a document id seen before in the run, and where it was first
+    plan: tuple[tuple[int, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Shuffle:
+    """A map and a group over a run's whole input, which the engine runs before the shards
+    (`Stage.whole_plan`; each engine's `shuffle(job, out_dir, **options)`, on its own shuffle):
+    `map(item)` -> [(partition, Arrow table)] for each of `items` (lines of text), then `group(partition,
+    tables)` -> an Arrow table, once per partition with all its tables; the tables it gives come back."""
+
+    items: list[str]
+    map: Callable
+    group: Callable
+    parts: int
+
+
+def shuffle_here(job: Shuffle, out_dir: AnyPath | None = None, **_) -> list:
+    """`Shuffle` in this process (the local engine's, and a preview's): each map's tables spill to a
+    file per partition in a temporary directory, then each partition is grouped alone, so memory holds
+    one partition (and one map's output), not the whole input's ids."""
+    import tempfile
+
+    import pyarrow as pa
+
+    with tempfile.TemporaryDirectory(prefix="entroweight-shuffle-") as tmp:
+        writers: dict[int, Any] = {}
+        try:
+            for item in job.items:
+                for part, table in job.map(item):
+                    if part not in writers:
+                        writers[part] = pa.ipc.new_stream(os.path.join(tmp, f"{part}.arrow"), table.schema)
+                    writers[part].write_table(table)
+        finally:
+            for w in writers.values():
+                w.close()
+        out = []
+        for part in sorted(writers):
+            with pa.memory_map(os.path.join(tmp, f"{part}.arrow")) as f:
+                out.append(job.group(part, [pa.ipc.open_stream(f).read_all()]))
+        return out
 
 
 @dataclass
@@ -149,6 +193,15 @@ class Stage(ABC):
         shards are named as they are made (part-NNNNN-KKKKK), and a killed task resumes after the
         last one committed."""
         return False
+
+    def whole_plan(self, inputs: list[ShardInput], order: list[str], shuffle) -> dict[str, list] | None:
+        """What a shard holds beyond its own rows, decided over the whole input before any shard runs:
+        {input uri: [(row, note), ...]} (tokenize: the rows that repeat a document id seen before in the
+        run, `order` being the run's input files in their stable order), through `shuffle` (the engine's,
+        a callable of a `Shuffle`). Each input records a digest of its rows' part (`ShardInput.repeats`),
+        so a change redoes its shard, and each task gets its rows' part (`ShardTask.plan`). It runs only
+        when a shard is to be made (or dropped); None (the default): the stage has no such plan."""
+        return None
 
     def carry(self, out_dir: AnyPath) -> None:  # noqa: B027 - optional hook
         """Write what the output directory carries besides shards (its tokenizer); driver side, each run."""
@@ -264,7 +317,11 @@ class RunPlan:
 
 
 def plan_run(
-    stage: Stage, out_dir: AnyPath, overwrite: bool = False, inputs: list[ShardInput] | None = None
+    stage: Stage,
+    out_dir: AnyPath,
+    overwrite: bool = False,
+    inputs: list[ShardInput] | None = None,
+    shuffle: Callable | None = None,
 ) -> RunPlan:
     """Which shards are done (manifest matches config and input, and its parquet is there with the
     recorded size), which to run; refuses mixed configs. It lists --out once and reads the manifests
@@ -304,8 +361,8 @@ def plan_run(
     registry_file = out / SHARDS_FILE
     registry: dict[str, str] = json.loads(registry_file.read_bytes()) if SHARDS_FILE in names else {}
     planned = dict(registry) if SHARDS_FILE in names else None
-    todo, done, stale, remove = _sort_shards(
-        stage, inputs, registry, manifests, names, record.config_hash, out
+    todo, done, stale, remove = _sort_whole(
+        stage, inputs, registry, manifests, names, record.config_hash, out, shuffle, bool(orphans)
     )
     if orphans:  # --overwrite: the output holds this run's inputs only
         remove += [m.shard for m in orphans]
@@ -334,7 +391,11 @@ def plan_run(
 
 
 def plan_past_damage(
-    stage: Stage, out_dir: AnyPath, overwrite: bool = False, inputs: list[ShardInput] | None = None
+    stage: Stage,
+    out_dir: AnyPath,
+    overwrite: bool = False,
+    inputs: list[ShardInput] | None = None,
+    shuffle: Callable | None = None,
 ) -> RunPlan:
     """`plan_run`, where --out's bookkeeping that does not parse (a shard manifest or `.shards.json`,
     changed by hand or damaged) is refused naming the file (StageError), or with --overwrite removed
@@ -342,7 +403,7 @@ def plan_past_damage(
     parquet and its manifest), and a run without a registry numbers its inputs anew."""
     while True:
         try:
-            return plan_run(stage, out_dir, overwrite=overwrite, inputs=inputs)
+            return plan_run(stage, out_dir, overwrite=overwrite, inputs=inputs, shuffle=shuffle)
         except (ValueError, TypeError, AttributeError) as e:  # Unreadable (a manifest), or the registry's
             # json error or a registry of another shape: the registry read again names it, or the error stands
             damaged = e if isinstance(e, Unreadable) else _unreadable_registry(out_dir)
@@ -426,6 +487,60 @@ def _orphans_message(out: AnyPath, orphans: list[ShardManifest], inputs=()) -> s
         "shards (inputs read under another name are made again from it; the others' documents leave "
         "the output)"
     )
+
+
+def _sort_whole(
+    stage: Stage, inputs, registry, manifests, names, config_hash: str, out, shuffle, dropping: bool
+):
+    """`_sort_shards`, for a stage with a plan over the whole input (`Stage.whole_plan`): first with
+    the plan its committed shards record (no input read); where a shard is to be made, or shards are
+    dropped (`dropping`: a first copy may go with them), the plan is made (`shuffle`, default this
+    process) and the shards sorted again by it, each task with its rows' part."""
+    sort = (stage, registry, manifests, names, config_hash, out)
+    recorded = {}
+    for m in manifests:
+        for i in m.inputs if m.config_hash == config_hash else ():
+            recorded[i.model_copy(update={"repeats": None})] = i.repeats
+            recorded[i.model_copy(update={"repeats": None, "start": 0, "stop": None})] = i.repeats
+
+    def as_recorded(inp: ShardInput) -> ShardInput:
+        return inp.model_copy(update={"repeats": recorded.get(inp)})
+
+    first = _sort_shards(sort[0], [as_recorded(i) for i in inputs], *sort[1:])
+    if not (first[0] or dropping):
+        return first
+    # the run's order of files: by the shard numbers they were given (those committed first), which
+    # the sort above gave the new inputs in the order planned
+    number = {}
+    for key, shard in registry.items():
+        uri = ShardInput.parse_key(key)[0]
+        number[uri] = min(number.get(uri, 1 << 62), int(shard.split("-")[1]))
+    order = sorted(dict.fromkeys(i.uri for i in inputs), key=lambda u: number.get(u, 1 << 62))
+    plan = stage.whole_plan(inputs, order, shuffle or shuffle_here)
+    if plan is None:
+        return first
+    parts = {i: _in_rows(plan.get(i.uri, ()), i.start, i.stop) for i in inputs}
+    todo, done, stale, remove = _sort_shards(
+        sort[0], [i.model_copy(update={"repeats": _digest(parts[i])}) for i in inputs], *sort[1:]
+    )
+    whole = {i.uri: plan.get(i.uri, ()) for i in inputs}
+    todo = [
+        replace(t, plan=tuple(_in_rows(whole[t.inputs[0].uri], t.inputs[0].start, t.inputs[0].stop)))
+        for t in todo
+    ]
+    return todo, done, stale, remove
+
+
+def _in_rows(found, start: int, stop: int | None) -> list[tuple[int, str]]:
+    """The (row, note) pairs of a whole-input plan among rows [start, stop) of an input."""
+    return sorted(f for f in found if f[0] >= start and (stop is None or f[0] < stop))
+
+
+def _digest(found: list[tuple[int, str]]) -> str | None:
+    """A short digest of an input's part of a whole-input plan (`ShardInput.repeats`); None: none."""
+    if not found:
+        return None
+    return hashlib.sha256(json.dumps(found).encode()).hexdigest()[:16]
 
 
 def _sort_shards(stage: Stage, inputs, registry: dict[str, str], manifests, names, config_hash: str, out):
@@ -571,7 +686,9 @@ def preview_run(stage: Stage, out_dir: AnyPath, overwrite: bool = False) -> tupl
         _refuse_unless_overwrite(out, names, None, record, orphans, recut, inputs)
     else:
         manifests = _intact(out, manifests, stage.config_hash)
-    todo, done, stale, _ = _sort_shards(stage, inputs, registry, manifests, names, stage.config_hash, out)
+    todo, done, stale, _ = _sort_whole(
+        stage, inputs, registry, manifests, names, stage.config_hash, out, None, bool(orphans or recut)
+    )
     recorded = {m.shard: m for m in manifests}
     lost = [t.shard for t in todo if _as_recorded(t, recorded, stage.config_hash)]
     note = (
@@ -812,6 +929,8 @@ class RunSummary:
     docs_out: int = 0  # documents written (a long one may fill several rows): docs_in = docs_out + rejected
     truncated: int = 0  # documents cut to n_ctx (tokenize --overflow truncate) ...
     bytes_dropped: int = 0  # ... and the bytes of text they lost
+    duplicates_kept: int = 0  # documents whose id was seen before in the run, kept (tokenize without
+    # --reject-duplicates)
     note: str = ""  # what the user should know of what was kept (`_kept_size_note`)
     upstream: list[dict] = field(default_factory=list)  # the stages before (`sum_lineage`)
 
@@ -825,6 +944,12 @@ class RunSummary:
         cut = (
             f"; {self.truncated} docs truncated, {self.bytes_dropped} bytes of text dropped"
             if self.truncated
+            else ""
+        )
+        cut += (
+            f"; {self.duplicates_kept} docs repeat an id seen before in the input, kept (--reject-duplicates "
+            "rejects them)"
+            if self.duplicates_kept
             else ""
         )
         earlier = [f"{c['stage']} {sum(c['rejected'].values())}" for c in self.upstream if c["rejected"]]
@@ -873,6 +998,7 @@ def finish_run(plan: RunPlan, results: list[ShardResult], seconds: float) -> Run
         seconds=seconds,
         truncated=own.get("n_truncated", 0),
         bytes_dropped=own.get("bytes_dropped", 0),
+        duplicates_kept=own.get(DUPLICATES_KEPT, 0),
         note=_kept_size_note(plan),
         upstream=upstream,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -10,7 +11,8 @@ import pyarrow as pa
 from entroweight import __version__, storage
 from entroweight.schemas import FileMetadata, ShardManifest, with_file_metadata
 from entroweight.schemas.arrow import check_n_ctx
-from entroweight.schemas.manifest import ShardInput
+from entroweight.schemas.manifest import DUPLICATES_KEPT, ShardInput
+from entroweight.transforms import duplicates
 from entroweight.transforms.prefetch import prefetch
 from entroweight.transforms.sources import (
     Cut,
@@ -31,12 +33,14 @@ from entroweight.transforms.tokenizer import (
 )
 from entroweight.transforms.writer import AtomicParquetWriter, write_table_atomic
 
-from .stage import REJECTS_DIR, ShardTask, Stage, next_shard
+from .stage import REJECTS_DIR, ShardTask, Shuffle, Stage, next_shard
 
 
 class TokenizeStage(Stage):
     name = "tokenize"
-    _heavy = ("_tok", "_listed")  # the listing too: 100,000 paths need not travel to workers
+    # the listing and the duplicates found too: 100,000 paths need not travel to workers (a task
+    # carries its own rows' duplicates)
+    _heavy = ("_tok", "_listed", "_repeats")
 
     def __init__(
         self,
@@ -119,6 +123,31 @@ class TokenizeStage(Stage):
             self._head_checked = True
         return inputs
 
+    def whole_plan(self, inputs, order, shuffle) -> dict[str, list]:
+        """The rows whose document id was seen before in the run (the first copy in `order`, then row
+        order, is kept), each with where that first copy is: ids read, partitioned by a hash of the id
+        and grouped on the engine (transforms/duplicates.py). With --reject-duplicates they are
+        rejected as `duplicate_id`, else kept and counted (`duplicate_ids_kept`). Once per plan."""
+        key = (tuple(inputs), tuple(order))
+        cached = getattr(self, "_repeats", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        parts = duplicates.partitions(inputs)
+        job = Shuffle(
+            items=[duplicates.item(i, rank) for i, rank in duplicates.each_input(inputs, order)],
+            map=functools.partial(duplicates.input_ids, text_column=self.text_column, parts=parts),
+            group=duplicates.repeats,
+            parts=parts,
+        )
+        found: dict[str, list] = {}
+        for later in shuffle(job):
+            columns = [later.column(c).to_pylist() for c in duplicates.LATER.names]
+            for rank, row, first_rank, first_row in zip(*columns, strict=True):
+                where = duplicates.first_copy(order[first_rank], first_row)
+                found.setdefault(order[rank], []).append((row, where))
+        self._repeats = (key, found)
+        return found
+
     def input_paths(self) -> list[str]:
         # the sources as named (a directory, not only its files: --out may not lie inside it)
         named = [s for s in self.sources if not s.startswith("hf:") and not is_glob(s)]
@@ -156,18 +185,17 @@ class TokenizeStage(Stage):
         at the end), each yielded to be committed before the next one is finished."""
         (inp,) = task.inputs
         out = storage.path(task.out_dir)
-        reader = DocumentReader(inp, self.text_column)
+        reader = DocumentReader(inp, self.text_column, rows=True)
         encode = SequenceBuilder(self.tok, self.n_ctx, self.pack, task.shard, self.overflow).encode
-        seen: set[str] = set()  # ids of the current shard: duplicates are counted per shard
+        repeats = dict(task.plan)  # row -> where its id was first seen in the run (`whole_plan`)
 
         def encoded():
             for piece in prefetch(reader.pieces(task.every)):
                 if isinstance(piece, Cut):
-                    seen.clear()
                     yield piece, None, None
                     continue
-                docs, duplicates = _duplicates(piece, seen, reader, self.reject_duplicates)
-                yield docs, duplicates, encode(docs)
+                docs, found = _duplicates(piece, repeats, reader, self.reject_duplicates)
+                yield docs, found, encode(docs)
 
         # Three threads: read+parse, encode (releases the GIL), pad+write: the encoder never waits on I/O.
         shard = _Shard(self, out, task.shard)
@@ -194,7 +222,7 @@ class _Shard:
         schema = with_file_metadata(self.builder.schema, stage.file_metadata())
         self.writer = AtomicParquetWriter(out / f"{name}.parquet", schema)
         self.rejects: list[dict] = []  # duplicate ids rejected (the reader's come with the Cut)
-        self.duplicates_kept = 0  # ids seen before in this shard, kept (without --reject-duplicates)
+        self.duplicates_kept = 0  # ids seen before in the run, kept (without --reject-duplicates)
         self.committed = False
 
     def add(self, docs: pa.RecordBatch, duplicates: tuple[list[dict], int], ids) -> None:
@@ -241,21 +269,26 @@ class _Shard:
             extra={
                 "n_truncated": builder.n_truncated,
                 "bytes_dropped": builder.bytes_dropped,
-                "duplicate_ids_kept": self.duplicates_kept,
+                DUPLICATES_KEPT: self.duplicates_kept,
             },
         )
 
 
-def _duplicates(docs, seen: set[str], reader: DocumentReader, reject: bool):
-    """(docs, (rejects, duplicates kept)): a repeated id is rejected with `reject`, else kept and counted."""
-    keep, kept, rejects = [], 0, []
-    for i, doc_id in enumerate(docs.column("id").to_pylist()):
-        if doc_id not in seen:
-            seen.add(doc_id)
-            keep.append(i)
-        elif reject:
-            rejects.append(reader.reject_record(doc_id, "duplicate_id", "id seen before in this shard"))
-        else:
-            keep.append(i)
-            kept += 1
-    return (docs.take(pa.array(keep, pa.int64())) if len(keep) < docs.num_rows else docs), (rejects, kept)
+def _duplicates(docs, repeats: dict[int, str], reader: DocumentReader, reject: bool):
+    """(docs, (rejects, duplicates kept)): a row whose id was seen before in the run (`repeats`: row ->
+    where first) is rejected with `reject`, naming where, else kept and counted."""
+    if not repeats:
+        return docs, ([], 0)
+    rows = docs.column("row").to_pylist()
+    hits = [i for i, row in enumerate(rows) if row in repeats]
+    if not hits or not reject:
+        return docs, ([], len(hits))
+    ids = docs.column("id")
+    rejects = [
+        reader.reject_record(
+            ids[i].as_py(), "duplicate_id", f"row {rows[i]}: id seen first at {repeats[rows[i]]}"
+        )
+        for i in hits
+    ]
+    keep = sorted(set(range(docs.num_rows)) - set(hits))
+    return docs.take(pa.array(keep, pa.int64())), (rejects, 0)

@@ -55,6 +55,10 @@ class ShardInput(BaseModel):
     # a stage's output read by another stage: the shard's sha256 as its manifest records it, checked as
     # the worker reads it (schemas/datadir.py `read_checked`); a changed shard is another input
     sha256: str | None = None
+    # tokenize: a digest of which of its rows repeat a document id seen before in the run, and where
+    # first (transforms/duplicates.py `digest`): what its shard holds beyond its own rows, so a change
+    # (an earlier input that now holds a first copy) redoes the shard; None: no row repeats one
+    repeats: str | None = None
 
     @property
     def key(self) -> str:
@@ -119,8 +123,10 @@ UPSTREAM = "upstream"
 CUT_COUNTS = ("n_truncated", "bytes_dropped")
 #: the documents of its input shard a stage did not read: score's sample of each shard's first rows
 NOT_READ = "not_read"
+#: tokenize: the documents whose id was seen before in the run, kept (without --reject-duplicates)
+DUPLICATES_KEPT = "duplicate_ids_kept"
 #: the counts besides documents in, out and rejected that a stage's lineage entry may hold
-MORE_COUNTS = (*CUT_COUNTS, NOT_READ)
+MORE_COUNTS = (*CUT_COUNTS, NOT_READ, DUPLICATES_KEPT)
 
 
 def lineage_problem(lineage: list[dict[str, Any]]) -> str | None:
@@ -165,9 +171,10 @@ def counts_line(counts: dict[str, Any]) -> str:
         else ""
     )
     sample = f"; {counts[NOT_READ]} not read (a sample of the first rows)" if counts.get(NOT_READ) else ""
+    kept = f"; {counts[DUPLICATES_KEPT]} duplicate ids kept" if counts.get(DUPLICATES_KEPT) else ""
     return (
         f"{counts['stage']}: {counts['docs_in']} docs in, {counts['docs_out']} out, "
-        f"{sum(rejected.values())} rejected{why}{cut}{sample}"
+        f"{sum(rejected.values())} rejected{why}{cut}{sample}{kept}"
     )
 
 

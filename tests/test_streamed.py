@@ -75,17 +75,21 @@ def count_source_reads(monkeypatch, source) -> dict:
     return counts
 
 
-def test_a_compressed_file_as_20_shards_is_read_once(tmp_path, corpus, tokenizer_dir, monkeypatch):
+def test_a_compressed_file_as_20_shards_is_read_once_by_its_task(
+    tmp_path, corpus, tokenizer_dir, monkeypatch
+):
     stage = TokenizeStage([str(corpus)], str(tokenizer_dir), n_ctx=64, shard_docs=20)
     stage.plan_inputs()  # (it reads the first file's first rows once: a wrong --text-column refused up front)
     counts = count_source_reads(monkeypatch, corpus)
     summary = run_stage(stage, tmp_path / "out", progress=False)
     assert summary.shards_run == 20 and summary.docs_in == N_DOCS
     assert summary.docs_out + sum(summary.rejected.values()) == N_DOCS
-    # one open, every compressed byte read once (the old plan counted rows first, then each of the
-    # 20 shards decompressed the file from its start up to its own rows: 21 opens)
-    # (and the 4 bytes of its magic, sniffed first: the content decides gzip, zstd or plain)
-    assert counts == {"opens": 1, "bytes": corpus.stat().st_size + 4}
+    # two opens, every compressed byte read twice: the ids of the run's documents (its duplicate ids
+    # are planned over the whole input first: transforms/duplicates.py), then the one task's pass over
+    # it (the old plan counted rows first, then each of the 20 shards decompressed the file from its
+    # start up to its own rows: 21 opens) (and the 4 bytes of its magic, sniffed first each time: the
+    # content decides gzip, zstd or plain)
+    assert counts == {"opens": 2, "bytes": 2 * (corpus.stat().st_size + 4)}
     manifests = read_manifests(tmp_path / "out")
     assert [m.shard for m in manifests] == [f"part-00000-{k:05d}" for k in range(20)]
     ranges = [(m.inputs[0].start, m.inputs[0].stop) for m in manifests]
@@ -95,8 +99,9 @@ def test_a_compressed_file_as_20_shards_is_read_once(tmp_path, corpus, tokenizer
 
 
 def test_planning_opens_no_file_body(tmp_path, corpus, monkeypatch, c4_path):
-    """Listing and sizes only: JSON lines of any compression, even unreadable ones, plan without a
-    read; parquet reads its footer and nothing else."""
+    """Listing and sizes only: JSON lines of any compression, even unreadable ones, plan their shards
+    without a read; parquet reads its footer and nothing else. (The stage's plan of duplicate ids then
+    reads each input's ids once.)"""
     import pyarrow as pa
 
     src = tmp_path / "src"
@@ -131,8 +136,12 @@ def test_planning_opens_no_file_body(tmp_path, corpus, monkeypatch, c4_path):
     stage = TokenizeStage([str(src)], str(_tok(tmp_path, c4_path)), n_ctx=64, shard_docs=50)
     opened.clear()
     plan = plan_run(stage, tmp_path / "out")
-    # the stage reads the first file's first rows besides (`check_head`: a wrong --text-column)
-    assert sorted(opened) == ["a.json.gz", "e.parquet"] and len(plan.todo) == 6
+    # the stage reads the first file's first rows besides (`check_head`: a wrong --text-column), and,
+    # as shards are to be made, each input's ids once (duplicate ids over the whole input,
+    # transforms/duplicates.py; e.parquet: its footer, then its two row ranges; the empty d.jsonl.gz is
+    # refused unopened); a rerun with nothing to do reads none (tests/test_duplicates.py)
+    assert sorted(opened) == ["a.json.gz"] * 2 + ["b.jsonl.zst", "c.jsonl"] + ["e.parquet"] * 3
+    assert len(plan.todo) == 6
 
 
 def _tok(tmp_path, c4_path):

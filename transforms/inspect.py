@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from entroweight import storage
 from entroweight.schemas import read_file_metadata
 from entroweight.schemas.datadir import data_files
-from entroweight.schemas.manifest import NOT_READ, SHARDS_FILE, sum_lineage
+from entroweight.schemas.manifest import DUPLICATES_KEPT, NOT_READ, SHARDS_FILE, sum_lineage
 from entroweight.schemas.weighted import (
     ENTROPY,
     EXCLUDED,
@@ -96,6 +96,8 @@ def summarize(path: str | Path) -> dict:
         if own.get("n_truncated"):  # tokenize --overflow truncate cut documents: say how much text is missing
             out["truncated_docs"] = own["n_truncated"]
             out["bytes_dropped"] = own["bytes_dropped"]
+        if own.get(DUPLICATES_KEPT):  # documents whose id was seen before in tokenize's input, kept
+            out["duplicate_ids_kept"] = own[DUPLICATES_KEPT]
         if upstream:  # the stages before this one: the documents tokenize rejected are still counted
             out["upstream"] = upstream
         if d.registry_lost:  # nothing records what was planned: say so rather than show none missing

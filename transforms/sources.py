@@ -592,6 +592,10 @@ def check_text_column(name: str) -> str:
     return name
 
 
+#: DOCUMENT_SCHEMA and each document's row in its input (`DocumentReader(..., rows=True)`)
+DOCUMENT_ROWS = DOCUMENT_SCHEMA.append(pa.field("row", pa.int64(), nullable=False))
+
+
 class DocumentReader:
     """Reads one ShardInput as DOCUMENT_SCHEMA batches; rejects are collected in `self.rejects`.
 
@@ -599,8 +603,13 @@ class DocumentReader:
     and `url`; a missing id becomes a hash of the text.
     """
 
-    def __init__(self, shard: ShardInput, text_column: str = "text", batch_docs: int = 2048):
+    def __init__(
+        self, shard: ShardInput, text_column: str = "text", batch_docs: int = 2048, rows: bool = False
+    ):
         self.shard = shard
+        # each document's row in its input as a last column, `row` (DOCUMENT_ROWS): duplicate ids are
+        # planned and found by it (transforms/duplicates.py)
+        self.rows = rows
         self.text_column = text_column
         self.batch_docs = batch_docs
         self.source = shard.uri.rsplit("/", 1)[-1]
@@ -620,7 +629,7 @@ class DocumentReader:
     ) -> Iterator[pa.RecordBatch | Cut]:
         """rows: (row number, parsed row or None, error reason) -> batches of valid documents, and a
         Cut after each `every` rows (counted from the shard's start) and at the end."""
-        ids, texts, urls = [], [], []
+        ids, texts, urls, rownos = [], [], [], []
         start = self.shard.start
         # a cut is made when the first row past it arrives: the input's last shard is known as such
         next_cut = start + every if every else None
@@ -628,8 +637,8 @@ class DocumentReader:
         for rowno, row, error in rows:
             if next_cut is not None and rowno >= next_cut:
                 if texts:
-                    yield self._batch(ids, texts, urls)
-                    ids, texts, urls = [], [], []
+                    yield self._batch(ids, texts, urls, rownos)
+                    ids, texts, urls, rownos = [], [], [], []
                 yield Cut(start, next_cut, range_in, self._take_rejects(), last=False)
                 start, next_cut, range_in = next_cut, next_cut + every, 0
             self.docs_in += 1
@@ -674,27 +683,28 @@ class DocumentReader:
             ids.append(doc_id or text_id(text))
             texts.append(text)
             urls.append(url)
+            rownos.append(rowno)
             if len(texts) >= self.batch_docs:
-                yield self._batch(ids, texts, urls)
-                ids, texts, urls = [], [], []
+                yield self._batch(ids, texts, urls, rownos)
+                ids, texts, urls, rownos = [], [], [], []
         if texts:
-            yield self._batch(ids, texts, urls)
+            yield self._batch(ids, texts, urls, rownos)
         yield Cut(start, self.shard.stop, range_in, self._take_rejects(), last=True)
 
     def _take_rejects(self) -> list[dict]:
         taken, self.rejects = self.rejects, []
         return taken
 
-    def _batch(self, ids, texts, urls) -> pa.RecordBatch:
-        return pa.RecordBatch.from_arrays(
-            [
-                pa.array(ids, pa.string()),
-                pa.array(texts, pa.string()),
-                pa.array([self.source] * len(ids), pa.string()),
-                pa.array(urls, pa.string()),
-            ],
-            schema=DOCUMENT_SCHEMA,
-        )
+    def _batch(self, ids, texts, urls, rownos) -> pa.RecordBatch:
+        arrays = [
+            pa.array(ids, pa.string()),
+            pa.array(texts, pa.string()),
+            pa.array([self.source] * len(ids), pa.string()),
+            pa.array(urls, pa.string()),
+        ]
+        if self.rows:
+            return pa.RecordBatch.from_arrays([*arrays, pa.array(rownos, pa.int64())], schema=DOCUMENT_ROWS)
+        return pa.RecordBatch.from_arrays(arrays, schema=DOCUMENT_SCHEMA)
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         """The valid documents (the rejects collect in `self.rejects`)."""
