@@ -1,0 +1,188 @@
+# ruff: noqa: F811 - pytest fixtures imported from other test modules
+"""One contract for what a weight means, held over every target (docs/export.md): on one fixed batch
+of our weighted data, the loss each target computes with the weights as its own library reads them
+back equals our trainer's loss, to floating-point tolerance. A new target is one entry in TARGETS.
+
+The model is a bigram table (logits from the current token alone), so a target that lays the same
+tokens out otherwise (without pads, or Megatron's documents joined into samples) predicts each
+target token from the same evidence and the losses compare exactly."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from test_export_data import export, scored  # noqa: F401 - fixture
+from test_score_stage import small_data, tiny_llama  # noqa: F401 - fixtures
+from test_trainer_fixtures import one_thread  # noqa: F401 - fixture
+
+from entroweight.trainers import LOSSES, WeightedTokens
+from entroweight.trainers.hf import WeightedCollator, WeightedExamples, weighted_lm_loss
+
+pytestmark = pytest.mark.filterwarnings("ignore:Transformer Engine:UserWarning")
+# the fixed batch: rows of the scored data, in file order (its rows are whole: the pads' part of the
+# contract is held by tests/test_hf_trainer.py and tests/test_step_normaliser.py)
+PICK = [0, 1, 2, 3, 40, 41, 42, 43]
+
+
+class Bigram(torch.nn.Module):
+    def __init__(self, vocab: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.Embedding(vocab, vocab)
+
+    def forward(self, ids):
+        return self.table(ids)
+
+
+def ours(scored, tmp_path, model, normalize):
+    """Our trainer's loss (LOSSES["weighted_ce"] as trainers/loop.py calls it) on the batch."""
+    b = _picked(WeightedTokens(str(scored), shuffle=False))
+    ids = b["input_ids"]
+    fn = LOSSES["weighted_ce"].fn
+    return fn(model(ids)[:, :-1], ids[:, 1:], b["mask"][:, 1:], b["weight"][:, 1:], normalize=normalize)
+
+
+def hf_trainer(scored, tmp_path, model, normalize):
+    """The loss WeightedTrainer computes (trainers/hf.py), on WeightedExamples through its collator."""
+    ds = WeightedExamples(str(scored), shuffle=False, epochs=1)
+    batch = WeightedCollator(ds.pad_id)(_picked(ds, stack=False))
+    return weighted_lm_loss(model(batch["input_ids"]), batch["labels"], batch["weight"], normalize=normalize)
+
+
+def _rows_loss(rows, pad_id, model, normalize):
+    """Rows of real tokens and their weights (an export read back) as a Hugging Face batch: labels
+    the tokens, weights as read (float16 or uint8 decoded), left-padded as our data is laid out."""
+    from entroweight.schemas.weighted import decode_weights
+
+    examples = [
+        {
+            "input_ids": torch.as_tensor(np.asarray(ids, dtype=np.int64)),
+            "labels": torch.as_tensor(np.asarray(ids, dtype=np.int64)),
+            "weight": torch.as_tensor(decode_weights(np.asarray(w))),
+        }
+        for ids, w in rows
+    ]
+    batch = WeightedCollator(pad_id)(examples)
+    return weighted_lm_loss(model(batch["input_ids"]), batch["labels"], batch["weight"], normalize=normalize)
+
+
+def hub(scored, tmp_path, model, normalize):
+    """`export-data --format hf` read back by `datasets.load_dataset`."""
+    import datasets
+
+    assert export(scored, tmp_path / "hub", "hf").exit_code == 0
+    ds = datasets.load_dataset(str(tmp_path / "hub"), split="train")
+    rows = [(r["input_ids"], r["weight"]) for r in ds.select(PICK)]
+    return _rows_loss(rows, _pad(scored), model, normalize)
+
+
+def litdata(scored, tmp_path, model, normalize):
+    """`export-data --format litdata` read back by LitData's StreamingDataset."""
+    from litdata import StreamingDataset
+
+    assert export(scored, tmp_path / "lit", "litdata").exit_code == 0
+    ds = StreamingDataset(str(tmp_path / "lit"))
+    return _rows_loss([(ds[i]["input_ids"], ds[i]["weight"]) for i in PICK], _pad(scored), model, normalize)
+
+
+def megatron(scored, tmp_path, model, normalize):
+    """`export-data --format megatron` read by WeightedGPTDataset: Megatron's loss, Σ CE·loss_mask /
+    Σ loss_mask, over one epoch of samples. Its normaliser is Σ loss_mask = Σ w: ours with
+    `normalize="weight"` (our "tokens" is not reached through loss_mask alone: None). Ours is then
+    taken over the same stream, since Megatron joins the documents and drops the tail that fills no
+    sample: our trainer's loss on the samples' tokens with the weights our parquet holds for them."""
+    if normalize != "weight":
+        return None
+    from test_export_data import example
+
+    out = tmp_path / "m"
+    assert export(scored, out, "megatron").exit_code == 0
+    ds = example("weighted_megatron_dataset").build(str(out), seq_length=48)
+    numerator = denominator = 0.0
+    for j in range(len(ds)):
+        s = ds[j]
+        ce = torch.nn.functional.cross_entropy(
+            model(s["tokens"].long()), s["labels"].long(), reduction="none"
+        )
+        numerator, denominator = numerator + (ce * s["loss_mask"]).sum(), denominator + s["loss_mask"].sum()
+    return numerator / denominator
+
+
+def _picked(rows, stack=True):
+    """The PICK rows of a reader's rows (one per item, in file order), stacked into a batch."""
+    chosen = [r for i, r in zip(range(max(PICK) + 1), rows, strict=False) if i in PICK]
+    return {k: torch.stack([r[k] for r in chosen]) for k in chosen[0]} if stack else chosen
+
+
+def _pad(scored) -> int:
+    return max(WeightedTokens(str(scored)).pad_id, 0)
+
+
+TARGETS = [ours, hf_trainer, hub, litdata, megatron]
+
+
+def _megatron_ours(scored, tmp_path, model):
+    """Our weighted_ce(normalize="weight") over the very tokens Megatron's samples hold (its shuffled
+    documents joined: a document's first token follows the last of another, not a pad), with the
+    weights our parquet holds for them: the samples of an export whose tokens are their positions
+    in the documents (Megatron walks it alike: the same lengths) say which tokens those are."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from test_export_data import example, expected
+
+    _, docs = expected(scored)
+    flat_ids = np.concatenate([d[1] for d in docs]).astype(np.int64)
+    flat_w = np.concatenate([d[2] for d in docs]).astype(np.float32)  # ours, from the parquet
+    pos = tmp_path / "positions"
+    pos.mkdir()
+    shutil.copy(tmp_path / "m" / "export.json", pos)
+    tokens = IndexedDatasetBuilder(str(pos / "text_document.bin"), dtype=np.int32)
+    weights = IndexedDatasetBuilder(str(pos / "text_document_weight.bin"), dtype=np.float32)
+    start = 0
+    for _, ids, _ in docs:
+        tokens.add_document(np.arange(start, start + len(ids)), [len(ids)])
+        weights.add_document(np.zeros(len(ids), np.float32), [len(ids)])
+        start += len(ids)
+    tokens.finalize(str(pos / "text_document.idx"))
+    weights.finalize(str(pos / "text_document_weight.idx"))
+    ds = example("weighted_megatron_dataset").build(str(pos), seq_length=48)
+    p_tok = np.stack([ds[j]["tokens"].numpy() for j in range(len(ds))])
+    p_lab = np.stack([ds[j]["labels"].numpy() for j in range(len(ds))])
+    ids, targets = torch.as_tensor(flat_ids[p_tok]), torch.as_tensor(flat_ids[p_lab])
+    fn = LOSSES["weighted_ce"].fn
+    mask = torch.ones_like(targets, dtype=torch.bool)
+    return fn(model(ids), targets, mask, torch.as_tensor(flat_w[p_lab]), normalize="weight")
+
+
+@pytest.mark.parametrize("normalize", ["tokens", "weight"])
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.__name__)
+def test_every_target_computes_our_trainers_loss(scored, tmp_path, target, normalize):
+    model = Bigram(WeightedTokens(str(scored)).info.vocab_size)
+    with torch.no_grad():
+        got = target(scored, tmp_path, model, normalize)
+        if got is None:
+            pytest.skip(
+                f"{target.__name__} has no {normalize} normalisation (docs/export.md: how to get ours)"
+            )
+        want = (
+            _megatron_ours(scored, tmp_path, model)
+            if target is megatron
+            else ours(scored, tmp_path, model, normalize)
+        )
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_the_batch_holds_fractional_weights_and_the_normalisations_differ(scored):
+    """What makes the property bite: the normalisations differ, and fractional weights that an
+    integer cast would lose."""
+    b = _picked(WeightedTokens(str(scored), shuffle=False))
+    w = b["weight"][b["mask"]]
+    assert ((w > 0) & (w < 1)).any()
+    model = Bigram(WeightedTokens(str(scored)).info.vocab_size)
+    with torch.no_grad():
+        assert (
+            abs(ours(scored, None, model, "tokens").item() - ours(scored, None, model, "weight").item())
+            > 1e-3
+        )
