@@ -486,6 +486,8 @@ def test_shipped_experiment_workflows_parse(name):
         assert [m.model_dump() for m in wf.models] == [m.model_dump() for m in full.models]
         assert {"reference", "weighted-occlusion", "shuffled-occlusion", "weighted-large"} <= set(runs)
         assert len(wf.train.seeds) == 2 and wf.primary_run() == "weighted-occlusion"
+        assert [list(p) for p in wf.report.contrasts] == [["weighted-occlusion", "shuffled-occlusion"]]
+        assert wf.accuracy.decides == "margin"
         assert [p.writeup for p in wf.agreement.pairs] == list(WRITEUP)
         return
     assert (runs["rho1-topk"].loss, runs["rho1-topk"].normalize) == ("weighted_ce", "weight")
@@ -498,9 +500,20 @@ def test_shipped_experiment_workflows_parse(name):
         assert (large.scorer, large.options["aggregate"]) == ("cross_tokenizer", "sum")
         assert {r.name: r.role for r in wf.train.runs if r.role} == {
             "shuffled-occlusion": "control",
-            "weighted-occlusion-normw": "control",
+            "position-shuffled-occlusion": "control",
+            "rescaled-large": "extension",
             "weighted-large": "extension",
         }
+        # the controls are drawn per seed by the trainer, of the treatment's own data and loss
+        for control, by in (("shuffled-occlusion", "row"), ("position-shuffled-occlusion", "position")):
+            assert (runs[control].data, runs[control].loss, runs[control].shuffle_weights) == (
+                "occlusion",
+                "weighted_ce",
+                by,
+            )
+            assert ["weighted-occlusion", control] in [list(p) for p in wf.report.contrasts]
+        assert (runs["rescaled-large"].loss, runs["rescaled-large"].data) == ("rescaled", "large")
+        assert not any(r.normalize == "weight" and r.data == "occlusion" for r in wf.train.runs)
         assert [p.writeup for p in wf.agreement.pairs] == list(WRITEUP)
     assert wf.holdout is not None and wf.eval_texts() == ["main", "heldout"]
     assert len(wf.train.seeds) == {"default.yaml": 2, "experiment.yaml": 6}.get(name, 5)

@@ -71,13 +71,25 @@ class LossSettings(_Settings):
         2.0, ge=0, description="hard_negative: logits this far below the target's are dropped."
     )
     prefix_weight: float = Field(0.1, ge=0, description="prefix_smooth: the weight of each prefix token.")
+    shuffle_weights: Literal["row", "position"] | None = Field(
+        None,
+        description="A control: the data's weights permuted afresh for each seed, within each row (row) "
+        "or across rows at each position (position) (docs/experiments.md#controls).",
+    )
 
     @model_validator(mode="after")
     def _options_of_the_loss(self):
         """A loss parameter given for a loss that does not take it would change nothing (and then
         block a resume as a changed setting): refused, naming whose it is."""
         takes = set(LOSSES[self.loss].options)
-        for name in sorted(self.model_fields_set & (set(LossSettings.model_fields) - {"loss"}) - takes):
+        if self.shuffle_weights is not None and "weight" not in LOSSES[self.loss].columns:
+            raise ValueError(
+                f"shuffle_weights (--shuffle-weights) permutes the weights, which --loss {self.loss} does "
+                "not read: train with a weighted loss (weighted_ce), or drop it"
+            )
+        for name in sorted(
+            self.model_fields_set & (set(LossSettings.model_fields) - {"loss", "shuffle_weights"}) - takes
+        ):
             if getattr(self, name) == LossSettings.model_fields[name].default:
                 continue  # the default, written out (a config file, a workflow's defaults): harmless
             owner = next(n for n, loss in LOSSES.items() if name in loss.options)

@@ -34,7 +34,17 @@ from torch.utils.data import IterableDataset, get_worker_info
 from entroweight import storage
 from entroweight.schemas.compat import Incompatible, check_compatible, check_part_config, facts
 from entroweight.schemas.datadir import DataDirError, Part, data_files, no_rows, open_data_file
-from entroweight.schemas.weighted import WEIGHT, matrix, real_mask, weight_dtype, weights_matrix
+from entroweight.schemas.weighted import (
+    EXCLUDED,
+    WEIGHT,
+    excluded_mask,
+    matrix,
+    real_mask,
+    weight_dtype,
+    weights_matrix,
+)
+
+from .controls import Shuffle, shuffle_weights
 
 
 class DataError(ValueError):
@@ -392,6 +402,7 @@ class WeightedTokens(IterableDataset):
         require=(),
         tokenizer_sha256: str | None = None,
         vocab_size: int | None = None,
+        shuffle_weights: Shuffle | None = None,
     ):
         super().__init__()
         for name, value, least, optional in (
@@ -415,6 +426,9 @@ class WeightedTokens(IterableDataset):
             )
         self.info = inspect_data(paths, require, tokenizer_sha256, vocab_size)
         self.columns = [c for c in columns if c in self.info.columns]
+        if shuffle_weights is not None and WEIGHT not in self.columns:
+            raise ValueError(f"shuffle_weights={shuffle_weights!r} needs the weight column read (columns=)")
+        self.shuffle_weights = shuffle_weights
         self.batch_size, self.shuffle, self.shuffle_buffer = batch_size, shuffle, shuffle_buffer
         self.seed, self.epochs, self.start = seed, epochs, start
         r, w = _dist()
@@ -460,6 +474,8 @@ class WeightedTokens(IterableDataset):
 
     def _read_block(self, block: list[Unit]) -> dict[str, np.ndarray]:
         cols = ["input_ids", *(["n_pad"] if "n_pad" in self.info.columns else []), *self.columns]
+        if self.shuffle_weights and EXCLUDED in self.info.columns:  # a control keeps them where they are
+            cols.append(EXCLUDED)
         parts = []
         for u in block:
             with storage.open_input(u.path) as fh:
@@ -528,6 +544,16 @@ class WeightedTokens(IterableDataset):
                         f"{where}: {c} has NaN or infinite values; re-run the scoring stage for this file"
                     )
             out[c] = m
+        if self.shuffle_weights:
+            # a fresh permutation per training seed, the same for a unit whenever it is read (resume)
+            where_in = self._file_index.get(str(u.path), 0)
+            rng = np.random.default_rng([self.seed, where_in, u.row_group, u.start])
+            excluded = (
+                excluded_mask(table.column(EXCLUDED), width) if EXCLUDED in table.column_names else None
+            )
+            weighable = out["mask"] & ~excluded if excluded is not None else out["mask"]
+            pads = n_pad if n_pad is not None else np.zeros(len(ids), np.int64)
+            out[WEIGHT] = shuffle_weights(out[WEIGHT], weighable, pads, self.shuffle_weights, rng)
         return out
 
     # -- iteration

@@ -599,6 +599,7 @@ def _train(
         world_size=world,
         start=state["position"] if state else 0,
         columns=loss_def.columns,
+        shuffle_weights=cfg.shuffle_weights,
     )
     batches = iter(ds)
     if rank == 0:
