@@ -24,7 +24,8 @@ from .stage import (
 )
 
 # Each engine is the module of its name beside this one: `OPTIONS` (its knobs: EngineOption per keyword
-# of `run`), `run(plan, progress, **options) -> list[ShardResult]` and, where it has something to set up
+# of `run`), `run(plan, progress, **options) -> list[ShardResult]`, `shuffle(job, out_dir, **options)` (a
+# whole-input plan's map and group, `stage.Shuffle`, on the engine's own shuffle) and, where it has something to set up
 # before the run is planned and to tear down after, `session(**options)` (a context manager).
 # The table gives each engine the library it needs, installed by the extra of the engine's name.
 ENGINES = {"local": None, "beam": "apache_beam", "ray": "ray"}

@@ -47,23 +47,23 @@ def input_ids(line: str, text_column: str, parts: int) -> list[tuple[int, pa.Tab
     """The map: (partition, ID_ROWS table) of the documents of one input (`item`), by a hash of the id."""
     d = json.loads(line)
     inp, rank = ShardInput.model_validate(d["input"]), d["rank"]
-    ids, rows = [], []
+    pieces = []  # Arrow, not Python strings: a map holds its input's ids at ~50 bytes each
     try:
         for piece in DocumentReader(inp, text_column, rows=True):
-            ids += piece.column("id").to_pylist()
-            rows.append(piece.column("row").to_numpy())
+            pieces.append(pa.table([piece.column("id"), piece.column("row")], names=["id", "row"]))
     except (ValueError, OSError):  # a file that cannot be read (to its end): its rows read so far, the
         # ones a shard of it may commit; the shard fails naming the file, and the other inputs go on
         pass
-    if not ids:
+    if not pieces:
         return []
+    ids = pa.concat_tables(pieces)
     table = pa.table(
-        [pa.array(ids, pa.string()), pa.array(np.full(len(ids), rank, np.int32)), np.concatenate(rows)],
-        schema=ID_ROWS,
+        [ids.column("id"), pa.array(np.full(ids.num_rows, rank, np.int32)), ids.column("row")], schema=ID_ROWS
     )
     if parts == 1:
         return [(0, table)]
-    part = np.fromiter((zlib.crc32(i.encode()) % parts for i in ids), np.int64, len(ids))
+    hashes = (zlib.crc32(i.encode()) % parts for i in table.column("id").to_pylist())
+    part = np.fromiter(hashes, np.int64, table.num_rows)
     return [(int(p), table.filter(pa.array(part == p))) for p in np.unique(part)]
 
 

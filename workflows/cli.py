@@ -156,7 +156,9 @@ def _train_tokenizer_held(
 @click.option("--shard-docs", type=int, default=None, help="Documents per shard (splits big files).")
 @click.option("--text-column", default="text", show_default=True)
 @click.option(
-    "--reject-duplicates", is_flag=True, help="Reject a document whose id was seen before in its shard."
+    "--reject-duplicates",
+    is_flag=True,
+    help="Reject a document whose id was seen before anywhere in the run's input (or in shards already in --out), naming the first copy; without it, such documents are kept and counted.",
 )
 @click.option(
     "--overflow",
