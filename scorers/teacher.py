@@ -190,3 +190,119 @@ def draw(
             if t + 1 < L:
                 logits = decoder.step(x[:, 0])
     return Drawn(tokens.cpu().numpy(), entropy.cpu().numpy(), surprisal.cpu().numpy())
+
+
+@dataclass
+class Excess:
+    """(B, L) per token of the rows read: the exact KL(teacher || student) of the two distributions
+    before the token, the student's CE on it, and the teacher's entropy H there (nats, fp64)."""
+
+    kl: np.ndarray
+    ce: np.ndarray
+    entropy: np.ndarray
+
+
+def excess(
+    teacher: Incremental,
+    student: Incremental,
+    context: np.ndarray,
+    real: np.ndarray,
+    tokens: np.ndarray,
+    temperature: float = 1.0,
+    device: str = "cpu",
+) -> Excess:
+    """Both models read the same rows, teacher-forced through their KV caches (the path `draw` samples
+    by, so the teacher's distribution at each token is the one it was drawn from: softmax(logits /
+    temperature)); the student's is softmax(logits). KL_t = Σ_v p(v) (log p(v) − log q(v)) over the
+    teacher's vocabulary (a student's larger one: ids the teacher never draws); E[CE − H] = KL."""
+    B, L = tokens.shape
+    kl, ce, ent = (np.zeros((B, L)) for _ in range(3))
+    x = to_device(tokens, device)
+    with torch.inference_mode():
+        lt = teacher.start(to_device(context, device), to_device(real, device).bool())
+        ls = student.start(to_device(context, device), to_device(real, device).bool())
+        for t in range(L):
+            logp = torch.log_softmax(lt.double() / temperature, dim=-1)
+            V = logp.shape[-1]
+            if ls.shape[-1] < V:
+                raise TeacherError(
+                    f"the student's vocabulary ({ls.shape[-1]}) is smaller than the teacher's ({V}): the KL "
+                    "is infinite wherever the teacher puts mass on the rest"
+                )
+            logq = torch.log_softmax(ls.double(), dim=-1)
+            p = logp.exp()
+            terms = torch.where(p > 0, p * (logp - logq[:, :V]), 0.0)
+            kl[:, t] = terms.sum(-1).cpu().numpy()
+            ent[:, t] = (-torch.where(p > 0, p * logp, 0.0).sum(-1)).cpu().numpy()
+            ce[:, t] = (-logq.gather(1, x[:, t : t + 1])[:, 0]).cpu().numpy()
+            if t + 1 < L:
+                lt, ls = teacher.step(x[:, t]), student.step(x[:, t])
+    return Excess(kl, ce, ent)
+
+
+def excess_of_rows(
+    heldout: str,
+    student: str,
+    checkpoint: str | None = None,
+    model: str | None = None,
+    device: str = "cpu",
+    batch_size: int = 32,
+) -> dict:
+    """A student checkpoint (ours, a llama) on held-out rows of a synthesize output (`heldout`) drawn
+    from the teacher named by `checkpoint` or `model` (the output's record names it: it must match),
+    at the temperature recorded. Per row: the summed KL(teacher || student), CE − H (the student's CE
+    on the drawn token less the teacher's entropy there) and the tokens; and the means per token."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from entroweight.schemas.datadir import DataDir, DataDirError
+    from entroweight.schemas.weighted import EXCLUDED, matrix
+
+    try:
+        d = DataDir(heldout).require(hint="synthesize the held-out rows first").require_one_config()
+    except DataDirError as e:
+        raise TeacherError(str(e)) from None
+    meta = d.metadata
+    source = teacher_source(checkpoint, model)
+    if d.stage != "synthesize" or meta.get("teacher") != source.config():
+        raise TeacherError(f"{heldout} was not drawn from the teacher {checkpoint or model}")
+    teacher = incremental(source, source.load(device, "fp32", {}))
+    pupil_source = OurCheckpoint(student)
+    if pupil_source.info.get("kind") != "llama":
+        raise TeacherError(
+            f"{student} holds a {pupil_source.info.get('kind')}: the student is read as a llama"
+        )
+    pupil = incremental(pupil_source, pupil_source.load(device, "fp32", {}))
+    names, kl, ce_h, tokens = [], [], [], []
+    for part in d.parts:
+        t = pq.read_table(pa.BufferReader(part.read()), columns=["seq_id", "input_ids", "n_pad", EXCLUDED])
+        if any(len(v) for v in t.column(EXCLUDED).to_pylist()):
+            raise TeacherError(
+                f"{part.location}: rows that continue prefixes are not evaluated (draw without)"
+            )
+        ids, n_pad = matrix(t.column("input_ids")).astype(np.int64), t.column("n_pad").to_numpy()
+        for C in np.unique(n_pad):  # rows of one context width together
+            rows = np.flatnonzero(n_pad == C)
+            for a in range(0, rows.size, batch_size):
+                r = rows[a : a + batch_size]
+                context, drawn = ids[r, :C], ids[r, C:]
+                e = excess(
+                    teacher,
+                    pupil,
+                    context,
+                    np.zeros_like(context, dtype=bool),
+                    drawn,
+                    float(meta.get("temperature", 1.0)),
+                    device,
+                )
+                names += t.column("seq_id").take(pa.array(r)).to_pylist()
+                kl += e.kl.sum(1).tolist()
+                ce_h += (e.ce - e.entropy).sum(1).tolist()
+                tokens += [drawn.shape[1]] * len(r)
+    n = float(sum(tokens))
+    return {
+        "kl": sum(kl) / n,
+        "ce_minus_h": sum(ce_h) / n,
+        "tokens": int(n),
+        "rows": {"seq_id": names, "kl": kl, "ce_minus_h": ce_h, "tokens": tokens},
+    }

@@ -154,3 +154,107 @@ def compare_dirs(dir_a: str | Path, dir_b: str | Path, column: str = "entropy") 
         "scorer_a": meta_a.get("scorer"),
         "scorer_b": meta_b.get("scorer"),
     }
+
+
+# -- the estimator benchmark: each scorer's values against the truth of a synthetic corpus
+TARGETS = ("entropy", "surprisal")  # the truth's columns (pipelines/synthesize.py)
+INTERVAL = (2.5, 97.5)  # percentiles of the bootstrap: a 95 % interval
+
+
+def _row_sums(rows: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """(rows, 6) per-row n, Σx, Σy, Σx², Σy², Σxy: what a Pearson over any multiset of rows needs."""
+    return np.array(
+        [[x.size, x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum()] for x, y in rows], np.float64
+    )
+
+
+def _pearson_of_sums(s: np.ndarray) -> np.ndarray:
+    """Pearson r from summed sufficient statistics (..., 6)."""
+    n, sx, sy, sxx, syy, sxy = np.moveaxis(s, -1, 0)
+    cov = sxy - sx * sy / n
+    var = (sxx - sx * sx / n) * (syy - sy * sy / n)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(var > 0, cov / np.sqrt(np.where(var > 0, var, 1.0)), np.nan)
+
+
+def _bootstrap(rows: list[tuple[np.ndarray, np.ndarray]], counts: np.ndarray) -> dict:
+    """Pearson r and r² over the rows, with each statistic's interval over the resampled rows
+    (`counts`: resamples × rows, how often each row is drawn)."""
+    sums = _row_sums(rows)
+    r = float(_pearson_of_sums(sums.sum(0)))
+    boot = _pearson_of_sums(counts @ sums)
+    boot = boot[np.isfinite(boot)]
+
+    def interval(v: np.ndarray) -> list[float] | None:
+        return [float(q) for q in np.percentile(v, INTERVAL)] if v.size else None
+
+    if not np.isfinite(r):  # a side of one value: undefined, never a NaN in JSON
+        return {"r": None, "r_ci": None, "r2": None, "r2_ci": None}
+    return {"r": r, "r_ci": interval(boot), "r2": r * r, "r2_ci": interval(boot * boot)}
+
+
+def truth_table(
+    truth_dir: str | Path, dirs: dict[str, str | Path], resamples: int = 1000, seed: int = 0
+) -> dict:
+    """Each directory's `entropy` values (an estimator's) against the truth of `truth_dir` (a
+    synthesize output: the exact entropy and the surprisal of each token) over the real tokens of the
+    rows both hold: Pearson, Spearman and R², each with a 95 % interval by a bootstrap over rows
+    (the rows resampled with replacement, `resamples` times, from `seed`; a row's tokens are not
+    independent, so rows are the unit). Spearman is the Pearson of the ranks over all tokens, which
+    the bootstrap resamples without ranking again. The teacher's own surprisal is the first
+    estimator of the entropy ("surprisal"): what a model's loss at the truth would reach."""
+    meta, truth = _read(truth_dir, "entropy")
+    if meta.get("stage") != "synthesize":
+        raise AgreementError(f"{truth_dir} is not a synthesize output: it holds no truth")
+    _, surprisal = _read(truth_dir, "surprisal")
+    targets = {"entropy": truth, "surprisal": surprisal}
+    estimators = {"surprisal": (str(truth_dir), surprisal)}
+    for name, d in dirs.items():
+        m, vals = _read(d, "entropy")
+        try:
+            fields = {k: v for k, v in TOGETHER.items() if k not in ("unit", "weight_dtype")}
+            check_compatible([(str(truth_dir), meta), (str(d), m)], fields)
+        except Incompatible as e:
+            raise AgreementError(f"{name}: {e.fact}: score the synthetic corpus itself") from None
+        estimators[name] = (str(d), vals)
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, (where, vals) in estimators.items():
+        common = sorted(set(vals) & set(truth))
+        if not common:
+            raise AgreementError(
+                f"{where} shares no row (seq_id) with {truth_dir}: score the synthetic corpus"
+            )
+        for sid in common:
+            if not np.array_equal(vals[sid][0], truth[sid][0]):
+                raise AgreementError(f"row {sid} holds other tokens in {where} than in {truth_dir}")
+        counts = rng.multinomial(len(common), np.full(len(common), 1 / len(common)), size=resamples).astype(
+            np.float64
+        )
+        row = {"scorer": name, "n_rows": len(common)}
+        for target in TARGETS:
+            if target == name:
+                continue
+            pairs = []
+            for sid in common:
+                x, y = vals[sid][1], targets[target][sid][1]
+                keep = ~(np.isnan(x) | np.isnan(y))
+                pairs.append((x[keep], y[keep]))
+            row["n_tokens"] = int(sum(x.size for x, _ in pairs))
+            flat_x, flat_y = np.concatenate([x for x, _ in pairs]), np.concatenate([y for _, y in pairs])
+            rx, ry = rankdata(flat_x), rankdata(flat_y)
+            ranked, at = [], 0
+            for x, _ in pairs:
+                ranked.append((rx[at : at + x.size], ry[at : at + x.size]))
+                at += x.size
+            p, sp = _bootstrap(pairs, counts), _bootstrap(ranked, counts)
+            row[target] = {
+                "pearson": p["r"],
+                "pearson_ci": p["r_ci"],
+                "r2": p["r2"],
+                "r2_ci": p["r2_ci"],
+                "spearman": sp["r"],
+                "spearman_ci": sp["r_ci"],
+            }
+        out.append(row)
+    return {"resamples": resamples, "seed": seed, "interval": list(INTERVAL), "rows": out}

@@ -31,6 +31,7 @@ from entroweight import storage
 from entroweight.transforms.writer import write_text_atomic
 
 from .report_data import (  # noqa: F401 - re-exported: the report's public names
+    TRUTH_NAME,
     ReportError,
     bpb_table,
     compare,
@@ -172,6 +173,8 @@ def build_report(run_dir: str | Path, samples: int = 3, max_tokens: int = 2_000_
     if tok is not None:
         for s in data["samples"] or ():
             s["html"] = highlight(tok, s["ids"], s["values"])
+    if data["realism"] is not None:  # the truth beside the scores: how language-like the teacher is
+        scores = {TRUTH_NAME: data["realism"], **scores}
     return _template().render(
         **data,
         histograms={name: histograms(name, sc) for name, sc in scores.items()},

@@ -703,6 +703,66 @@ def writeup_agreement(wf: Workflow) -> dict | None:
     return read_result(path, "agreement table") if path.is_file() else None
 
 
+# -- the known-entropy benchmark (a synthesize section: docs/experiments.md "A corpus of known entropy")
+TRUTH_NAME = "synthetic (truth)"  # the synthetic corpus' exact entropy beside the scores' histograms
+
+
+def truth_section(wf: Workflow) -> dict | None:
+    """The estimator benchmark's table (`truth:`, workflows/steps.py TruthStep); None when the workflow
+    has none or it has not run."""
+    if wf.truth is None:
+        return None
+    path = wf.root / wf.truth.out
+    return read_result(path, "truth table") if path.is_file() else None
+
+
+def excess_section(wf: Workflow) -> dict | None:
+    """The training benchmark (`excess:`): per run and seed the exact KL(teacher || student) and CE − H
+    per token on the held-out synthetic rows; each run against the reference over seeds × held-out
+    rows (stats.compare, the rows the clusters, their tokens the sizes), decided as the BPB tables
+    (the primary unadjusted, the rest Holm), with the per-seed noise and the seeds a ±PRECISION nats
+    interval needs (stats.seeds_for)."""
+    if wf.excess is None or wf.train is None:
+        return None
+    runs = []
+    for r in wf.train.runs:
+        res = {
+            s: read_result(f, "excess") for s in wf.train.seeds if (f := wf.excess_file(r.name, s)).is_file()
+        }
+        row = {"run": r.name, "data": r.data, "loss": r.loss, "results": res}
+        for k in ("kl", "ce_minus_h"):
+            v = np.array([x[k] for x in res.values()], np.float64)
+            row[k] = {s: x[k] for s, x in res.items()}
+            row[f"{k}_mean"] = float(v.mean()) if v.size else None
+            row[f"{k}_std"] = float(v.std(ddof=1)) if v.size > 1 else None
+        runs.append(row)
+    ref = next((x for x in runs if x["run"] == wf.reference_run()), None)
+    comparisons = []
+    for x in runs:
+        if ref is None or x is ref or not x["results"]:
+            continue
+        seeds = [s for s in ref["results"] if s in x["results"]]
+        sizes = ref["results"][seeds[0]]["rows"]["tokens"] if seeds else None
+        c = stats.compare(
+            {s: ref["results"][s]["rows"]["kl"] for s in seeds},
+            {s: x["results"][s]["rows"]["kl"] for s in seeds},
+            sizes,
+        )
+        comparisons.append({"run": x["run"], "reference": ref["run"], "cluster": "held-out rows", **c})
+    stats.decide(comparisons, wf.primary_run(), lower_is_better=True)
+    for c in comparisons:
+        c["verdict"] = verdict(c, "nats of KL per token")
+        c["seeds_needed"] = stats.seeds_for(c["sd"], PRECISION) if c.get("sd") else None
+    for x in runs:
+        del x["results"]  # the rows: read, not shown
+    return {
+        "reference": wf.reference_run(),
+        "seeds": wf.train.seeds,
+        "runs": runs,
+        "comparisons": comparisons,
+    }
+
+
 def curves(wf: Workflow) -> dict:
     """Training metrics: of the models trained before scoring, and of each run per seed, with each
     run's final training CE (mean over seeds)."""
@@ -753,6 +813,12 @@ def missing_outputs(wf: Workflow) -> list[str]:
     planned += [wf.model_dir(m.name) / f for m in wf.models for f in (STATE, METRICS)]
     if wf.agreement is not None:
         planned.append(wf.root / wf.agreement.out)
+    if wf.synthesize is not None:
+        planned += [
+            wf.synthetic_dir(h) / STAGE_FILE for h in ((False, True) if wf.synthesize.heldout else (False,))
+        ]
+    if wf.truth is not None:
+        planned.append(wf.root / wf.truth.out)
     if wf.train is not None:
         for seed in wf.train.seeds:
             for r in wf.train.runs:
@@ -760,6 +826,8 @@ def missing_outputs(wf: Workflow) -> list[str]:
                 planned += [wf.eval_file(r.name, seed, t) for t in (wf.eval_texts() if wf.eval else ())]
                 if wf.accuracy is not None:
                     planned.append(wf.accuracy_file(r.name, seed))
+                if wf.excess is not None:
+                    planned.append(wf.excess_file(r.name, seed))
     # (an empty metrics.jsonl has no curve to show: missing as well)
     gone = [p for p in planned if not p.exists() or (p.name == METRICS and p.stat().st_size == 0)]
     gone = [p for p in gone if not (p.name == METRICS and p.parent / STATE in gone)]  # its run named once
@@ -824,7 +892,18 @@ def report_data(run_dir: str | Path, n_samples: int = 3, max_tokens: int = 2_000
         "curves": curves(wf),
         "bpb": [bpb_section(wf, t) for t in wf.eval_texts()] if experiment else [],
         "accuracy": accuracy_section(wf),
+        "truth": truth_section(wf),
+        "excess": excess_section(wf),
+        "realism": realism(wf, max_tokens),
     }
+
+
+def realism(wf: Workflow, max_tokens: int) -> dict | None:
+    """The synthetic corpus' exact entropy, read as a score is, for the histograms and the mean by
+    position beside the scores of real text (the teacher's loss on it: docs/experiments.md)."""
+    if wf.synthesize is None:
+        return None
+    return read_scores(wf.synthetic_dir(), max_tokens)
 
 
 def accuracy_section(wf: Workflow) -> list[dict]:

@@ -32,7 +32,7 @@ from entroweight.transforms.sources import SourceError, expand_sources, relation
 from entroweight.transforms.writer import write_bytes_atomic, write_json_atomic
 
 from .results import STEP_FILE
-from .spec import TOKENS, ModelSpec, TrainSpec, Workflow, load_yaml
+from .spec import SYNTHETIC, TOKENS, ModelSpec, TrainSpec, Workflow, load_yaml
 from .steps import (
     RUN_FILE,
     AccuracyItemsStep,
@@ -40,6 +40,7 @@ from .steps import (
     AgreementStep,
     DataStep,
     EvalStep,
+    ExcessStep,
     HoldoutStep,
     ReportStep,
     RunContext,
@@ -47,6 +48,7 @@ from .steps import (
     StepFailed,
     TokenizerStep,
     TrainStep,
+    TruthStep,
     UnigramStep,
     WorkflowError,
     check_accuracy,
@@ -59,6 +61,7 @@ TOKENS_STEP, TOKENIZER_STEP, HOLDOUT_STEP = (
     ("tokenizer", "tokenizer"),
     ("holdout", "holdout"),
 )
+SYNTHETIC_STEP = ("synthesize", SYNTHETIC)
 
 
 def _as_found(root) -> tuple[Path | None, set[str], set[str]]:
@@ -94,7 +97,10 @@ def _put_back(root, found: tuple[Path | None, set[str], set[str]]) -> None:
 
 
 def data_step(name: str) -> tuple[str, str]:
-    """The step that writes the data a workflow names `name`: the tokens, or a score step's."""
+    """The step that writes the data a workflow names `name`: the tokens, the synthetic corpus, or a
+    score step's."""
+    if name == SYNTHETIC:
+        return SYNTHETIC_STEP
     return TOKENS_STEP if name == TOKENS else ("score", name)
 
 
@@ -384,12 +390,24 @@ class Runner:
             yield HoldoutStep(*HOLDOUT_STEP, wf.holdout_dir(), self.ctx)
         yield TokenizerStep(*TOKENIZER_STEP, wf.tokenizer_dir(), self.ctx)
         yield self._tokenize()
-        for m in wf.models:
-            out = wf.model_dir(m.name)
-            config = functools.partial(self._train_config, m, wf.tokens_dir(), out, loss=m.loss, seed=m.seed)
-            yield TrainStep("model", m.name, out, self.ctx, [TOKENS_STEP], make_config=config, nproc=m.nproc)
+        # the models of the tokens (a teacher among them), the synthetic corpus, the models of it
+        for data in (TOKENS, SYNTHETIC):
+            if data == SYNTHETIC and wf.synthesize is not None:
+                yield self._synthesize(heldout=False)
+                if wf.synthesize.heldout:
+                    yield self._synthesize(heldout=True)
+            for m in (m for m in wf.models if m.data == data):
+                out = wf.model_dir(m.name)
+                config = functools.partial(
+                    self._train_config, m, wf.data_dir(data), out, loss=m.loss, seed=m.seed
+                )
+                upstream = [data_step(data)]
+                yield TrainStep("model", m.name, out, self.ctx, upstream, make_config=config, nproc=m.nproc)
         for s in wf.scores:
             yield self._score(s)
+        if wf.truth is not None:
+            upstream = [SYNTHETIC_STEP, *(data_step(n) for n in wf.truth.scores)]
+            yield TruthStep("truth", "truth", wf.root / wf.truth.out, self.ctx, upstream)
         if wf.agreement is not None:
             pairs = [n for p in wf.agreement.pairs for n in (p.y, p.x)]
             out = wf.root / wf.agreement.out
@@ -432,6 +450,16 @@ class Runner:
                             run_spec=r,
                             seed=seed,
                             text=text,
+                        )
+                    if wf.excess is not None:
+                        yield ExcessStep(
+                            "excess",
+                            name,
+                            wf.excess_file(r.name, seed),
+                            self.ctx,
+                            [("train", name), ("synthesize", "heldout")],
+                            run_spec=r,
+                            seed=seed,
                         )
                     if items is not None:
                         out = wf.accuracy_file(r.name, seed)
@@ -519,6 +547,32 @@ class Runner:
 
         return DataStep(*TOKENS_STEP, wf.tokens_dir(), self.ctx, [TOKENIZER_STEP, HOLDOUT_STEP], build=build)
 
+    def _synthesize(self, heldout: bool) -> DataStep:
+        from entroweight.pipelines.synthesize import SynthesizeStage
+        from entroweight.transforms.weigh import WeighConfig
+
+        wf, y = self.wf, self.wf.synthesize
+        upstream = [("model", y.teacher)] if y.teacher else []
+
+        def build():
+            return SynthesizeStage(
+                sequences=y.heldout if heldout else y.sequences,
+                n_ctx=y.n_ctx or wf.tokenize.n_ctx,
+                checkpoint=str(wf.model_dir(y.teacher)) if y.teacher else None,
+                model=y.model,
+                temperature=y.temperature,
+                seed=y.heldout_seed if heldout else y.seed,
+                shard_docs=y.shard_docs,
+                weighting=WeighConfig(**y.weighting.model_dump()),
+                device=y.device,
+                dtype=y.dtype,
+                batch_size=y.batch_size,
+            )
+
+        name = "heldout" if heldout else SYNTHETIC
+        out = wf.synthetic_dir(heldout)
+        return DataStep("synthesize", name, out, self.ctx, upstream, build=build)
+
     def _score(self, s) -> DataStep:
         from entroweight.transforms.select import document_steps
         from entroweight.transforms.weigh import WeighConfig
@@ -527,7 +581,7 @@ class Runner:
 
         wf = self.wf
         sources = s.sources()
-        upstream = [TOKENS_STEP, *(data_step(x) for x in sources)]
+        upstream = [data_step(s.data), *(data_step(x) for x in sources)]
         upstream += [("model", s.checkpoint_from)] if s.checkpoint_from else []
         upstream += [("score", s.weighting.quantiles_from)] if s.weighting.quantiles_from else []
 
@@ -555,7 +609,7 @@ class Runner:
             if s.checkpoint_from:
                 options["checkpoint"] = str(wf.model_dir(s.checkpoint_from))
             return ScoreStage(
-                wf.tokens_dir(),
+                wf.data_dir(s.data),
                 s.scorer,
                 options,
                 weigh,

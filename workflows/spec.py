@@ -39,6 +39,8 @@ from entroweight.transforms.weigh import GLOBAL_SCALE, WeighOptions
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 TOKENS = "tokens"  # the data name of the tokenized (unweighted) dataset
+SYNTHETIC = "synthetic"  # the data name of the corpus drawn from a teacher (`synthesize:`)
+DATA = (TOKENS, SYNTHETIC)  # what a models or score step reads
 # The report is one HTML file, named so: no record of a run (JSON, parquet, a checkpoint) ends in it,
 # so a report can never be written over what it reads. The spec's `report.out` and `report --out`
 # (workflows/report.py, which imports this: report -> report_data -> spec) both ask `is_report_name`.
@@ -181,6 +183,7 @@ class ModelSpec(TrainSettings):
     config: dict[str, Any] = Field(default_factory=dict)  # inline fields, over the file's
     loss: LossName = "ce"
     seed: Seed = 0
+    data: Literal[DATA] = TOKENS  # type: ignore[valid-type]  # the tokens, or the synthetic corpus
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     _name = field_validator("name")(_name)
@@ -219,6 +222,7 @@ class ScoreSpec(_Strict):
     options: dict[str, Any] = Field(default_factory=dict)  # validated by the scorer's Options model
     weighting: Weighting = Field(default_factory=Weighting)
     with_entropy: bool = True
+    data: Literal[DATA] = TOKENS  # type: ignore[valid-type]  # what it scores: the tokens, or the synthetic corpus
     limit_shards: int | None = Field(None, ge=1)  # score the first N shards only (slow scorers)
     limit_rows: int | None = Field(None, ge=1)  # and the first N rows of each (a sample: decomposition)
     # drop each document whose real tokens' mean weight is below this (`--min-mean-weight`): counted
@@ -326,6 +330,73 @@ class AgreementSpec(_Strict):
         if twice:
             raise ValueError(f"the pair {', '.join(twice)} is given more than once")
         return v
+
+
+class SynthesizeSpec(_Strict):
+    """A corpus of known entropy (pipelines/synthesize.py): `sequences` rows drawn from a teacher, a
+    `models` step trained on the tokens (`teacher`, a llama) or an HF causal LM (`model`), their values
+    the exact entropy; and `heldout` rows more, drawn at `heldout_seed`, that no model trains on (the
+    `excess:` evaluation reads them). Its data name is `synthetic`."""
+
+    teacher: str | None = None
+    model: str | None = None
+    sequences: int = Field(ge=1)
+    heldout: int = Field(0, ge=0)
+    n_ctx: int | None = None  # default tokenize.n_ctx
+    temperature: float = Field(1.0, gt=0)
+    seed: Seed = 0
+    heldout_seed: Seed = 1
+    shard_docs: int = Field(256, ge=1)
+    weighting: WeighOptions = Field(default_factory=WeighOptions)  # the oracle weights of `synthetic`
+    device: DeviceName = "cpu"
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    batch_size: int = Field(64, ge=1)
+    out: str = SYNTHETIC
+    heldout_out: str = f"{SYNTHETIC}-heldout"
+
+    _out = field_validator("out", "heldout_out")(_inside)
+    _n_ctx = field_validator("n_ctx")(lambda v: v if v is None else check_n_ctx(v, "n_ctx"))
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.teacher is None) == (self.model is None):
+            raise ValueError(
+                "give exactly one teacher: `teacher` (a models step) or `model` (an HF causal LM)"
+            )
+        if self.heldout and self.heldout_seed == self.seed:
+            raise ValueError("heldout_seed equals seed: the held-out rows would be the training rows")
+        return self
+
+
+class TruthSpec(_Strict):
+    """The estimator benchmark: each score step's values on the synthetic corpus against the truth
+    (its entropy and its surprisal): Pearson, Spearman and R², with intervals by a bootstrap over rows
+    (transforms/agreement.py `truth_table`)."""
+
+    scores: list[str] = Field(min_length=1)
+    resamples: int = Field(1000, ge=10)
+    seed: Seed = 0
+    out: str = "truth.json"
+
+    _out = field_validator("out")(_inside)
+
+    @field_validator("scores")
+    @classmethod
+    def _once(cls, v):
+        if twice := repeated(v):
+            raise ValueError(f"{', '.join(twice)} is given more than once")
+        return v
+
+
+class ExcessSpec(_Strict):
+    """The training benchmark's measure: every train run at every seed on the held-out synthetic rows,
+    the exact per-token KL(teacher || student) and CE − H (scorers/teacher.py `excess`)."""
+
+    batch_size: int = Field(32, ge=1)
+    device: DeviceName = "cpu"
+    out: str = "excess"
+
+    _out = field_validator("out")(_inside)
 
 
 class ExperimentRun(LossSettings):
@@ -452,8 +523,11 @@ class Workflow(_Strict):
     tokenize: TokenizeSpec = Field(default_factory=TokenizeSpec)
     holdout: HoldoutSpec | None = None
     models: list[ModelSpec] = Field(default_factory=list)
+    synthesize: SynthesizeSpec | None = None
     scores: list[ScoreSpec] = Field(default_factory=list)
     agreement: AgreementSpec | None = None
+    truth: TruthSpec | None = None
+    excess: ExcessSpec | None = None
     train: TrainSpec | None = None
     eval: EvalSpec | None = None
     accuracy: AccuracySpec | None = None
@@ -488,8 +562,10 @@ class Workflow(_Strict):
 
         model_names = unique(self.models, "models")
         score_names = unique(self.scores, "scores")
-        if TOKENS in score_names:
-            raise _At("scores", f"{TOKENS!r} names the tokenized data; give the score step another name")
+        for data in DATA:
+            if data in score_names:
+                raise _At("scores", f"{data!r} names a dataset; give the score step another name")
+        self._synthetic(model_names)
         problems: list[str] = []  # every score step's option problems at once
         for i, s in enumerate(self.scores):
             if s.checkpoint_from is not None and s.checkpoint_from not in model_names:
@@ -517,11 +593,13 @@ class Workflow(_Strict):
             v = s.values_from
             if (v is None) == (s.scorer is None):
                 raise _At(f"scores[{i}]", "give either scorer (score the tokens) or values_from (weigh anew)")
-            if v is not None and (s.checkpoint_from or s.options or s.limit_shards or s.limit_rows):
+            if v is not None and (
+                s.checkpoint_from or s.options or s.limit_shards or s.limit_rows or s.data != TOKENS
+            ):
                 raise _At(
                     f"scores[{i}].values_from",
-                    "weighs stored values: checkpoint_from, options and limit_shards/limit_rows belong to "
-                    "its scorer's step",
+                    "weighs stored values: checkpoint_from, options, data and limit_shards/limit_rows "
+                    "belong to its scorer's step",
                 )
             earlier = {x.name for x in self.scores[:i]}
             for src in s.sources():
@@ -562,11 +640,14 @@ class Workflow(_Strict):
         if self.train is not None:
             unique(self.train.runs, "train.runs")
             for i, r in enumerate(self.train.runs):
-                if r.data != TOKENS and r.data not in score_names:
+                if r.data not in DATA and r.data not in score_names:
                     raise _At(
                         f"train.runs[{i}].data",
-                        f"{r.data!r} is neither {TOKENS!r} nor a score step ({', '.join(sorted(score_names))})",
+                        f"{r.data!r} is neither {TOKENS!r}, {SYNTHETIC!r} nor a score step "
+                        f"({', '.join(sorted(score_names))})",
                     )
+                if r.data == SYNTHETIC and self.synthesize is None:
+                    raise _At(f"train.runs[{i}].data", "no synthesize section makes the synthetic corpus")
                 if LOSSES[r.loss].columns and r.data == TOKENS:
                     column = " and ".join(LOSSES[r.loss].columns)
                     raise _At(
@@ -598,6 +679,7 @@ class Workflow(_Strict):
             if len(set(self.train.seeds)) != len(self.train.seeds):
                 raise _At("train.seeds", "seeds repeat")
         self._values_kept()
+        self._truth_and_excess(score_names)
         if self.report is not None:
             self._resolve_primary()
             self._check_contrasts()
@@ -607,6 +689,51 @@ class Workflow(_Strict):
             self._accuracy_fits()
         self._outputs_apart()
         return self
+
+    def _synthetic(self, model_names: set[str]) -> None:
+        """The synthetic corpus: made by a synthesize section from a teacher trained on the tokens; read
+        only where that section is."""
+        readers = [(f"models[{i}].data", m.data) for i, m in enumerate(self.models)]
+        readers += [(f"scores[{i}].data", s.data) for i, s in enumerate(self.scores)]
+        for where, data in readers:
+            if data == SYNTHETIC and self.synthesize is None:
+                raise _At(where, "no synthesize section makes the synthetic corpus")
+        y = self.synthesize
+        if y is None or y.teacher is None:
+            return
+        if y.teacher not in model_names:
+            raise _At(
+                "synthesize.teacher",
+                f"{y.teacher!r} is not a models step ({', '.join(sorted(model_names)) or 'none'})",
+            )
+        m = next(m for m in self.models if m.name == y.teacher)
+        if m.kind != "llama":
+            raise _At("synthesize.teacher", f"{y.teacher!r} is a {m.kind}: the teacher samples from a llama")
+        if m.data != TOKENS:
+            raise _At("synthesize.teacher", f"{y.teacher!r} trains on the synthetic corpus it would draw")
+
+    def _truth_and_excess(self, score_names: set[str]) -> None:
+        if self.truth is not None:
+            if self.synthesize is None:
+                raise _At(
+                    "truth", "compares scores with the synthetic corpus' truth: add a synthesize section"
+                )
+            for i, name in enumerate(self.truth.scores):
+                if name not in score_names:
+                    raise _At(
+                        f"truth.scores[{i}]",
+                        f"{name!r} is not a score step ({', '.join(sorted(score_names)) or 'none'})",
+                    )
+                if scored_step(self.scores, name).data != SYNTHETIC:
+                    raise _At(
+                        f"truth.scores[{i}]",
+                        f"{name!r} does not score the synthetic corpus (data: synthetic)",
+                    )
+        if self.excess is not None:
+            if self.synthesize is None or not self.synthesize.heldout:
+                raise _At("excess", "reads held-out synthetic rows: give synthesize.heldout")
+            if self.train is None:
+                raise _At("excess", "evaluates the train runs: add a train section")
 
     def _accuracy_fits(self) -> None:
         a = self.accuracy
@@ -644,6 +771,7 @@ class Workflow(_Strict):
         ]
         for i, pair in enumerate(self.agreement.pairs if self.agreement else ()):
             readers += [(f"agreement.pairs[{i}].y", pair.y), (f"agreement.pairs[{i}].x", pair.x)]
+        readers += [(f"truth.scores[{i}]", n) for i, n in enumerate(self.truth.scores if self.truth else ())]
         for i, r in enumerate(self.train.runs if self.train else ()):
             if "entropy" in LOSSES[r.loss].columns:
                 readers.append((f"train.runs[{i}].data", r.data))
@@ -715,9 +843,15 @@ class Workflow(_Strict):
         if self.holdout is not None:
             outs.append(("holdout.out", self.holdout.out))
         outs += [(f"models[{i}] (models/{m.name})", f"models/{m.name}") for i, m in enumerate(self.models)]
+        if self.synthesize is not None:
+            outs.append(("synthesize.out", self.synthesize.out))
+            if self.synthesize.heldout:
+                outs.append(("synthesize.heldout_out", self.synthesize.heldout_out))
         outs += [(f"scores[{i}].out", s.out or f"scores/{s.name}") for i, s in enumerate(self.scores)]
         sections = (
             ("agreement", self.agreement),
+            ("truth", self.truth),
+            ("excess", self.excess),
             ("train", self.train),
             ("eval", self.eval),
             ("accuracy", self.accuracy),
@@ -764,8 +898,17 @@ class Workflow(_Strict):
         s = next(s for s in self.scores if s.name == name)
         return self.root / (s.out or f"scores/{name}")
 
+    def synthetic_dir(self, heldout: bool = False) -> Path:
+        y = self.synthesize
+        return self.root / (y.heldout_out if heldout else y.out)
+
     def data_dir(self, data: str) -> Path:
+        if data == SYNTHETIC:
+            return self.synthetic_dir()
         return self.tokens_dir() if data == TOKENS else self.score_dir(data)
+
+    def excess_file(self, run: str, seed: int) -> Path:
+        return self.root / self.excess.out / run / f"seed-{seed}.json"
 
     def run_ckpt(self, run: str, seed: int) -> Path:
         return self.root / self.train.out / run / f"seed-{seed}"

@@ -518,6 +518,87 @@ class AgreementStep(Step):
         return "ran", "; ".join(f"{r['y']} vs {r['x']} R² {r2}" for r, r2 in said)
 
 
+class TruthStep(Step):
+    """The estimator benchmark (`truth:`): each score step's values on the synthetic corpus against its
+    truth, with intervals (transforms/agreement.py `truth_table`), cached as JSON keyed by the settings
+    and every directory's shards."""
+
+    def _dirs(self) -> dict[str, Path]:
+        return {n: self.wf.score_dir(n) for n in self.wf.truth.scores}
+
+    def key(self) -> str:
+        spec = self.wf.truth.model_dump(mode="json", exclude={"out"})
+        data = {n: data_fingerprint(d) for n, d in self._dirs().items()}
+        return _key({"spec": spec, "truth": data_fingerprint(self.wf.synthetic_dir()), "data": data})
+
+    def done(self):
+        cached = _result(self.out)
+        return str(self.out) if cached.get("key") == self.key() else None
+
+    def plan(self):
+        return f"{len(self.wf.truth.scores)} score(s) against the truth"
+
+    def run(self):
+        from entroweight.transforms.agreement import AgreementError, truth_table
+
+        t = self.wf.truth
+        try:
+            table = truth_table(self.wf.synthetic_dir(), self._dirs(), t.resamples, t.seed)
+        except AgreementError as e:
+            raise WorkflowError(f"truth: {e}") from None
+        write_json_atomic(sealed({"key": self.key(), **table}), self.out)
+        said = [(r["scorer"], r["entropy"]["spearman"]) for r in table["rows"]]
+        return "ran", "Spearman with H: " + "; ".join(
+            f"{n} {'undefined' if v is None else f'{v:.3f}'}" for n, v in said
+        )
+
+
+class ExcessStep(Step):
+    """A train run at one seed on the held-out synthetic rows: the exact KL(teacher || student) and
+    CE − H per token (scorers/teacher.py `excess_of_rows`), cached as JSON keyed by the checkpoint's
+    weights and the held-out rows."""
+
+    def __init__(self, *args, run_spec, seed: int, **kw):
+        super().__init__(*args, **kw)
+        self.run_spec, self.seed = run_spec, seed
+        self.ckpt = self.wf.run_ckpt(run_spec.name, seed)
+
+    def key(self) -> str:
+        weights = step_record(self.ckpt / STATE).get("weights_sha256")
+        return _key({"weights": weights, "heldout": data_fingerprint(self.wf.synthetic_dir(heldout=True))})
+
+    def done(self):
+        if not (self.ckpt / STATE).exists():
+            if self.run_ctx.dry_run:
+                return None
+            raise WorkflowError(f"excess {self.name}: no checkpoint at {self.ckpt}")
+        cached = _result(self.out)
+        return f"KL {cached['kl']:.4f} nats" if cached.get("key") == self.key() else None
+
+    def plan(self):
+        return "KL to the teacher on the held-out synthetic rows"
+
+    def run(self):
+        from entroweight.scorers.teacher import TeacherError, excess_of_rows
+
+        wf, r = self.wf, self.run_spec
+        y, e = wf.synthesize, wf.excess
+        try:
+            res = excess_of_rows(
+                str(wf.synthetic_dir(heldout=True)),
+                str(self.ckpt),
+                checkpoint=str(wf.model_dir(y.teacher)) if y.teacher else None,
+                model=y.model,
+                device=e.device,
+                batch_size=e.batch_size,
+            )
+        except TeacherError as err:
+            raise WorkflowError(f"excess {self.name}: {err}") from None
+        res |= {"key": self.key(), "run": r.name, "seed": self.seed, "loss": r.loss, "data": r.data}
+        write_json_atomic(sealed({**res, "checkpoint": str(self.ckpt)}), self.out)
+        return "ran", f"KL {res['kl']:.4f} nats, CE − H {res['ce_minus_h']:.4f}"
+
+
 class ReportStep(Step):
     """The HTML report; rewritten whenever any step ran, or the workflow changed in a way no step
     sees (the seeds or runs it lists, its primary comparison): its key is the whole workflow's."""
