@@ -12,12 +12,13 @@
   divided by the Trainer's `num_items_in_batch` where it passes one: our trainer's loss.
 - `WeightedTrainer` is a stock Trainer with that loss as its `compute_loss_func` (the Trainer then
   treats the loss as normalised over the whole accumulated batch: no division by the accumulation
-  steps), fed each micro-batch's weights. `num_items_in_batch` is the Trainer's count of labels over
-  its accumulation window and every process (`average_tokens_across_devices`, on by default): the
-  normaliser of `normalize="tokens"`. For `normalize="weight"` it counts Σ w over the same window
-  and processes instead (`get_batch_samples`). So a step of micro-batches of unequal real-token
-  counts, on one process or several, gives the loss and gradients of one batch of its rows. Each
-  logged row has the plain `ce` beside the weighted `loss`.
+  steps), fed each micro-batch's weights. `num_items_in_batch` is then our normaliser, counted by
+  `WeightedTrainer.get_batch_samples` over the accumulation window and every process
+  (`average_tokens_across_devices`, on by default): the targets that take a loss for
+  `normalize="tokens"`, their Σ w for "weight". (The Trainer's own count skips each row's first
+  label only for a model whose `loss_type` it knows shifts them; our loss always does.) So a step of
+  micro-batches of unequal real-token counts, on one process or several, gives the loss and
+  gradients of one batch of its rows. Each logged row has the plain `ce` beside the weighted `loss`.
 
 Under several processes each reads the same stream (the reader's own rank sharding is off) and
 accelerate hands each its share of the batches, with or without `dispatch_batches`.
@@ -111,9 +112,10 @@ def weighted_lm_loss(logits, labels, weight, num_items_in_batch=None, normalize:
     )
 
 
-def weight_count(batch: dict) -> torch.Tensor:
-    """Σ w over a batch's targets that take a loss: the normaliser of `normalize="weight"`."""
-    return weight_normaliser(batch["labels"][:, 1:] != IGNORE, batch["weight"][:, 1:], "weight")
+def normaliser(batch: dict, normalize: str) -> torch.Tensor:
+    """What `weighted_lm_loss` divides a batch's sum by: its targets (labels[:, 1:]) that take a loss,
+    counted ("tokens") or their Σ w ("weight")."""
+    return weight_normaliser(batch["labels"][:, 1:] != IGNORE, batch["weight"][:, 1:], normalize)
 
 
 class WeightedTrainer(Trainer):
@@ -139,8 +141,8 @@ class WeightedTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self.normalize == "weight" and batches:
-            count = sum(weight_count(b) for b in batches).to(device)
+        if batches:  # our normaliser of the window, in place of the Trainer's label count
+            count = sum(normaliser(b, self.normalize) for b in batches).to(device)
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
                 count = self.accelerator.gather(count).sum()
         return batches, count
