@@ -37,6 +37,7 @@ MODULES = (
     "score_memory",
     "estimator_scoring",
     "models",
+    "synthesize",
     "trainer",
     "export",
 )

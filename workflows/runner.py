@@ -614,13 +614,27 @@ class Runner:
                 options,
                 weigh,
                 s.with_entropy,
-                self.ctx.tokenizer_file(),
+                self._tokenizer_of(wf.data_dir(s.data)),
                 limit=s.limit_shards,
                 rows=s.limit_rows,
                 steps=steps,
             )
 
         return DataStep("score", s.name, wf.score_dir(s.name), self.ctx, upstream, build=build)
+
+    def _tokenizer_of(self, data: Path) -> str:
+        """The tokenizer of a data directory the run made: the run's, but for a corpus drawn from an HF
+        teacher (`synthesize.model`), which is in the teacher's own, carried beside its shards."""
+        from entroweight.transforms.tokenizer import CARRIED_TOKENIZER
+
+        y = self.wf.synthesize
+        if (
+            y is not None
+            and y.model is not None
+            and data in (self.wf.synthetic_dir(), self.wf.synthetic_dir(True))
+        ):
+            return str(data / CARRIED_TOKENIZER)
+        return self.ctx.tokenizer_file()
 
     # -- training
     def _train_config(self, spec: ModelSpec | TrainSpec, data: Path, out: Path, **kw):
@@ -643,7 +657,7 @@ class Runner:
             out=str(out),
             model=spec.kind,
             model_config={**model_config, **spec.config},
-            tokenizer=self.ctx.tokenizer_file(),
+            tokenizer=self._tokenizer_of(data),
             quiet=True,
             **spec.model_dump(include=set(TrainSettings.model_fields)),
             **kw,
