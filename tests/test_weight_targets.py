@@ -5,26 +5,50 @@ back equals our trainer's loss, to floating-point tolerance. A new target is one
 
 The model is a bigram table (logits from the current token alone), so a target that lays the same
 tokens out otherwise (without pads, or Megatron's documents joined into samples) predicts each
-target token from the same evidence and the losses compare exactly."""
+target token from the same evidence and the losses compare exactly.
+
+The batch is left-padded rows of unequal real lengths (documents cut short) and one whole row: the
+exports hold each row's real tokens only, and a collator that pads to the batch's widest row lays
+them out again as our data does (the first real token of a padded row is a target, predicted from a
+pad, in ours and in each of them). Megatron joins documents without pads: its own treatment below."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import shutil
 
 import numpy as np
 import pytest
 import torch
-from test_export_data import export, scored  # noqa: F401 - fixture
-from test_score_stage import small_data, tiny_llama  # noqa: F401 - fixtures
+from conftest import C4
+from test_export_data import export, score
+from test_score_stage import tiny_llama  # noqa: F401 - fixture
 from test_trainer_fixtures import one_thread  # noqa: F401 - fixture
 
+from entroweight.pipelines import run_stage
+from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.trainers import LOSSES, WeightedTokens
 from entroweight.trainers.hf import WeightedCollator, WeightedExamples, weighted_lm_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:Transformer Engine:UserWarning")
-# the fixed batch: rows of the scored data, in file order (its rows are whole: the pads' part of the
-# contract is held by tests/test_hf_trainer.py and tests/test_step_normaliser.py)
-PICK = [0, 1, 2, 3, 40, 41, 42, 43]
+# the fixed batch: rows of the scored data, in file order (`scored`: row 0 whole, the others padded)
+PICK = [0, 2, 3, 5, 7, 8, 10, 11]
+CUTS = [None, *range(6, 61, 5)]  # each document's first characters (None: all, past n_ctx)
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory, tokenizer_dir, tiny_llama):  # noqa: F811
+    """12 C4 documents cut to CUTS, one left-padded row each (n_ctx 64), scored by the tiny llama."""
+    src = tmp_path_factory.mktemp("src_cut") / "c4.jsonl.gz"
+    with gzip.open(C4, "rt", encoding="utf-8") as f, gzip.open(src, "wt", encoding="utf-8") as out:
+        for cut in CUTS:
+            doc = json.loads(next(f))
+            out.write(json.dumps({**doc, "text": doc["text"][:cut]}) + "\n")
+    tokens = tmp_path_factory.mktemp("tokens_cut")
+    stage = TokenizeStage([str(src)], str(tokenizer_dir), n_ctx=64, overflow="truncate")
+    run_stage(stage, tokens, progress=False)
+    return score(tokens, tiny_llama, tmp_path_factory.mktemp("scored_cut"))
 
 
 class Bigram(torch.nn.Module):
@@ -175,9 +199,11 @@ def test_every_target_computes_our_trainers_loss(scored, tmp_path, target, norma
 
 
 def test_the_batch_holds_fractional_weights_and_the_normalisations_differ(scored):
-    """What makes the property bite: the normalisations differ, and fractional weights that an
-    integer cast would lose."""
+    """What makes the property bite: left-padded rows of unequal real lengths beside a whole one, the
+    normalisations differ, and fractional weights that an integer cast would lose."""
     b = _picked(WeightedTokens(str(scored), shuffle=False))
+    lengths = b["mask"].sum(1).tolist()
+    assert lengths[0] == b["mask"].shape[1] and len(set(lengths)) == len(PICK), lengths
     w = b["weight"][b["mask"]]
     assert ((w > 0) & (w < 1)).any()
     model = Bigram(WeightedTokens(str(scored)).info.vocab_size)
