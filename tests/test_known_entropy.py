@@ -208,3 +208,12 @@ def test_the_benchmark_runs_as_a_workflow_and_a_rerun_does_nothing(tmp_path):
     assert "Estimators against the truth" in html and "KL to the teacher" in html
     code, again = run_cli("run", wf)
     assert code == 0 and "ran" not in again.replace("ran in", ""), again
+
+
+@pytest.mark.parametrize("name", ["known-entropy", "known-entropy-data-limited", "known-entropy-gpu"])
+def test_the_benchmark_workflows_are_valid(name):
+    from entroweight.workflows.spec import load_workflow
+
+    wf = load_workflow(ROOT / "workflows" / f"{name}.yaml")
+    assert wf.synthesize is not None and wf.excess is not None
+    assert {r.data for r in wf.train.runs} >= {"synthetic"}
