@@ -14,7 +14,6 @@ Locally a temp file is renamed into place; on an object store the upload is held
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import getpass
 import hashlib
 import json
@@ -183,70 +182,16 @@ def blank(location) -> bool:
     return location is not None and not str(location).strip()
 
 
-#: export-hf's mark: what it exported from (written before the model, so a stopped export is its own)
-EXPORT_HF_MARK = "entroweight-export.json"
-# The files that mark a directory as some command's output, and that command's name. Checked in this
-# order: a training run's directory also holds what an exported model holds. `.stage.json` names its
-# stage inside (tokenize, score, weigh).
-OUTPUT_MARKS = (
-    (".stage.json", None),
-    ("run.json", "run"),
-    ("trainer_state.json", "train"),
-    ("export.json", "export-data"),
-    ("tokenizer.sha256", "train-tokenizer"),
-    (EXPORT_HF_MARK, "export-hf"),  # not model.safetensors: any HF model folder holds one
-    ("accuracy.json", "evaluate"),
-    ("items.jsonl", "evaluate"),  # its first file: a run stopped before accuracy.json is still its own
-)
-#: What a mark holds where its command wrote it: keys of its JSON object (of its first line, for JSON
-#: lines), every one, or for a text mark a pattern of its content. A user's file of the name (a
-#: multiple-choice dataset's `items.jsonl`, a scraper's `export.json`) marks nothing (`command_output`).
-MARK_KEYS = {
-    "run.json": ("steps", "config", "code_version", "workflow_file"),
-    "trainer_state.json": ("step", "weights_sha256", "optimizer_sha256", "position"),
-    "export.json": ("format", "source", "code_version", "metadata", "counts"),
-    "accuracy.json": ("tasks", "groups", "lm_eval"),
-    "items.jsonl": ("prefix", "choices", "label", "doc", "cut", "tokens"),
-    "tokenizer.sha256": re.compile(r"[0-9a-f]{64}  tokenizer\.json\n?"),
-}
-MARK_BYTES = 1 << 20
-#: The owner of a directory holding a stage's shards but no stage record (`.stage.json` removed).
-UNKNOWN_STAGE = "a stage whose .stage.json is gone"
-#: The names (fnmatch patterns) each command writes directly in its output: any other name there is a
-#: user's file, which no --overwrite removes (`foreign_files`). A stage's output holds its shards
-#: (`part-*`); a workflow run's, the names its run.json records (`RUN_OUTPUTS`). export-hf's are
-#: what transformers' `save_pretrained` writes for a model and its tokenizer.
-OUTPUT_FILES = {
-    "train": (
-        "trainer_state.json", "tokenizer.json", "metrics.jsonl", "config.json", "model.safetensors",
-        "optimizer.safetensors",
-    ),
-    "train-tokenizer": ("tokenizer.sha256", "tokenizer.json"),
-    "export-data": ("export.json", "README.md", "data", "index.json", "*.bin", "*.idx"),
-    "export-hf": ("*.json", "*.safetensors", "*.jinja", "tokenizer.model"),
-    "evaluate": ("accuracy.json", "items.jsonl", "*.tmp"),
-}  # fmt: skip
-#: run.json's list of the names the workflow's steps write directly in its run_dir
-RUN_OUTPUTS = "outputs"
-#: What a command's run stopped before its mark leaves in `out`: its files but the mark. The command
-#: itself may go on there (train's own checks say whether to resume or start over): a training run's
-#: first save writes trainer_state.json last, and it copies the tokenizer in before its first step.
-LEFTOVERS = {
-    command: set(OUTPUT_FILES[command]) - {mark for mark, owner in OUTPUT_MARKS if owner == command}
-    for command in ("train", "train-tokenizer")
-}
-
-
 class OutputRefused(ValueError):
     """A command's output that may not be written where it was asked (the message names it and why)."""
 
 
-def _forms(location) -> set[str]:
+def forms(location) -> set[str]:
     """The canonical keys of `location`: as resolved (through every symlink) and, locally, as written."""
-    forms = {key(location)}
+    keys = {key(location)}
     if is_local(path(location)):
-        forms.add(os.path.abspath(str(location)))
-    return forms
+        keys.add(os.path.abspath(str(location)))
+    return keys
 
 
 def _above(location) -> set[str]:
@@ -258,7 +203,7 @@ def _above(location) -> set[str]:
 
 def relation(out, read) -> str:
     """How `out` stands to `read`: "is", "lies inside", "holds", or "" when apart (symlinks followed)."""
-    o, r = _forms(out), _forms(read)
+    o, r = forms(out), forms(read)
     if o & r:
         return "is"
     if r & _above(out):
@@ -266,136 +211,6 @@ def relation(out, read) -> str:
     if o & _above(read):
         return "holds"
     return ""
-
-
-def output_owner(directory) -> str | None:
-    """The command whose output `directory` holds (see OUTPUT_MARKS), or None (absent, empty, or no
-    mark). Refuses a stage record that is not one (a non-JSON `.stage.json`): its owner is unknown."""
-    names = listing(directory)
-    for mark, command in OUTPUT_MARKS:
-        if mark not in names:
-            continue
-        if command is not None:
-            return command
-        try:
-            return str(json.loads((path(directory) / mark).read_bytes())["stage"])
-        except (ValueError, KeyError, TypeError):
-            raise OutputRefused(
-                f"{url(path(directory))}/{mark} is not a stage record (not JSON naming its stage): "
-                "write elsewhere, or pass --overwrite to replace the directory whole"
-            ) from None
-    if any(n == ".shards.json" or n.startswith(("part-", ".part-")) for n in names):
-        return UNKNOWN_STAGE  # a stage's shards whose record is gone: whose they are is unknown
-    return None
-
-
-def command_output(directory, names) -> str | None:
-    """The command, other than a stage, whose output `directory` holds, `names` being the files
-    directly in it: a mark of OUTPUT_MARKS is there and reads as its command writes it (MARK_KEYS;
-    the other marks' names are this project's alone); else None. Sources skip such a directory (a
-    training run's metrics.jsonl, an evaluation's items): its files are records, not documents."""
-    for mark, command in OUTPUT_MARKS:
-        if command is None or mark not in names:
-            continue
-        want = MARK_KEYS.get(mark)
-        if want is None:  # a name of this project's alone (entroweight-export.json)
-            return command
-        try:
-            with open_input(path(directory) / mark) as f:
-                head = f.read(MARK_BYTES + 1)
-            if len(head) > MARK_BYTES:
-                continue  # a mark is a small record: a larger file of the name is a user's
-            if isinstance(want, re.Pattern):
-                if want.fullmatch(head.decode("utf-8")):
-                    return command
-                continue
-            record = json.loads(head.split(b"\n", 1)[0] if mark.endswith(".jsonl") else head)
-        except (OSError, ValueError):
-            continue  # unreadable or not JSON: no record of ours
-        if isinstance(record, dict) and all(k in record for k in want):
-            return command
-    return None
-
-
-def check_output(
-    out,
-    reads,
-    command: str,
-    flag: str = "--out",
-    overwrite: bool | None = False,
-    owners: tuple[str, ...] = (),
-    may_lie_inside: bool = False,
-    apart: bool = False,
-    file: bool = False,
-    whole: bool = False,
-) -> str | None:
-    """The one path rule, called by every command that writes before it creates anything: `out` may
-    not be, lie inside or hold anything it reads (`reads`: (flag, location) pairs; symlinks followed,
-    URLs compared by key), nor hold another command's output (a stage of another name, a training run,
-    an export, a workflow run) unless `overwrite`, which replaces it whole. `owners`: the other
-    commands whose output this one may continue. `may_lie_inside`: a file written inside what it
-    reads by design (`report`'s RUN_DIR/report.html). `apart` (a command run by hand): `out` may not
-    lie inside another command's output either (a workflow run, a stage's shards, a training run):
-    it would mix into what that command reads and rewrites, and --overwrite cannot help there (a
-    workflow writes inside its own run directory, so its steps do not ask this).
-    `overwrite` None: the command has no --overwrite, so no refusal advises it. `file`: `out` is one
-    file the command writes (report's .html), not a directory to write into. `whole`: the command
-    replaces `out` whole (export-data), so hidden files of no command count too.
-    A user's own files are never written among nor removed, --overwrite or not (`foreign_files`): an
-    `out` holding files of no command is refused, and so is the output of a stage with files beside
-    its shards when --overwrite would replace it.
-    Returns the other command whose output `overwrite` will replace (the caller removes `out` whole
-    once every other check passed), else None. Raises OutputRefused."""
-    if blank(out):
-        raise OutputRefused(f"{flag} is empty (an unset variable?): name the location to write")
-    for what, read in reads:
-        if blank(read):
-            raise OutputRefused(f"{what} is empty (an unset variable?): name what {command} reads")
-    for what, read in reads:
-        if read is None or str(read).startswith(("hf:", "hf://")):
-            continue  # the hub is read-only: no output can be among its files
-        how = relation(out, read)
-        if how and not (how == "lies inside" and may_lie_inside):
-            raise OutputRefused(
-                f"{flag} {out} {how} {what} {read}, which {command} reads; write to a location apart "
-                "from what it reads"
-            )
-    check_place(out, flag, file)
-    if apart:
-        check_apart(out, flag, reads if may_lie_inside else ())
-    try:
-        owner = output_owner(out)
-    except OutputRefused:
-        if overwrite:
-            return "unknown"
-        raise
-    except Exception:  # unreachable (no bucket, no credentials): check_writable, called next, says why
-        return None
-    replaced = owner is not None and owner != command and owner not in owners
-    # `out` replaced whole: another command's output, or (`whole`) this command's own
-    removed = bool(overwrite and (replaced or whole))
-    if not file and (owner is None or not replaced or removed):  # written into, or replaced whole
-        theirs = foreign_files(out, owner, command, hidden=whole)
-        if theirs and owner is None:
-            raise OutputRefused(
-                f"{flag} {out} holds files of no entroweight command ({some_of(theirs)}), which `{command}` "
-                "would mix its own among or replace: write to a new or empty directory"
-            )
-        if theirs:  # what verify calls "not a shard of this directory", and a workflow step's check
-            raise OutputRefused(
-                f"{flag} {out} holds the output of {named(owner)} and files no command wrote ("
-                f"{some_of(theirs)}), which "
-                + ("--overwrite would remove with it" if removed else f"`{command}` would write among")
-                + ": move them out first, or write elsewhere"
-            )
-    if not replaced:
-        return None
-    if overwrite:
-        return owner
-    advice = "" if overwrite is None else ", or pass --overwrite to replace it whole"
-    raise OutputRefused(
-        f"{flag} {out} holds the output of {named(owner)}, not of `{command}`; write elsewhere{advice}"
-    )
 
 
 def as_meant(location: str) -> str:
@@ -432,73 +247,9 @@ def _file_above(p: Path) -> Path | None:
     return None
 
 
-def foreign_files(directory, owner: str | None, command: str, hidden: bool = False) -> list[str]:
-    """The entries directly in `directory` that no entroweight command wrote there, sorted: with no
-    owner, every one not hidden but what `command`'s own stopped run leaves (`LEFTOVERS`); in a
-    command's output, every one not hidden but what that command writes there (`OUTPUT_FILES`; a
-    stage's shards, as pipelines/verify.py counts them; a workflow run's recorded outputs). Hidden
-    names are not counted (the commands keep their bookkeeping there: a lock, a stage record,
-    manifests) but with `hidden`, for a command that replaces `out` whole, in a directory of no owner
-    and nothing else."""
-    every = _entries(directory)
-    names = [n for n in every if not n.startswith(".")]
-    if owner is None:
-        theirs = sorted(n for n in names if n not in LEFTOVERS.get(command, ()))
-        # a lock file is a run's (one killed with SIGKILL leaves it), never a user's
-        return theirs or (sorted(n for n in every if n != LOCK_FILE) if hidden else [])
-    if owner == UNKNOWN_STAGE or ".stage.json" in listing(directory):
-        return sorted(n for n in names if not n.startswith("part-"))
-    if owner == "run":
-        recorded = run_outputs(directory)
-        return [] if recorded is None else sorted(set(names) - {"run.json", *recorded})
-    ours = OUTPUT_FILES.get(owner, ("*",))
-    return sorted(n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in ours))
-
-
-def run_outputs(directory) -> list[str] | None:
-    """The names a workflow run's steps write in its run_dir, as its run.json records them; None for a
-    record from before they were recorded (or unreadable): then no name is told apart from the run's."""
-    try:
-        return [str(n) for n in json.loads((path(directory) / "run.json").read_bytes())[RUN_OUTPUTS]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def some_of(names: list[str], n: int = 3) -> str:
     """The first `n` names, and how many more: what a message lists of a long list."""
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
-
-
-def _entries(directory) -> list[str]:
-    """The names directly in `directory`, files and directories ([] when it does not exist)."""
-    d = path(directory)
-    if is_local(d):
-        return [e.name for e in Path(d).iterdir()] if Path(d).is_dir() else []
-    return list(listing(d))
-
-
-def named(owner: str) -> str:
-    """A command as a refusal names it (`tokenize`); an owner told in words as it is."""
-    return owner if " " in owner else f"`{owner}`"
-
-
-def check_apart(out, flag: str, reads=()) -> None:
-    """Refuse an `out` inside a directory that holds a command's output (but those of `reads`)."""
-    allowed = {k for _, read in reads if read is not None for k in _forms(read)}
-    for above in parents(out):
-        if above in allowed:
-            continue
-        try:
-            owner = output_owner(above)
-        except OutputRefused:
-            owner = "a stage whose record is not JSON"
-        except Exception:  # unreachable (no bucket, no credentials): check_writable says why
-            return
-        if owner is not None:
-            raise OutputRefused(
-                f"{flag} {out} lies inside {above}, the output of {named(owner)}; a command's output never goes "
-                "inside another's (it would mix into what that one reads and rewrites): write elsewhere"
-            )
 
 
 def filesystem(p: AnyPath):
@@ -666,11 +417,12 @@ def local_copy(location: AnyPath) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def staged(location: AnyPath) -> Iterator[Path]:
+def staged(location: AnyPath, last: tuple[str, ...] = ()) -> Iterator[Path]:
     """A local directory to write `location`'s files in: the path itself when local; for a URL a temp
     directory whose files are uploaded there once the block succeeds (a failed block uploads nothing).
     For the writers that need files on disk (transformers' save_pretrained, the tokenizer, lm-eval);
-    `Path(url)` would instead write a local folder named `s3:`."""
+    `Path(url)` would instead write a local folder named `s3:`. `last`: uploaded after the others
+    (the record that seals the output)."""
     p = path(location)
     if is_local(p):  # created by the writer, once it writes: a refused one leaves no directory
         yield Path(p)
@@ -679,7 +431,7 @@ def staged(location: AnyPath) -> Iterator[Path]:
 
     with tempfile.TemporaryDirectory(prefix="entroweight-out-") as tmp:
         yield Path(tmp)
-        upload_dir(Path(tmp), p)
+        upload_dir(Path(tmp), p, last)
 
 
 def download_dir(location: AnyPath, local: Path) -> int:

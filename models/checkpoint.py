@@ -114,39 +114,12 @@ def read_checkpoint_config(ckpt_dir: str | Path) -> dict:
 
 def made_from(ckpt_dir: str | Path) -> dict:
     """What an output made from the checkpoint records of it (an export's mark, an evaluation's
-    results): where it lies and its weights' sha256, which `another_checkpoint` compares."""
+    results): where it lies and its weights' sha256 (entroweight.output names the checkpoint by its weights)."""
     try:
         weights = read_checkpoint_config(ckpt_dir).get("weights_sha256")
     except CheckpointError:  # refused by the command that reads it; here only a record is wanted
         weights = None
     return {"checkpoint": storage.key(ckpt_dir), "weights_sha256": weights}
-
-
-def another_checkpoint(record: str | Path, ckpt_dir: str | Path) -> str | None:
-    """The checkpoint the JSON file `record` (an output's `made_from`) names, where it is another than
-    `ckpt_dir`: other weights, or, where either records no weights, another place. None where there is
-    no record, or it is `ckpt_dir`'s (made again, the output is rewritten). A record that does not
-    parse names 'an unknown checkpoint'."""
-    path = storage.path(record)
-    if not path.exists():
-        return None
-    try:
-        made = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        made = None
-    where = made.get("checkpoint") if isinstance(made, dict) else None
-    if not where or not isinstance(where, str):
-        return "an unknown checkpoint"
-    ours = made_from(ckpt_dir)
-    here = storage.key(where) == ours["checkpoint"]  # (an earlier version recorded the path as typed)
-    if made.get("weights_sha256") and ours["weights_sha256"]:
-        same = made["weights_sha256"] == ours["weights_sha256"]
-    else:
-        same = here
-    if same:
-        return None
-    # the same place, other weights: the checkpoint was trained again there since
-    return f"the earlier weights of {where}" if here else where
 
 
 def load_checkpoint(

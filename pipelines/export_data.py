@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from entroweight import __version__, storage
+from entroweight import __version__, output, storage
 from entroweight.schemas import ROW_IN_DOC, document_starts
 from entroweight.schemas.arrow import documents_starting
 from entroweight.schemas.datadir import DataDir, DataDirError, Part, no_rows
@@ -296,6 +296,15 @@ def _scorer_detail(meta: dict) -> str:
 
 
 WRITERS = {"megatron": _megatron, "litdata": _litdata, "hf": _hf}
+#: export-data's output (entroweight.output's contract): export.json marks it, written last
+EXPORT_DATA = output.declare(
+    output.Output(
+        "export-data",
+        marks=(output.Mark(EXPORT_RECORD, ("format", "source", "code_version", "metadata", "counts")),),
+        files=(EXPORT_RECORD, "README.md", "data", "index.json", "*.bin", "*.idx"),
+        record=EXPORT_RECORD,
+    )
+)
 MEGATRON_MODULE = "megatron.core.datasets.indexed_dataset"
 
 
@@ -318,7 +327,7 @@ def check_request(src: str | Path, out: str | Path, fmt: str, overwrite: bool) -
         raise ExportError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
     try:  # the one path rule (storage.check_output): where it reads, another command's output, a user's
         # files (hidden ones too: the export replaces `out` whole)
-        storage.check_output(out, [("SCORED", src)], "export-data", overwrite=overwrite, whole=True)
+        output.check_output(out, [("SCORED", src)], "export-data", overwrite=overwrite, whole=True)
     except storage.OutputRefused as e:
         raise ExportError(str(e)) from None
     if storage.is_local(out) and Path(out).exists() and not Path(out).is_dir():
@@ -383,7 +392,7 @@ def export_data(
     check_request(src, out, fmt, overwrite)
     source = open_scored(src)
     made_of = _made_of(source, fmt, bpb)
-    if not overwrite and storage.output_owner(out) == "export-data":
+    if not overwrite and output.output_owner(out) == "export-data":
         done = _recorded(out)
         differ = [k for k in made_of if done is None or done.get(k) != made_of[k]]
         if not differ and _files_of(out) == done.get("files"):

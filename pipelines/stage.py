@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from entroweight import __version__, storage
+from entroweight import __version__, output, storage
 from entroweight.options import setting_changes
 from entroweight.schemas import ShardManifest, StageRecord, config_hash
 from entroweight.schemas.datadir import DataDir, Unreadable
@@ -273,7 +273,7 @@ def check_out_dir(stage: Stage, out_dir: AnyPath, overwrite: bool = False, reads
     command whose output --overwrite replaces, else None."""
     pairs = [("the input", p) for p in stage.input_paths()] + list(reads)
     try:
-        return storage.check_output(out_dir, pairs, stage.name, overwrite=overwrite)
+        return output.check_output(out_dir, pairs, stage.name, overwrite=overwrite)
     except storage.OutputRefused as e:
         raise StageError(str(e)) from None
 
@@ -830,8 +830,8 @@ def run_task(stage: Stage, task: ShardTask) -> ShardResult:
 
 def _commit(manifest: ShardManifest, out_dir: str) -> None:
     """Record the shard's parquet size and row groups in its manifest and write it: the commit."""
-    output = storage.path(out_dir) / manifest.output
-    with storage.open_input(output) as f:  # its size and footer, once, here: readers need no footer
+    written = storage.path(out_dir) / manifest.output
+    with storage.open_input(written) as f:  # its size and footer, once, here: readers need no footer
         footer = pq.read_metadata(f)
         manifest.output_bytes = f.size if hasattr(f, "size") else os.fstat(f.fileno()).st_size
     manifest.output_row_groups = [footer.row_group(i).num_rows for i in range(footer.num_row_groups)]

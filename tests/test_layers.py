@@ -46,7 +46,7 @@ def test_imports_flow_one_way(layer):
     assert not bad, "imports reaching up the layers:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["storage.py", "options.py", "allocator.py"])
+@pytest.mark.parametrize("module", ["storage.py", "options.py", "allocator.py", "output.py"])
 def test_the_package_roots_shared_modules_are_below_every_layer(module):
     """entroweight/storage.py (the storage layer) and entroweight/options.py (how a refusal of options
     is worded) serve every layer, schemas included, so they import none of them."""

@@ -16,6 +16,7 @@ LIBRARY = ("schemas", "transforms", "scorers", "trainers", "pipelines", "workflo
 # module -> why it may list a directory raw (with storage.listing / storage.walk)
 RAW_LISTING = {
     "entroweight/storage.py": "the storage layer: the primitive itself",
+    "entroweight/output.py": "the path rule: whose output a directory is, a user's files in it, an output's files",
     "schemas/datadir.py": "DataDir: the one place a listing becomes a data directory's parts",
     "pipelines/stage.py": "the stage planner's own bookkeeping of its --out (temp files, rejects, done shards)",
     "pipelines/beam.py": "the Beam engine's results directory (JSON results, not data)",
@@ -25,9 +26,9 @@ RAW_LISTING = {
     "workflows/runner.py": "whether run_dir is a workflow run's (run.json, its lock), not a data directory",
 }
 # modules that may name part files themselves: the naming contract, DataDir, the planner's bookkeeping,
-# and the path rule (storage.output_owner, foreign_files: a stage's shards told from a user's files, in
+# and the path rule (entroweight.output: output_owner, foreign_files: a stage's shards told from a user's files, in
 # the lowest layer, below the schemas that name them)
-PART_NAMES = {"schemas/manifest.py", "schemas/datadir.py", "pipelines/stage.py", "entroweight/storage.py"}
+PART_NAMES = {"schemas/manifest.py", "schemas/datadir.py", "pipelines/stage.py", "entroweight/output.py"}
 # modules being rewritten elsewhere that still list parts themselves: remove the entry with the rewrite
 PENDING: dict[str, str] = {}
 PART_PATTERN = re.compile(r"(^|[*./])part-|\*\.parquet|\.parquet$")

@@ -2,7 +2,7 @@
 """A user's file is told apart from every command's output, not only from a stage's shards.
 
 `--overwrite` replaces another command's output whole (and export-data its own export): a file a user
-put inside it went with it. `storage.OUTPUT_FILES` names what each command writes directly in its
+put inside it went with it. each command's declaration (entroweight.output) names what it writes directly in its
 output; any other name there is a user's, and the replacement is refused (exit 2, one line, nothing
 removed). The table must name every file a command really writes, or its own output would be refused:
 each command here writes its real output, which must hold nothing the table leaves out. (A workflow
@@ -19,10 +19,12 @@ import pytest
 from click.testing import CliRunner
 from test_weighted_inputs import model, scored, tokens, weighed  # noqa: F401 - fixtures
 
-from entroweight import storage
+from entroweight import output
 from entroweight.transforms.sources import file_format
 from entroweight.workflows.cli import main
 
+#: the commands whose output names its files by their declaration (a workflow run's: its run.json)
+FILES_NAMED = sorted(o.command for o in output.declared() if o.files_of is None)
 HAS = {m: importlib.util.find_spec(m) is not None for m in ("megatron", "litdata")}
 
 
@@ -62,20 +64,19 @@ def outputs(tmp_path_factory, weighed, c4_path) -> dict:
 
 
 def test_every_marked_output_has_a_case():
-    """Every command storage knows an output of (OUTPUT_MARKS) has its files named, and a case here
-    (a workflow run: tests/test_workflow.py; a stage: its shards)."""
-    owners = {owner for _, owner in storage.OUTPUT_MARKS if owner is not None}
-    assert owners - {"run"} == set(storage.OUTPUT_FILES), owners
+    """Every declared command's output has a case here (a workflow run, whose names its run.json
+    records: tests/test_workflow.py; a stage: its shards)."""
+    assert set(FILES_NAMED) == {o.command for o in output.declared()} - {"run"}
 
 
-@pytest.mark.parametrize("owner", sorted(storage.OUTPUT_FILES))
+@pytest.mark.parametrize("owner", FILES_NAMED)
 def test_a_commands_output_holds_only_what_it_is_known_to_write(outputs, owner):
     for d in outputs[owner]:
-        assert storage.output_owner(d) == owner
-        assert storage.foreign_files(d, owner, "tokenize") == [], sorted(p.name for p in d.iterdir())
+        assert output.output_owner(d) == owner
+        assert output.foreign_files(d, owner, "tokenize") == [], sorted(p.name for p in d.iterdir())
 
 
-@pytest.mark.parametrize("owner", sorted(storage.OUTPUT_FILES))
+@pytest.mark.parametrize("owner", FILES_NAMED)
 def test_overwrite_keeps_a_users_file_inside_any_commands_output(outputs, owner, scored, weighed, tmp_path):
     """Another command's --overwrite (weigh here; every command goes through the one check,
     tests/test_path_rule.py) is refused where a user's file lies inside the output it would replace,
@@ -94,11 +95,11 @@ def test_overwrite_keeps_a_users_file_inside_any_commands_output(outputs, owner,
     (d / "notes.txt").unlink()
     code, text = cli(*(again if owner == "export-data" else ["weigh", scored, "--out", d, "--overwrite"]))
     assert code == 0, text
-    assert storage.output_owner(d) == ("export-data" if owner == "export-data" else "weigh")
+    assert output.output_owner(d) == ("export-data" if owner == "export-data" else "weigh")
 
 
 # -- an output inside the sources is no documents
-# a workflow run's record as the runner writes it (the keys storage.MARK_KEYS reads it by)
+# a workflow run's record as the runner writes it (the keys its declared Mark reads it by)
 RUN_RECORD = {"steps": [], "config": {}, "code_version": "x", "workflow_file": "wf.yaml"}
 
 
@@ -113,7 +114,7 @@ def _tokenize(src, tmp_path, tokenizer_dir) -> tuple[int, str]:
     return r.exit_code, r.output
 
 
-@pytest.mark.parametrize("owner", sorted({o for _, o in storage.OUTPUT_MARKS if o is not None}))
+@pytest.mark.parametrize("owner", sorted({o for _, o in output.marks()}))
 def test_an_output_inside_a_source_directory_is_not_read_and_is_said(
     outputs, owner, tmp_path, tokenizer_dir, s3_bucket
 ):
@@ -145,7 +146,7 @@ def test_an_output_inside_a_source_directory_is_not_read_and_is_said(
     assert "Traceback" not in text and not (tmp_path / "alone").exists()
 
 
-@pytest.mark.parametrize("owner", sorted({o for _, o in storage.OUTPUT_MARKS if o is not None}))
+@pytest.mark.parametrize("owner", sorted({o for _, o in output.marks()}))
 def test_a_glob_or_a_file_into_an_output_is_refused(outputs, owner, tmp_path, tokenizer_dir, s3_bucket):
     """Rule: as a stage's files are, another command's are refused where a glob matches them or a file
     is named (a directory skips them: above): locally and on an object store. A glob read them as
@@ -172,15 +173,15 @@ def test_a_glob_or_a_file_into_an_output_is_refused(outputs, owner, tmp_path, to
         assert code == 0 and "5 docs in, 5 docs out" in text, text
 
 
-@pytest.mark.parametrize("mark", sorted(storage.MARK_KEYS))
+@pytest.mark.parametrize("mark", sorted(m.name for m, _ in output.marks() if m.holds is not None))
 def test_a_users_file_named_as_a_mark_is_read_as_documents(mark, tmp_path, tokenizer_dir):
     """A record's name alone marks nothing, nor does one of its keys: a user's `items.jsonl` of
     multiple-choice documents (with `choices`), a scraper's `export.json` (with `format`), ... in a
-    source directory's subfolder is read, with its siblings (storage.MARK_KEYS: all a record holds).
+    source directory's subfolder is read, with its siblings (its declared Mark: all a record holds).
     Named as the source itself, the folder is read too."""
     sub = tmp_path / "corpus" / "part"
     sub.mkdir(parents=True)
-    want = storage.MARK_KEYS[mark]
+    want = next(m.holds for m, _ in output.marks() if m.name == mark)
     if isinstance(want, tuple):  # documents that share the record's first key
         lines = [json.dumps({"text": f"a user's document {i}.", want[0]: ["x"]}) for i in range(3)]
         (sub / mark).write_text("\n".join(lines) + "\n")

@@ -1,10 +1,10 @@
-"""The one path rule over the whole CLI (docs/reliability.md; entroweight.storage.check_output).
+"""The one path rule over the whole CLI (docs/reliability.md; entroweight.output.check_output).
 
 Every command that writes (found from the click group: a command with an `out` parameter) is run
 with its output in each relation to each of the locations it reads: is, lies inside, holds, and the
 same three through a symlink. Each must exit 2 with one line naming the output, the relation and the
 input, no traceback, and nothing written. A second table puts each command's output on a directory
-holding another command's output (one per mark in storage.OUTPUT_MARKS, and a `.stage.json` that is
+holding another command's output (one per declared mark (entroweight.output), and a `.stage.json` that is
 not JSON): refused unless --overwrite. A new writing command fails `test_every_writing_command_has_a_row`
 until it gets a row here.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from entroweight import storage
+from entroweight import output, storage
 from entroweight.workflows.cli import main
 
 CONFIG_FILE_INPUTS = {"--config", "--model-config"}  # inputs that must be files (the others: dirs)
@@ -181,12 +181,12 @@ def test_no_command_writes_below_or_into_a_file(tmp_path, command, where):
 
 # -- another command's output: refused unless --overwrite replaces it whole
 
-MARKS = [(mark, owner) for mark, owner in storage.OUTPUT_MARKS if owner is not None] + [
+MARKS = [(mark.name, owner) for mark, owner in output.marks()] + [
     (".stage.json", "tokenize"),
     (".stage.json", None),  # not JSON
     # a stage's shards whose record was removed (a refusal's advice must not lead to mixing into them)
-    (".part-00000.manifest.json", storage.UNKNOWN_STAGE),
-    ("part-00000.parquet", storage.UNKNOWN_STAGE),
+    (".part-00000.manifest.json", output.UNKNOWN_STAGE),
+    ("part-00000.parquet", output.UNKNOWN_STAGE),
 ]
 
 
@@ -196,7 +196,7 @@ def _owner_cases():
             continue
         for mark, owner in MARKS:
             if owner != command:
-                who = "shards-without-record" if owner == storage.UNKNOWN_STAGE else owner or "non-json"
+                who = "shards-without-record" if owner == output.UNKNOWN_STAGE else owner or "non-json"
                 yield pytest.param(command, mark, owner, id=f"{command}-over-{who}-{mark}")
 
 
@@ -210,7 +210,7 @@ def test_another_commands_output_is_refused(tmp_path, command, mark, owner):
     line = refused(tmp_path, _argv(command, str(out), inputs))
     # the refusal advises --overwrite where the command has one, and only there
     has_overwrite = any(p.name == "overwrite" for p in main.commands[command].params)
-    if owner == storage.UNKNOWN_STAGE:
+    if owner == output.UNKNOWN_STAGE:
         assert f"--out {out} holds the output of {owner}, not of `{command}`" in line, line
         assert ("--overwrite" in line) == has_overwrite, line
     elif owner:
@@ -225,7 +225,7 @@ def _inside_cases():
         if overwrite and not any(p.name == "overwrite" for p in main.commands[command].params):
             continue
         for mark, owner in MARKS:
-            who = "shards-without-record" if owner == storage.UNKNOWN_STAGE else owner or "non-json"
+            who = "shards-without-record" if owner == output.UNKNOWN_STAGE else owner or "non-json"
             flag = "-overwrite" if overwrite else ""
             yield pytest.param(command, mark, owner, overwrite, id=f"{command}{flag}-inside-{who}-{mark}")
 
@@ -288,7 +288,7 @@ def test_a_symlinked_input_seen_from_its_real_path(tmp_path):
     real = _make_input(tmp_path / "real", "DATA")
     (tmp_path / "alias").symlink_to(real, target_is_directory=True)
     with pytest.raises(storage.OutputRefused, match="lies inside"):
-        storage.check_output(real / "sub", [("DATA", tmp_path / "alias")], "train")
+        output.check_output(real / "sub", [("DATA", tmp_path / "alias")], "train")
 
 
 # -- a user's files: never written among, never removed

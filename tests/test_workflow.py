@@ -18,8 +18,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from entroweight import storage
+from entroweight import output, storage
 from entroweight.workflows.cli import main
+from entroweight.workflows.outputs import RUN_OUTPUTS
 from entroweight.workflows.spec import SpecError, load_workflow, parse_workflow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -375,15 +376,15 @@ def test_a_users_file_in_a_run_dir_is_told_from_the_runs_own(tiny_run):
     run = tiny_run["run_dir"]
     record = json.loads((run / "run.json").read_text())
     shown = sorted(p.name for p in run.iterdir() if not p.name.startswith("."))  # hidden: bookkeeping
-    assert record[storage.RUN_OUTPUTS] == [n for n in shown if n != "run.json"]
-    assert storage.foreign_files(run, "run", "weigh") == []
+    assert record[RUN_OUTPUTS] == [n for n in shown if n != "run.json"]
+    assert output.foreign_files(run, "run", "weigh") == []
     mine = run / "notes.txt"
     mine.write_text("mine")
     try:
         with pytest.raises(
             storage.OutputRefused, match=r"the output of `run` and files no command wrote \(notes.txt\)"
         ):
-            storage.check_output(run, [], "weigh", overwrite=True)
+            output.check_output(run, [], "weigh", overwrite=True)
     finally:
         mine.unlink()
 
@@ -396,8 +397,8 @@ def test_a_step_removed_from_the_workflow_leaves_its_output_the_runs(small_run, 
     spec["models"] = []
     code, out = run_cli("run", write_yaml(tmp_path / "wf.yaml", spec))
     assert code == 0, out
-    assert "models" in json.loads((tmp_path / "run" / "run.json").read_text())[storage.RUN_OUTPUTS]
-    assert storage.foreign_files(tmp_path / "run", "run", "weigh") == []
+    assert "models" in json.loads((tmp_path / "run" / "run.json").read_text())[RUN_OUTPUTS]
+    assert output.foreign_files(tmp_path / "run", "run", "weigh") == []
 
 
 def test_second_run_does_no_work(tiny_run):
@@ -798,10 +799,11 @@ def test_min_mean_weight_in_a_score_step_drops_documents_as_counted_rejects(smal
 
 def _marked_outputs():
     """Every other command's output as storage knows it: its mark (a stage's: its record, its lock)."""
-    for mark, owner in storage.OUTPUT_MARKS:
+    yield pytest.param(output.STAGE_RECORD, "tokenize", id="a-stage")
+    for mark, owner in output.marks():
         if owner != "run":
-            yield pytest.param(mark, owner or "tokenize", id=owner or "a-stage")
-    yield pytest.param("part-00000-00000.parquet", storage.UNKNOWN_STAGE, id="shards-without-record")
+            yield pytest.param(mark.name, owner, id=owner)
+    yield pytest.param("part-00000-00000.parquet", output.UNKNOWN_STAGE, id="shards-without-record")
 
 
 @pytest.mark.parametrize(("mark", "owner"), list(_marked_outputs()))
@@ -1224,10 +1226,10 @@ def test_outputs_no_step_writes_any_more_are_said(experiment_run, tmp_path):
 
 
 def test_a_run_directory_is_known_by_what_its_record_holds(tiny_run):
-    """A source directory skips a workflow run inside it by its run.json's keys (storage.MARK_KEYS,
+    """A source directory skips a workflow run inside it by its run.json's keys (its declared Mark,
     which tests/test_output_files.py feeds a record written by hand): the runner's record holds them."""
     run = tiny_run["run_dir"]
-    assert storage.command_output(run, os.listdir(run)) == "run"
+    assert output.command_output(run, os.listdir(run)) == "run"
 
 
 def test_a_run_killed_before_its_record_is_not_taken_for_a_finished_one(

@@ -30,10 +30,11 @@ from pathlib import Path
 
 from entroweight.options import device_here
 
+from .outputs import ITEMS_FILE  # noqa: F401 - the offline task's items, where a workflow or `evaluate` keeps them
+
 OFFLINE_TASK = "entroweight_heldout"
 CHOICE_METRICS = ("acc", "acc_norm", "acc_mutual_info")
 TASK_DIR = "tasks"  # under work_dir: the offline task's YAML (include_path)
-ITEMS_FILE = "items.jsonl"  # the offline task's items, where a workflow or `evaluate` keeps them
 CACHE_DIR = "hf-datasets"  # under work_dir: HF datasets' cache (the items file's Arrow copy, hub data)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from entroweight import __version__, storage
+from entroweight import __version__
 from entroweight.models.checkpoint import (
     CheckpointError,
     a_model_of,
@@ -23,6 +23,7 @@ from entroweight.models.checkpoint import (
 from entroweight.schemas.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES, PAD_CANDIDATES
 
 from .bpb import checkpoint_tokenizer
+from .outputs import EXPORT_HF_MARK
 
 # each HF special role, found by the names tokenize finds it by (its pad and eos are the data's)
 SPECIALS = {"pad_token": PAD_CANDIDATES, "bos_token": BOS_CANDIDATES, "eos_token": EOS_CANDIDATES}
@@ -104,9 +105,7 @@ def write_hf(export: HFExport, out_dir) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     mark = {**made_from(export.ckpt_dir), "code_version": __version__}
-    (out / storage.EXPORT_HF_MARK).write_text(
-        json.dumps(mark, indent=2) + "\n"
-    )  # first: a stopped export is ours
+    (out / EXPORT_HF_MARK).write_text(json.dumps(mark, indent=2) + "\n")  # first: a stopped export is ours
     export.hf.eval().save_pretrained(out, safe_serialization=True)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=export.tok, model_max_length=export.n_ctx, **export.specials

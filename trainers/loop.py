@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from entroweight import storage
+from entroweight import output, storage
 from entroweight.models import build_model, config_of, model_class
 from entroweight.models.checkpoint import WEIGHTS, a_model_of, load_weights, read_checkpoint_config
 from entroweight.options import device_here, setting_changes
@@ -101,13 +101,13 @@ def _check_nats(files) -> None:
 
 
 def _check_out_apart(cfg: TrainConfig) -> str | None:
-    """The path rule (entroweight.storage.check_output): --out neither is, holds nor lies inside the
+    """The path rule (entroweight.output.check_output): --out neither is, holds nor lies inside the
     data or the tokenizer (checkpoints would mix with the data), nor holds another command's output
     unless --overwrite replaces it whole (returned: the caller removes it once training can start).
     An --out on an object store must be writable now, not at the first save."""
     reads = [("the data", d) for d in _as_list(cfg.data)] + [("--tokenizer", cfg.tokenizer)]
     try:
-        foreign = storage.check_output(cfg.out, reads, "train", overwrite=cfg.overwrite)
+        foreign = output.check_output(cfg.out, reads, "train", overwrite=cfg.overwrite)
         if storage.is_url(cfg.out):
             storage.check_writable(cfg.out)
         if foreign is None:
@@ -121,7 +121,7 @@ def _check_out_apart(cfg: TrainConfig) -> str | None:
 
 def _check_leftover_config(out) -> None:
     """A config.json with no trainer_state.json beside it is the leftover of a run stopped in its first
-    save (storage.LEFTOVERS: --resume has nothing to continue, --overwrite starts over) only if a
+    save (train's declared leftovers, trainers/outputs.py: --resume has nothing to continue, --overwrite starts over) only if a
     training run wrote it; another program's config.json is a user's file, which no --overwrite
     replaces."""
     config, state = storage.path(out) / "config.json", storage.path(out) / STATE  # (a trailing / too)

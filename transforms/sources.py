@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from entroweight import storage
+from entroweight import output, storage
 from entroweight.schemas import DOCUMENT_SCHEMA, REJECT_SCHEMA
 from entroweight.schemas.manifest import STAGE_FILE, ShardInput
 
@@ -226,7 +226,7 @@ def _expand_url(
             d
             for d, names in by_dir.items()
             if d.startswith(root) and not any(d.startswith(s + "/") or d == s for s in stage_dirs)
-            and storage.command_output(f"{proto}://{d}", names)
+            and output.command_output(f"{proto}://{d}", names)
         )  # fmt: skip
         if outputs is not None:
             outputs += [f"{proto}://{d}" for d in other if not any(d.startswith(o + "/") for o in other)]
@@ -288,7 +288,7 @@ def _refuse_outputs_among(files: list[str], spec: str, stop: str | None) -> None
                     f"{f} belongs to the output of an entroweight stage ({STAGE_MARKER} beside it), "
                     "not documents; name the documents it was made from"
                 )
-            if command := storage.command_output(d, names):
+            if command := output.command_output(d, names):
                 raise SourceError(
                     f"{f} belongs to the output of `entroweight {command}` ({d}), not documents; name "
                     "the documents it was made from"
@@ -303,14 +303,14 @@ def _refuse_outputs_among(files: list[str], spec: str, stop: str | None) -> None
 
 def _not_an_output(spec: str, names: list[str]) -> None:
     """Refuse a source directory that is a command's output, `names` being the files in it: a stage's
-    (its STAGE_MARKER) or another command's (`storage.command_output`): its files are records, not
+    (its STAGE_MARKER) or another command's (`output.command_output`): its files are records, not
     documents."""
     if STAGE_MARKER in names:
         raise SourceError(
             f"{spec} is the output of an entroweight stage ({STAGE_MARKER}), not documents; "
             "name the documents it was made from"
         )
-    if command := storage.command_output(spec, names):
+    if command := output.command_output(spec, names):
         raise SourceError(
             f"{spec} is the output of `entroweight {command}`, not documents; name the documents "
             "it was made from"
@@ -333,7 +333,7 @@ def _walk(root: str, outputs: list[str], hidden: list[str]) -> list[str]:
         if STAGE_MARKER in filenames and dirpath != root:
             dirnames[:] = []  # a stage's output inside the sources: not documents
             continue
-        if dirpath != root and storage.command_output(dirpath, filenames):
+        if dirpath != root and output.command_output(dirpath, filenames):
             dirnames[:] = []
             outputs.append(dirpath)
             continue

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import collections
 import itertools
+import re
 from collections.abc import Iterable, Iterator
 from importlib.resources import files
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from entroweight import storage
+from entroweight import output, storage
 from entroweight.schemas.tokenizer import BOS, EOS, PAD, TOKENIZER_FILE, resolve_tokenizer_path, text_as_data
 
 from .sources import DocumentReader, SourceError, check_text_column, plan_inputs
@@ -119,6 +120,18 @@ def train_tokenizer(
 
 #: what train-tokenizer records beside the tokenizer it wrote: what it was trained from (`trained_from`)
 TRAINED_FROM = ".train-tokenizer.json"
+SHA256_FILE = "tokenizer.sha256"
+#: train-tokenizer's output (entroweight.output's contract): tokenizer.sha256 marks it; what it was
+#: trained from is its record, written last
+TRAIN_TOKENIZER = output.declare(
+    output.Output(
+        "train-tokenizer",
+        marks=(output.Mark(SHA256_FILE, re.compile(r"[0-9a-f]{64}  tokenizer\.json\n?")),),
+        files=(SHA256_FILE, TOKENIZER_FILE),
+        record=TRAINED_FROM,
+        leftovers=True,  # a tokenizer.json written before its sha256: taken back
+    )
+)
 
 
 def trained_from(
@@ -177,5 +190,5 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> tuple[Path, str]:
     path = out / TOKENIZER_FILE
     tok.save(str(path))
     sha = storage.sha256(path)
-    (out / "tokenizer.sha256").write_text(f"{sha}  {TOKENIZER_FILE}\n")
+    (out / SHA256_FILE).write_text(f"{sha}  {TOKENIZER_FILE}\n")
     return path, sha

@@ -434,67 +434,25 @@ def _takes(param: str) -> bool:
     return ctx is None or any(p.name == param for p in ctx.command.params)
 
 
-#: What an output made from a checkpoint (export-hf's mark, evaluate's results) records beside the
-#: checkpoint's weights once it is whole: what it is made of (`options` a user chose, `inputs` read
-#: besides the checkpoint) and the sha256 of each of its files; the record is sealed (results.sealed).
-MADE_OF, FILES = "made_of", "files"
-
-
-def made_already(out, record: str, what: str, ckpt_dir, made_of: dict, overwrite: bool) -> str | None:
-    """What `out` holds of `what` (the output whose `record` export-hf and evaluate write), for a run
-    that makes it of CKPT_DIR and `made_of` ({"options": ..., "inputs": ...}): "same" where it is
-    this very output, whole and as written (its seal and every file's sha256 hold): a rerun has
-    nothing to do; "replace" where it is to be made again, whole: of this checkpoint and options but
-    of inputs changed since, incomplete, edited, or recorded before records said what it was made
-    of, or of another checkpoint or other options with --overwrite; None where there is none. One of
-    another checkpoint or other options is refused without --overwrite (exit 2), naming what differs.
-    Asked under the lock on `out`: a run this one waited for may have written there meanwhile."""
+def _reads_apart(out, reads, command: str, flag: str) -> None:
+    """A glob read (SOURCES, --documents) may match what the run writes: refused (exit 2)."""
     from entroweight import storage
-    from entroweight.models.checkpoint import another_checkpoint
-    from entroweight.options import setting_changes
+    from entroweight.transforms.sources import relation_to
 
-    from .results import edited
-
-    where = storage.path(out) / record
-    other = another_checkpoint(where, ckpt_dir)
-    recorded = storage.json_record(where) if other is None else None
-    made = recorded.get(MADE_OF) if recorded is not None else None
-    was = made.get("options") if isinstance(made, dict) else None
-    if isinstance(was, dict) and was.keys() != made_of["options"].keys():
-        was = None  # recorded by a version that recorded other options: made again, as before records
-    if other or (isinstance(was, dict) and was != made_of["options"]):
-        if not overwrite:
-            changes = "; ".join(setting_changes(was or {}, made_of["options"]))
-            of = other or f"this checkpoint with other options ({changes})"
-            _fail(f"--out {out} holds {what} of {of}; write elsewhere, or pass --overwrite to replace it")
-        return "replace"
-    if recorded is None:
-        return None
-    files = recorded.get(FILES)
-    if was is None or edited(recorded) or made != made_of or not isinstance(files, dict):
-        return "replace"
-    return "same" if files_sha256(out, files) == files else "replace"
-
-
-def files_sha256(directory, names) -> dict[str, str]:
-    """{name: sha256} of those of the files `names` in `directory` that are there."""
-    from entroweight import storage
-
-    out = {}
-    for name in names:
-        try:
-            out[name] = storage.sha256(storage.path(directory) / name)
-        except OSError:  # gone: not the output recorded
-            continue
-    return out
+    for what, read in reads:
+        if read is not None and storage.has_glob_chars(str(read)) and not storage.blank(read):
+            if relation_to(out, str(read)).endswith("match"):
+                _fail(
+                    f"{flag} {out} lies where {what} {read} may match files, which {command} reads (a "
+                    "rerun would read its own output); write to a location apart from what it reads"
+                )
 
 
 def check_output(out, reads, command: str, overwrite: bool = False, flag: str = "--out", **kw):
-    """The path rule (entroweight.storage.check_output), refused with exit 2: every command that
-    writes calls it first, before it reads or creates anything. Returns the other command's output
-    that --overwrite replaces whole (the caller removes it before writing), else None."""
-    from entroweight import storage
-    from entroweight.transforms.sources import relation_to
+    """The path rule (entroweight.output.check_output), refused with exit 2, for a command not yet
+    written through the contract (`writing_out`): a stage command, train, report. Returns the other
+    command's output that --overwrite replaces whole (the caller removes it before writing), else None."""
+    from entroweight import output, storage
 
     ctx = click.get_current_context(silent=True)
     if not _takes("overwrite"):
@@ -503,15 +461,9 @@ def check_output(out, reads, command: str, overwrite: bool = False, flag: str = 
         storage.wait_unheld(out, (ctx.params.get("wait") if ctx is not None else 0) or 0, _takes("wait"))
     except storage.OutputHeld as e:
         _fail(str(e), EXIT_LOCKED)
-    for what, read in reads:  # a glob read (SOURCES, --documents) may match what the run writes
-        if read is not None and storage.has_glob_chars(str(read)) and not storage.blank(read):
-            if relation_to(out, str(read)).endswith("match"):
-                _fail(
-                    f"{flag} {out} lies where {what} {read} may match files, which {command} reads (a "
-                    "rerun would read its own output); write to a location apart from what it reads"
-                )
+    _reads_apart(out, reads, command, flag)
     try:
-        foreign = storage.check_output(out, reads, command, flag=flag, overwrite=overwrite, apart=True, **kw)
+        foreign = output.check_output(out, reads, command, flag=flag, overwrite=overwrite, apart=True, **kw)
     except (storage.OutputRefused, storage.StorageError) as e:
         _fail(str(e))
     if storage.is_url(out):  # no bucket, no credentials: now, not after the work (one probe object)
@@ -520,6 +472,44 @@ def check_output(out, reads, command: str, overwrite: bool = False, flag: str = 
         except OSError as e:
             _fail(f"cannot write to {flag} {out}: {e.strerror or e}")
     return foreign
+
+
+def of_checkpoint(ckpt_dir, options: dict, inputs: dict) -> dict:
+    """The made_of of an output made from a checkpoint (export-hf's, evaluate's): its weights (of
+    another checkpoint, or of this one trained again since, is refused unless --overwrite), the
+    options a user chose, and the inputs' fingerprints."""
+    from entroweight.models.checkpoint import made_from
+
+    ckpt = made_from(ckpt_dir)
+    return {
+        "options": {"checkpoint": ckpt["weights_sha256"] or ckpt["checkpoint"], **options},
+        "inputs": inputs,
+    }
+
+
+@contextlib.contextmanager
+def writing_out(declared, out, reads, made_of, overwrite, wait: float = 0, what=None, check=None):
+    """`entroweight.output.writing` for a command run by hand: every rule of its output in order, its
+    refusals said in one line (exit 2; exit 3 while another run holds `out`), the refusal advising
+    --overwrite and --wait where the command has them. Yields the `Writing`."""
+    from entroweight import output, storage
+
+    _reads_apart(out, reads, declared.command, "--out")
+    if not _takes("overwrite"):
+        overwrite = None
+    with contextlib.ExitStack() as stack:
+        try:
+            w = stack.enter_context(
+                output.writing(
+                    declared, out, reads, made_of, overwrite=overwrite, wait=wait, what=what,
+                    advise_wait=_takes("wait"), check=check,
+                )
+            )  # fmt: skip
+        except storage.OutputHeld as e:
+            _fail(str(e), EXIT_LOCKED)
+        except (storage.OutputRefused, storage.StorageError) as e:
+            _fail(str(e))
+        yield w
 
 
 @contextlib.contextmanager

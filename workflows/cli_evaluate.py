@@ -10,30 +10,15 @@ scratch (`.lm-eval/`: the task YAML, HF datasets' cache).
 from __future__ import annotations
 
 import collections
-import json
 import shutil
 from pathlib import Path
 
 import click
 
 from entroweight.options import repeated
-from entroweight.trainers.accuracy import ITEMS_FILE
+from entroweight.trainers.outputs import EVALUATE, ITEMS_FILE, RESULTS
 
-from .cli_common import (
-    DEVICE,
-    FILES,
-    MADE_OF,
-    SEED,
-    Location,
-    _fail,
-    check_output,
-    files_sha256,
-    holding_out,
-    made_already,
-    wait_option,
-)
-
-RESULTS = "accuracy.json"  # marks DIR as this command's output (entroweight.storage.OUTPUT_MARKS)
+from .cli_common import DEVICE, SEED, Location, _fail, of_checkpoint, wait_option, writing_out
 
 
 @click.command("evaluate")
@@ -74,104 +59,40 @@ RESULTS = "accuracy.json"  # marks DIR as this command's output (entroweight.sto
 @wait_option
 def evaluate_cmd(ckpt_dir, tasks, documents, out, overwrite, wait, **kw):
     """Accuracy of CKPT_DIR (a llama checkpoint) on lm-eval tasks, per item and in all."""
-    from entroweight.trainers.accuracy import OFFLINE_TASK
+    from entroweight import storage
+    from entroweight.models.checkpoint import CheckpointError
+    from entroweight.trainers.accuracy import OFFLINE_TASK, AccuracyError
 
-    reads = [("CKPT_DIR", ckpt_dir)] + [("--documents", d) for d in documents]
-    foreign = check_output(out, reads, "evaluate", overwrite=overwrite)
     names = [t.strip() for t in tasks.split(",") if t.strip()]
-    if not names:
-        _fail("--tasks names no task")
-    twice = repeated(names)
-    if twice:  # as the workflow's accuracy.tasks: a task given twice is a typo, not two evaluations
-        _fail(f"--tasks names {', '.join(twice)} more than once")
-    if OFFLINE_TASK in names and not documents:
-        _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
-    made_of = _made_of(names, documents, kw)
-    with holding_out(out, wait):  # for the whole evaluation: another run's is refused (exit 3)
-        # documents that cannot be listed: refused with the checkpoint's checks, before --out is touched
-        before = (
-            made_already(out, RESULTS, "an evaluation", ckpt_dir, made_of, overwrite) if made_of else None
-        )
-        if before == "same":
+    reads = [("CKPT_DIR", ckpt_dir)] + [("--documents", d) for d in documents]
+
+    def made_of() -> dict | None:  # after the path rule: its refusals come first
+        if not names:
+            _fail("--tasks names no task")
+        twice = repeated(names)
+        if twice:  # as the workflow's accuracy.tasks: a task given twice is a typo, not two evaluations
+            _fail(f"--tasks names {', '.join(twice)} more than once")
+        if OFFLINE_TASK in names and not documents:
+            _fail(f"--tasks {OFFLINE_TASK} is built from held-out documents: pass --documents FILE")
+        return _made_of(ckpt_dir, names, documents, kw)
+
+    items = []  # the offline task's, built under the lock by `check`, before --out is touched
+    check = lambda: items.append(_checked(ckpt_dir, names, documents, kw))  # noqa: E731
+    with writing_out(EVALUATE, out, reads, made_of, overwrite, wait, "an evaluation", check) as w:
+        if w.nothing_to_do:
             click.echo(f"nothing to do: {out} already holds this evaluation of {ckpt_dir}")
             return
-        kw = {**kw, MADE_OF: made_of}
-        _evaluate_held(ckpt_dir, names, documents, out, foreign or ("evaluate" if before else None), kw)
-
-
-#: evaluate's options that change no result (speed and where it runs), as score's batch size and device
-NOT_MADE_OF = ("batch_size", "device")
-
-
-def _made_of(names, documents, kw) -> dict | None:
-    """What an evaluation's results are a function of, besides the checkpoint's weights: the tasks, the
-    options and the --documents files (others are refused unless --overwrite), and each of those
-    files' size and mtime or an object's version (one changed since is read again); None where the
-    files cannot be listed."""
-    from entroweight.trainers.accuracy import OFFLINE_TASK
-    from entroweight.transforms.sources import SourceError, source_files
-
-    try:  # only the offline task reads them
-        files = source_files(list(documents)) if OFFLINE_TASK in names else {}
-    except (SourceError, OSError):  # refused for what it is where the items are built: None
-        return None
-    options = {"tasks": sorted(names), **{k: v for k, v in kw.items() if k not in NOT_MADE_OF}}
-    # which files are other documents (refused unless --overwrite); their size and mtime, a file
-    # changed since (read again)
-    options["documents"] = list(files)
-    return {"options": options, "inputs": {"documents": [list(stat or ()) for stat in files.values()]}}
-
-
-def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
-    """The evaluation, once this run holds the lock on `out`: the checkpoint, the tasks and the items
-    checked, then written. One refused on the way (a task's data out of reach) removes what it wrote
-    (lm-eval's scratch, its items): a directory made for it goes with its lock."""
-    from entroweight import storage
-    from entroweight.models.checkpoint import (
-        CheckpointError,
-        a_model_of,
-        load_checkpoint,
-        read_checkpoint_config,
-    )
-    from entroweight.trainers.accuracy import (
-        OFFLINE_TASK,
-        AccuracyError,
-        require_lm_eval,
-        unknown_tasks,
-    )
-
-    try:
-        require_lm_eval()
-        config = read_checkpoint_config(ckpt_dir)
-        if config.get("kind") != "llama":
-            raise CheckpointError(
-                f"{ckpt_dir} holds {a_model_of(config.get('kind'))}; lm-eval reads llama checkpoints"
-            )
-        # loaded once here, and dropped: weights that are corrupt or do not fit config.json are
-        # refused before --out is made, where the export inside the evaluation found them after
-        # the items and lm-eval's scratch were written
-        load_checkpoint(ckpt_dir)
-        unknown = unknown_tasks(names)
-        if unknown:
-            raise AccuracyError(
-                f"unknown --tasks {', '.join(unknown)}: lm-eval knows no such task (`lm_eval ls tasks`)"
-            )
-        items = _items(ckpt_dir, documents, config, **kw) if OFFLINE_TASK in names else None
-    except (AccuracyError, CheckpointError, ValueError) as e:
-        _fail(str(e))
-    if foreign:  # another command's output, which --overwrite replaces whole (the lock stays)
-        storage.clear_output(out)
-    try:
-        with storage.staged(out) as dest:  # an s3:// --out: written here, then uploaded
-            res = _evaluate(ckpt_dir, names, dest, items, kw)
+        try:
+            w.record = _evaluate(ckpt_dir, names, w.dest, items[0], kw)
             if storage.is_url(out):  # lm-eval's scratch (caches and their locks) is not a result to upload
-                shutil.rmtree(dest / ".lm-eval", ignore_errors=True)
-    except (AccuracyError, CheckpointError) as e:
-        if not storage.is_url(out):  # (a store's --out: nothing was uploaded)
-            shutil.rmtree(storage.path(out) / ".lm-eval", ignore_errors=True)
-            if items is not None:
-                (storage.path(out) / ITEMS_FILE).unlink(missing_ok=True)
-        _fail(str(e))
+                shutil.rmtree(w.dest / ".lm-eval", ignore_errors=True)
+        except (AccuracyError, CheckpointError) as e:
+            if not storage.is_url(out):  # (a store's --out: nothing was uploaded)
+                shutil.rmtree(storage.path(out) / ".lm-eval", ignore_errors=True)
+                if items[0] is not None:
+                    (storage.path(out) / ITEMS_FILE).unlink(missing_ok=True)
+            _fail(str(e))
+    res = w.record
     for task, t in res["tasks"].items():
         metrics = ", ".join(
             f"{k} {m['value']:.4f}" + (f" ± {m['stderr']:.4f}" if m["stderr"] is not None else "")
@@ -184,12 +105,61 @@ def _evaluate_held(ckpt_dir, names, documents, out, foreign, kw) -> None:
     click.echo(f"wrote {storage.path(out) / RESULTS}")
 
 
+#: evaluate's options that change no result (speed and where it runs), as score's batch size and device
+NOT_MADE_OF = ("batch_size", "device")
+
+
+def _made_of(ckpt_dir, names, documents, kw) -> dict | None:
+    """What an evaluation's results are a function of: the checkpoint's weights, the tasks, the
+    options and the --documents files (others are refused unless --overwrite), and each of those
+    files' size and mtime or an object's version (one changed since is read again); None where the
+    files cannot be listed (refused where the items are built)."""
+    from entroweight.trainers.accuracy import OFFLINE_TASK
+    from entroweight.transforms.sources import SourceError, source_files
+
+    try:  # only the offline task reads them
+        files = source_files(list(documents)) if OFFLINE_TASK in names else {}
+    except (SourceError, OSError):
+        return None
+    options = {"tasks": sorted(names), **{k: v for k, v in kw.items() if k not in NOT_MADE_OF}}
+    options["documents"] = list(files)  # which files are other documents: refused unless --overwrite
+    return of_checkpoint(ckpt_dir, options, {"documents": [list(stat or ()) for stat in files.values()]})
+
+
+def _checked(ckpt_dir, names, documents, kw) -> list[dict] | None:
+    """The evaluation's refusals once this run holds the lock on `out`, before anything is written
+    there: the checkpoint (loaded once, and dropped: weights that are corrupt or do not fit
+    config.json are refused here), the tasks, the offline task's items (returned)."""
+    from entroweight.models.checkpoint import (
+        CheckpointError,
+        a_model_of,
+        load_checkpoint,
+        read_checkpoint_config,
+    )
+    from entroweight.trainers.accuracy import OFFLINE_TASK, AccuracyError, require_lm_eval, unknown_tasks
+
+    try:
+        require_lm_eval()
+        config = read_checkpoint_config(ckpt_dir)
+        if config.get("kind") != "llama":
+            raise CheckpointError(
+                f"{ckpt_dir} holds {a_model_of(config.get('kind'))}; lm-eval reads llama checkpoints"
+            )
+        load_checkpoint(ckpt_dir)
+        unknown = unknown_tasks(names)
+        if unknown:
+            raise AccuracyError(
+                f"unknown --tasks {', '.join(unknown)}: lm-eval knows no such task (`lm_eval ls tasks`)"
+            )
+        return _items(ckpt_dir, documents, config, **kw) if OFFLINE_TASK in names else None
+    except (AccuracyError, CheckpointError, ValueError) as e:
+        _fail(str(e))
+
+
 def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
     """The evaluation written into the local directory `dest`: the items, lm-eval's scratch, the results."""
     from entroweight.models.checkpoint import made_from
     from entroweight.trainers.accuracy import evaluate_checkpoint, write_items
-
-    from .results import sealed
 
     dest.mkdir(parents=True, exist_ok=True)
     items_file = write_items(items, dest / ITEMS_FILE) if items is not None else None
@@ -204,12 +174,7 @@ def _evaluate(ckpt_dir, names, dest: Path, items, kw) -> dict:
         limit=kw["limit"],
     )
     res.update(made_from(ckpt_dir))  # where it lies (not as the shell named it), and its weights
-    res[MADE_OF] = kw[MADE_OF]
-    res[FILES] = files_sha256(dest, [ITEMS_FILE])
-    tmp = dest / (RESULTS + ".tmp")
-    tmp.write_text(json.dumps(sealed(res), indent=1))
-    tmp.replace(dest / RESULTS)
-    return res
+    return res  # sealed last by the contract, with what it is made of and the items' sha256
 
 
 def _items(ckpt_dir, documents, config, **kw) -> list[dict]:

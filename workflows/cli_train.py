@@ -19,17 +19,14 @@ from .cli_common import (
     DEVICE,
     EXIT_FAILED_SHARDS,
     EXIT_LOCKED,
-    FILES,
-    MADE_OF,
     Location,
     _fail,
     check_output,
     config_options,
-    files_sha256,
     given_options,
-    holding_out,
-    made_already,
+    of_checkpoint,
     wait_option,
+    writing_out,
 )
 
 ALLOW_PICKLE_HELP = (
@@ -219,28 +216,26 @@ def export_hf_cmd(ckpt_dir, out, tokenizer, allow_pickle, overwrite):
     from entroweight import storage
     from entroweight.models.checkpoint import CheckpointError
     from entroweight.trainers.export import HFExport, write_hf
+    from entroweight.trainers.outputs import EXPORT_HF, EXPORT_HF_MARK
 
-    from .results import sealed
+    export = None
 
-    foreign = check_output(out, [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)], "export-hf", overwrite)
-    try:  # read and checked before anything in --out is touched
-        export = HFExport(ckpt_dir, tokenizer, allow_pickle=allow_pickle)
-    except (CheckpointError, ValueError) as e:
-        _fail(str(e))
-    made_of = {"options": {}, "inputs": {"tokenizer_sha256": export.tokenizer_sha256}}
-    with holding_out(out):  # two exports into one --out would mix their files
-        before = made_already(out, storage.EXPORT_HF_MARK, "the export", ckpt_dir, made_of, overwrite)
-        if before == "same":
+    def made_of() -> dict:
+        """Read and checked once the path rule holds, before anything in --out is touched."""
+        nonlocal export
+        try:
+            export = HFExport(ckpt_dir, tokenizer, allow_pickle=allow_pickle)
+        except (CheckpointError, ValueError) as e:
+            _fail(str(e))
+        return of_checkpoint(ckpt_dir, {}, {"tokenizer_sha256": export.tokenizer_sha256})
+
+    reads = [("CKPT_DIR", ckpt_dir), ("--tokenizer", tokenizer)]
+    with writing_out(EXPORT_HF, out, reads, made_of, overwrite, what="an export") as w:
+        if w.nothing_to_do:
             click.echo(f"nothing to do: {out} already holds this export of {ckpt_dir}")
             return
-        if foreign or before:  # replaced whole (the lock stays)
-            storage.clear_output(out)
-        with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
-            write_hf(export, local)
-            mark = Path(local) / storage.EXPORT_HF_MARK  # whole now: it says what it is made of
-            files = files_sha256(local, sorted(f.name for f in Path(local).iterdir() if f != mark))
-            record = {**json.loads(mark.read_text()), MADE_OF: made_of, FILES: files}
-            mark.write_text(json.dumps(sealed(record), indent=2) + "\n")
+        write_hf(export, w.dest)
+        w.record = json.loads((w.dest / EXPORT_HF_MARK).read_text())  # sealed, last, with what it is made of
     # lm-eval and transformers read a local directory or a hub id, not an object store's URL
     where = "a local copy of it" if storage.is_url(out) else out
     click.echo(

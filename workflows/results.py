@@ -6,33 +6,14 @@ result written before seals (2026-11-28): the run makes it again once, sealed.""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
-from typing import Any
 
 from entroweight import storage
 from entroweight.models.checkpoint import CONFIG, WEIGHTS, edited_config
+from entroweight.output import SEAL, edited, sealed  # noqa: F401 - the seal is the contract's
 from entroweight.trainers.checkpoint import STATE, is_the_file_saved
 
-SEAL = "record_sha256"
 STEP_FILE = ".workflow-step.json"  # in a tokenizer or checkpoint directory: the key it was built with
-
-
-def _digest(record: dict) -> str:
-    body = {k: v for k, v in record.items() if k != SEAL}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def sealed(record: dict) -> dict:
-    """`record` with its seal, as a step writes it."""
-    return {**record, SEAL: _digest(record)}
-
-
-def edited(record: Any) -> bool:
-    """Whether a result read back is not as its step wrote it: no seal, or one its content no longer
-    matches."""
-    return not isinstance(record, dict) or record.get(SEAL) != _digest(record)
 
 
 def step_record(path: Path) -> dict:
@@ -62,8 +43,8 @@ def weights_damage(ckpt: Path, made: dict, state: dict) -> str | None:
     size, mtime = file_stat(weights)
     if size is None:
         return f"{WEIGHTS} is gone"
-    if edited := edited_config(ckpt):  # settings the weights' shapes do not show (mask_pads, ...)
-        return f"{CONFIG} does not describe the model its weights were saved as ({edited})"
+    if changed := edited_config(ckpt):  # settings the weights' shapes do not show (mask_pads, ...)
+        return f"{CONFIG} does not describe the model its weights were saved as ({changed})"
     if made.get("weights_bytes") not in (None, size):
         return f"{WEIGHTS} is {size} bytes, {made['weights_bytes']} as trained (cut short or edited)"
     if (size, mtime) == (made.get("weights_bytes"), made.get("weights_mtime_ns")):

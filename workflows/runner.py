@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from entroweight import __version__, storage
+from entroweight import __version__, output, storage
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import LOCK_FILE, LockHeld, has_shards, run_lock
 from entroweight.pipelines.tokenize import TokenizeStage
@@ -31,10 +31,10 @@ from entroweight.trainers.config import LossSettings, TrainSettings
 from entroweight.transforms.sources import SourceError, expand_sources, relation_to
 from entroweight.transforms.writer import write_bytes_atomic, write_json_atomic
 
+from .outputs import RUN_FILE, RUN_OUTPUTS, run_outputs
 from .results import STEP_FILE
 from .spec import SYNTHETIC, TOKENS, ModelSpec, TrainSpec, Workflow, load_yaml
 from .steps import (
-    RUN_FILE,
     AccuracyItemsStep,
     AccuracyStep,
     AgreementStep,
@@ -201,7 +201,7 @@ class Runner:
         self._say_left_behind(plan.steps)
         # what earlier runs here wrote too (a step since removed from the workflow left its output)
         self.outputs = sorted(
-            set(_names_in(root, [s.out for s in plan.steps])) | set(storage.run_outputs(root) or [])
+            set(_names_in(root, [s.out for s in plan.steps])) | set(run_outputs(root) or [])
         )
         found = _as_found(root)  # what a run that could not start puts back
         lock = run_lock(root, self.wait)  # LockHeld -> exit 3
@@ -231,7 +231,7 @@ class Runner:
     def _say_left_behind(self, steps: list[Step]) -> None:
         """Say what earlier runs left in run_dir that no step writes now (`left_behind`): kept (it may
         be wanted), but the report and the experiment's tables leave it out."""
-        if old := left_behind(self.wf.root, [s.out for s in steps], storage.run_outputs(self.wf.root) or []):
+        if old := left_behind(self.wf.root, [s.out for s in steps], run_outputs(self.wf.root) or []):
             self.echo(
                 f"note: {len(old)} output(s) in {self.wf.root} that no step of this workflow writes (an "
                 "earlier run's, renamed or removed since; kept, and left out of the report): "
@@ -276,18 +276,18 @@ class Runner:
         try:
             # a run_dir inside another output (a run's, a step's) would mix into what that one reads
             storage.check_place(self.wf.root, "run_dir")
-            storage.check_apart(self.wf.root, "run_dir")
-            owner = storage.output_owner(self.wf.root)
+            output.check_apart(self.wf.root, "run_dir")
+            owner = output.output_owner(self.wf.root)
         except storage.OutputRefused as e:
             msg = str(e)
             raise WorkflowError(msg if msg.startswith("run_dir") else f"run_dir: {msg}") from None
         if owner not in (None, "run"):  # a stage's shards hold a lock too: not one of a run's
             raise WorkflowError(
-                f"run_dir {self.wf.root} holds the output of {storage.named(owner)}, not a workflow run's: "
+                f"run_dir {self.wf.root} holds the output of {output.named(owner)}, not a workflow run's: "
                 "give a new or empty run_dir"
             )
         marks = storage.listing(self.wf.root)
-        names = [] if owner or LOCK_FILE in marks else storage.foreign_files(self.wf.root, None, "run")
+        names = [] if owner or LOCK_FILE in marks else output.foreign_files(self.wf.root, None, "run")
         if names:
             raise WorkflowError(
                 f"run_dir {self.wf.root} holds files that are not a workflow run's ({', '.join(names[:3])}"
@@ -353,11 +353,11 @@ class Runner:
         """A step's output holding files no command wrote (a user's notes) is refused in the plan, by
         the dry run as by the run: the stage's verification failed on it after the run (exit 1, on
         every rerun), and --overwrite would remove it. The rule of every command's `--out`
-        (`storage.foreign_files`)."""
+        (`output.foreign_files`)."""
         if step.command is None or not step.out.is_dir():
             return
         try:
-            theirs = storage.foreign_files(step.out, storage.output_owner(step.out), step.command)
+            theirs = output.foreign_files(step.out, output.output_owner(step.out), step.command)
         except storage.OutputRefused as e:
             raise WorkflowError(f"{step.kind} {step.name}: {e}") from None
         if theirs:
@@ -493,7 +493,7 @@ class Runner:
             and bool(old.get("seconds"))
             and old.get("workflow_file") == self.workflow_file
             and old.get("config") == self.wf.model_dump(mode="json", by_alias=True)
-            and old.get(storage.RUN_OUTPUTS) == self.outputs
+            and old.get(RUN_OUTPUTS) == self.outputs
             and old.get("code_version") == code_version()
         ):
             return None
@@ -525,7 +525,7 @@ class Runner:
             "python": sys.version.split()[0],
             "steps": [s.record() for s in self.steps],
             # a user's file in run_dir is told apart by these: no command's --overwrite removes it
-            storage.RUN_OUTPUTS: self.outputs,
+            RUN_OUTPUTS: self.outputs,
         }
         write_json_atomic(record, self.wf.root / RUN_FILE)
 

@@ -37,8 +37,6 @@ from .results import STEP_FILE, edited, file_stat, sealed, step_record, weights_
 if TYPE_CHECKING:
     from .spec import Workflow
 
-RUN_FILE = "run.json"
-
 
 class WorkflowError(RuntimeError):
     """A step cannot run (refused before its work); the message says what to do. Exit code 2."""
@@ -111,7 +109,7 @@ class Step:
     #: whether `done` reads of its upstream's output the records alone (manifests), not its files
     plans_from_records: ClassVar[bool] = False
     timed = True  # "ran" is said with the seconds it took
-    # the command whose output `out` is, as storage.OUTPUT_FILES knows its files (None: not checked)
+    # the command whose output `out` is, as its declaration knows its files (entroweight.output) (None: not checked)
     command: ClassVar[str | None] = None
     detail: str = ""
     seconds: float = 0.0

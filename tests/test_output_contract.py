@@ -1,0 +1,186 @@
+"""The contract of a command's output (entroweight/output.py), held over every declared command and
+shown on a toy writing command declared in this file alone.
+
+Every declared output: its marks are told apart from a user's file of the name, the path rule knows
+whose output a directory is, and its files are the only names it may leave. A new writing command is
+one `declare` and one `writing` block: the toy below gets every rule (the path rule, a URL with a
+slash missing, the lock, the rerun, a record of other options refused unless --overwrite, a changed
+input made again, a kill before the seal) without a line of any other module changing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from entroweight import output, storage
+
+DECLARED = sorted(o.command for o in output.declared())
+
+
+def test_the_registry_holds_every_builtin_writing_command():
+    """The built-ins declare themselves where they live; storage names none of them."""
+    assert {"train", "train-tokenizer", "export-data", "export-hf", "evaluate", "run"} <= set(DECLARED)
+    source = (output.Path(storage.__file__)).read_text()
+    for command in DECLARED:
+        assert f'"{command}"' not in source, f"storage.py names {command}"
+
+
+@pytest.mark.parametrize("command", DECLARED)
+def test_a_declared_mark_makes_a_directory_its_commands_output(command, tmp_path):
+    """Each mark, as the command writes it, marks its command's output (the path rule refuses another
+    command there, source discovery skips it); a user's file of the same name marks nothing."""
+    decl = output.declaration(command)
+    for mark in decl.marks:
+        d = tmp_path / mark.name
+        d.mkdir()
+        if isinstance(mark.holds, tuple):
+            (d / mark.name).write_text(json.dumps(dict.fromkeys(mark.holds, 1)) + "\n")
+        elif mark.holds is not None:
+            (d / mark.name).write_text(f"{'0' * 64}  tokenizer.json\n")
+        else:
+            (d / mark.name).write_text("{}")
+        assert output.output_owner(d) == command
+        assert output.command_output(d, [mark.name]) == command
+        with pytest.raises(storage.OutputRefused, match=f"holds the output of `{command}`"):
+            output.check_output(d, [], "a-toy")
+        if mark.holds is not None:  # a user's file of the name
+            (d / mark.name).write_text(json.dumps({"text": "a user's document"}) + "\n")
+            assert output.command_output(d, [mark.name]) is None
+
+
+@pytest.mark.parametrize("command", DECLARED)
+def test_a_users_file_in_a_declared_output_is_never_removed(command, tmp_path):
+    decl = output.declaration(command)
+    d = tmp_path / "out"
+    d.mkdir()
+    # (a workflow run's names are those its run.json records: none here)
+    (d / decl.marks[0].name).write_text(json.dumps({"outputs": []}))
+    (d / "notes.txt").write_text("mine")
+    assert output.foreign_files(d, command, "a-toy") == ["notes.txt"]
+    with pytest.raises(storage.OutputRefused):
+        output.check_output(d, [], "a-toy", overwrite=True)
+    assert (d / "notes.txt").read_text() == "mine"
+
+
+# -- a toy writing command: one declaration, one `writing` block
+
+TOY = output.Output(
+    "toy-count",
+    marks=(output.Mark("toy.json", ("made_of", "count")),),
+    files=("toy.json", "counts.txt"),
+    record="toy.json",
+)
+
+
+@pytest.fixture(autouse=True)
+def declared_toy(monkeypatch):
+    monkeypatch.setitem(output._DECLARED, TOY.command, TOY)
+
+
+def toy(src, out, n: int, overwrite=False, wait=0.0, stop_before_seal=False) -> str:
+    """Count `src`'s lines, `n` times each, into OUT/counts.txt: what a new writing command is."""
+    made_of = {"options": {"n": n}, "inputs": {"src": list(storage.stat(src))}}
+    with output.writing(TOY, out, [("SRC", src)], made_of, overwrite=overwrite, wait=wait) as w:
+        if w.nothing_to_do:
+            return "nothing to do"
+        w.dest.mkdir(parents=True, exist_ok=True)
+        count = len(src.read_text().splitlines()) * n
+        (w.dest / "counts.txt").write_text(f"{count}\n")
+        if stop_before_seal:
+            raise KeyboardInterrupt  # a kill after the files, before the record
+        w.record = {"count": count}
+    return "wrote"
+
+
+@pytest.fixture
+def src(tmp_path):
+    p = tmp_path / "src.txt"
+    p.write_text("a\nb\n")
+    return p
+
+
+def test_the_toy_gets_the_rerun_rule(src, tmp_path):
+    out = tmp_path / "out"
+    assert toy(src, out, 2) == "wrote"
+    record = json.loads((out / "toy.json").read_text())
+    assert record["count"] == 4 and not output.edited(record) and record["files"].keys() == {"counts.txt"}
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert toy(src, out, 2) == "nothing to do"
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert output.output_owner(out) == "toy-count"
+
+
+def test_the_toy_refuses_other_options_unless_overwrite(src, tmp_path):
+    out = tmp_path / "out"
+    toy(src, out, 2)
+    with pytest.raises(storage.OutputRefused, match=r"of other options \(n: 2 -> 3\).*--overwrite"):
+        toy(src, out, 3)
+    assert (out / "counts.txt").read_text() == "4\n"
+    assert toy(src, out, 3, overwrite=True) == "wrote"
+    assert (out / "counts.txt").read_text() == "6\n"
+
+
+def test_the_toy_makes_a_changed_input_or_a_damaged_output_again(src, tmp_path):
+    out = tmp_path / "out"
+    toy(src, out, 1)
+    src.write_text("a\nb\nc\n")  # an input changed since
+    assert toy(src, out, 1) == "wrote" and (out / "counts.txt").read_text() == "3\n"
+    (out / "counts.txt").write_text("9\n")  # a file edited
+    assert toy(src, out, 1) == "wrote" and (out / "counts.txt").read_text() == "3\n"
+    record = json.loads((out / "toy.json").read_text())
+    (out / "toy.json").write_text(json.dumps({**record, "count": 7}))  # its record edited
+    assert toy(src, out, 1) == "wrote"
+
+
+def test_a_kill_before_the_seal_leaves_no_sealed_record_and_the_rerun_makes_it(src, tmp_path):
+    """The mark is written first, unsealed, the record sealed last: a run stopped between leaves its
+    files marked as its own (not a user's, which the rerun would refuse) and not done."""
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        toy(src, out, 1, stop_before_seal=True)
+    assert output.edited(json.loads((out / "toy.json").read_text()))
+    assert not (out / storage.LOCK_FILE).exists()
+    assert toy(src, out, 1) == "wrote" and toy(src, out, 1) == "nothing to do"
+
+
+def test_the_toy_gets_the_path_rule(src, tmp_path):
+    with pytest.raises(storage.OutputRefused, match="which toy-count reads"):
+        toy(src, src.parent, 1)  # holds what it reads
+    with pytest.raises(storage.OutputRefused, match="is empty"):
+        toy(src, " ", 1)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("x")
+    with pytest.raises(storage.OutputRefused, match="holds files of no entroweight command"):
+        toy(src, mine, 1)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / ".stage.json").write_text(json.dumps({"stage": "tokenize"}))
+    with pytest.raises(storage.OutputRefused, match="holds the output of `tokenize`"):
+        toy(src, stage, 1)
+    with pytest.raises(storage.OutputRefused, match="lies inside"):
+        toy(src, stage / "sub", 1)
+    assert toy(src, stage, 1, overwrite=True) == "wrote"  # replaced whole when asked
+    assert not (stage / ".stage.json").exists()
+
+
+def test_the_toy_gets_the_url_rule(src, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(storage.StorageError, match="is not a URL: write s3://bucket/x"):
+        toy(src, "s3:/bucket/x", 1)
+    assert not (tmp_path / "s3:").exists()
+
+
+def test_the_toy_gets_the_lock(src, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    held = storage.lock(storage.lock_location(out))
+    try:
+        with pytest.raises(storage.OutputHeld, match="another entroweight run holds"):
+            toy(src, out, 1)
+        assert not (out / "toy.json").exists()
+    finally:
+        held.release()
+    assert toy(src, out, 1) == "wrote"  # free again
