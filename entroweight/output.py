@@ -13,7 +13,9 @@ writing there now (exit 3), the path rule (`check_output`: never where it reads,
 command's output or a user's files unless --overwrite may replace it), the lock, then under it the
 record: the same record (same options, same inputs, every file as written) is nothing to do; a record
 of other options is refused unless --overwrite; one of changed inputs, incomplete or edited, is made
-again; then the output is written into staging and its record sealed last. A new rule for every
+again (a `kept` output is refused unless --overwrite instead: what was made with it depends on it);
+then the output is written into staging, its record sealed last; a block refused on the way takes
+back what it wrote. A new rule for every
 writing command is a change here; a new writing command is one `declare` (tests/test_output_contract.py).
 
 The stages' outputs are the stage mechanism's (`.stage.json` names its stage): not declared here.
@@ -28,6 +30,7 @@ import hashlib
 import importlib
 import json
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -89,17 +92,27 @@ class Output:
     (a workflow run's run.json), the function reading them (None: not recorded, none told apart).
     `record`: the JSON record `writing` seals last (None: the command keeps its own record).
     `leftovers`: a run stopped before its mark leaves its other files, which the command takes back
-    (a training run's first save, a tokenizer written before its sha256)."""
+    (a training run's first save, a tokenizer written before its sha256).
+    `kept`: what was made with the output depends on it (data tokenized with a tokenizer, a trainer
+    reading an export): one that is not this very output (of inputs changed since, its files or record
+    edited, no record) is refused unless --overwrite, where the default makes it again; a run stopped
+    on its way (its mark written first, never sealed) is made again either way."""
 
     command: str
     marks: tuple[Mark, ...]
     files: tuple[str, ...] = ("*",)
     record: str | None = None
     leftovers: bool = False
+    kept: bool = False
     files_of: Callable[[object], list[str] | None] | None = None
 
     def names_written(self) -> set[str]:
         return set(self.files) - {m.name for m in self.marks}
+
+    def holds_its_files(self, directory) -> bool:
+        """Whether `directory` holds a file of a name this output writes (a mark, or one of `files`)."""
+        names = (*self.files, *(m.name for m in self.marks))
+        return any(fnmatch.fnmatchcase(n, p) for n in _entries(directory) for p in names)
 
 
 _DECLARED: dict[str, Output] = {}
@@ -168,21 +181,17 @@ def named(owner: str) -> str:
     return owner if " " in owner else f"`{owner}`"
 
 
-def foreign_files(directory, owner: str | None, command: str, hidden: bool = False) -> list[str]:
+def foreign_files(directory, owner: str | None, command: str) -> list[str]:
     """The entries directly in `directory` that no entroweight command wrote there, sorted: with no
     owner, every one not hidden but what `command`'s own stopped run leaves (`Output.leftovers`); in
     a command's output, every one not hidden but what that command writes there (a stage's shards, as
-    pipelines/verify.py counts them; a declared output's files). Hidden names are not counted (the
-    commands keep their bookkeeping there: a lock, a stage record, manifests) but with `hidden`, for a
-    command that replaces `out` whole, in a directory of no owner and nothing else."""
-    every = _entries(directory)
-    names = [n for n in every if not n.startswith(".")]
+    pipelines/verify.py counts them; a declared output's files). Hidden names are not counted: the
+    commands keep their bookkeeping there (a lock, a stage record, manifests)."""
+    names = [n for n in _entries(directory) if not n.startswith(".")]
     if owner is None:
         mine = _DECLARED.get(command) if command in _DECLARED else declaration(command)
         left = mine.names_written() if mine is not None and mine.leftovers else set()
-        theirs = sorted(n for n in names if n not in left)
-        # a lock file is a run's (one killed with SIGKILL leaves it), never a user's
-        return theirs or (sorted(n for n in every if n != storage.LOCK_FILE) if hidden else [])
+        return sorted(n for n in names if n not in left)
     if owner == UNKNOWN_STAGE or STAGE_RECORD in listing(directory):
         return sorted(n for n in names if not n.startswith("part-"))
     theirs = declaration(owner)
@@ -235,7 +244,6 @@ def check_output(
     may_lie_inside: bool = False,
     apart: bool = False,
     file: bool = False,
-    whole: bool = False,
 ) -> str | None:
     """The one path rule, asked by `writing` and by the stage planner before anything is created:
     `out` may not be, lie inside or hold anything it reads (`reads`: (flag, location) pairs; symlinks
@@ -247,8 +255,7 @@ def check_output(
     run): it would mix into what that command reads and rewrites, and --overwrite cannot help there
     (a workflow writes inside its own run directory, so its steps do not ask this).
     `overwrite` None: the command has no --overwrite, so no refusal advises it. `file`: `out` is one
-    file the command writes (report's .html), not a directory to write into. `whole`: the command
-    replaces `out` whole (export-data), so hidden files of no command count too.
+    file the command writes (report's .html), not a directory to write into.
     A user's own files are never written among nor removed, --overwrite or not (`foreign_files`): an
     `out` holding files of no command is refused, and so is the output of a stage with files beside
     its shards when --overwrite would replace it.
@@ -280,10 +287,10 @@ def check_output(
     except Exception:  # noqa: BLE001 - unreachable (no bucket, no credentials): check_writable says why
         return None
     replaced = owner is not None and owner != command and owner not in owners
-    # `out` replaced whole: another command's output, or (`whole`) this command's own
-    removed = bool(overwrite and (replaced or whole))
+    # `out` replaced whole: another command's output, or this command's own made again
+    removed = bool(overwrite and owner is not None)
     if not file and (owner is None or not replaced or removed):  # written into, or replaced whole
-        theirs = foreign_files(out, owner, command, hidden=whole)
+        theirs = foreign_files(out, owner, command)
         if theirs and owner is None:
             raise OutputRefused(
                 f"{flag} {out} holds files of no entroweight command ({some_of(theirs)}), which `{command}` "
@@ -346,31 +353,49 @@ def written_files(directory, output: Output) -> list[str]:
     )
 
 
+def _remove_new(directory: Path, before: set[str]) -> None:
+    """Remove the entries of `directory` not among `before` (what a refused block wrote)."""
+    for name in set(_entries(directory)) - before:
+        p = directory / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+
+
 class Differs(OutputRefused):
     """`out` holds this command's output of other options: refused unless --overwrite."""
 
 
-def recorded(out, output: Output, made_of: dict) -> str | None:
-    """What `out` holds of `output` for a run made of `made_of` ({"options": ..., "inputs": ...}):
-    "same" where its sealed record says this very output (the same options and inputs, every file as
-    recorded): a rerun has nothing to do; "again" where it is to be made again whole (of changed
-    inputs, incomplete, edited, or recorded by an older version); None where there is no record.
-    One of other options raises Differs, naming what differs. Asked under the lock on `out`."""
+def recorded(out, output: Output, made_of: dict) -> tuple[str | None, str]:
+    """What `out` holds of `output` for a run made of `made_of` ({"options": ..., "inputs": ...}), and
+    why in words: "same" where its sealed record says this very output (the same options and inputs,
+    every file as recorded): a rerun has nothing to do; "again" where it is to be made again whole (of
+    changed inputs, incomplete, edited, or recorded by an older version: why says which, "" for a run
+    stopped on its way); None where there is no record. One of other options raises Differs, naming
+    what differs. Asked under the lock on `out`."""
     record = storage.json_record(path(out) / output.record)
     if record is None:
-        return None
+        return None, ""
+    if record.keys() == {MADE_OF}:  # its mark, written first and never sealed: a run stopped on its way
+        return "again", ""
     made = record.get(MADE_OF)
     was = made.get("options") if isinstance(made, dict) else None
     if not isinstance(was, dict) or was.keys() != made_of["options"].keys():
-        return "again"  # recorded by a version that recorded other options: made again
+        return "again", "recorded by another version (or its record edited)"
     if was != made_of["options"]:
         from .options import setting_changes
 
         raise Differs("; ".join(setting_changes(was, made_of["options"])))
     files = record.get(FILES)
-    if edited(record) or made != made_of or not isinstance(files, dict):
-        return "again"
-    return "same" if files_sha256(out, files) == files else "again"
+    if edited(record) or not isinstance(files, dict) or not isinstance(made.get("inputs"), dict):
+        return "again", "whose record is edited"
+    if made != made_of:
+        changed = [k for k in made_of["inputs"] if made["inputs"].get(k) != made_of["inputs"][k]]
+        return "again", f"of inputs changed since ({', '.join(changed) or 'others'})"
+    if files_sha256(out, files) != files:
+        return "again", "whose files differ from its record (edited, or removed)"
+    return "same", ""
 
 
 @dataclasses.dataclass
@@ -408,7 +433,7 @@ def writing(
 ) -> Iterator[Writing]:
     """Every rule of a command's output, in order (the module's docstring), around the block that
     writes it. `made_of` ({"options": what the user chose, "inputs": the fingerprints of what it
-    reads}) may be a function, called once the path rule holds (a checkpoint's tokenizer read). Refusals are OutputRefused (exit 2) or storage.OutputHeld (exit 3), raised before
+    reads}) may be a function, called once the path rule holds, under the lock (a checkpoint's tokenizer read). Refusals are OutputRefused (exit 2) or storage.OutputHeld (exit 3), raised before
     anything in `out` is touched. `check`: the command's own refusals that need the lock held and
     nothing yet written (a checkpoint loaded, a task's data found), asked after the record. The block
     writes its files into `w.dest` (nothing when `w.nothing_to_do`); once it returns, the record
@@ -422,18 +447,28 @@ def writing(
             storage.check_writable(out)
         except OSError as e:
             raise OutputRefused(f"cannot write to {flag} {out}: {e.strerror or e}") from None
-    if callable(made_of):  # what needs reading the inputs: after the path rule, before the lock
-        made_of = made_of()
+    advice = "" if overwrite is None else ", or pass --overwrite to replace it"
     with storage.holding_output(out, wait, advise_wait=advise_wait):
-        try:  # (no made_of: inputs that cannot be listed, refused by `check`)
-            state = recorded(out, output, made_of) if not foreign and made_of is not None else None
+        if callable(made_of):  # what needs reading the inputs: under the lock, which a refusal takes back
+            made_of = made_of()
+        try:  # (no made_of: inputs that cannot be listed, refused by `check`, or not recordable)
+            state, why = recorded(out, output, made_of) if not foreign and made_of is not None else (None, "")
         except Differs as e:
             if not overwrite:
-                advice = "" if overwrite is None else ", or pass --overwrite to replace it"
                 raise OutputRefused(
                     f"{flag} {out} holds {what} of other options ({e}); write elsewhere{advice}"
                 ) from None
-            state = "again"
+            state, why = "again", ""
+        if output.kept and not overwrite and not foreign:
+            if state is None and output.holds_its_files(
+                out
+            ):  # its files (or a user's of their names), no record
+                state, why = "again", "with no record of what it is made of"
+            if state == "again" and why:
+                raise OutputRefused(
+                    f"{flag} {out} holds {what} {why}; what was made with it depends on it: write "
+                    f"elsewhere{advice}"
+                )
         if state == "same":
             yield Writing(out, output, made_of, "same")
             return
@@ -444,6 +479,7 @@ def writing(
         w = Writing(out, output, made_of, state or "new")
         with storage.staged(out, last=(output.record,)) as dest:
             w.dest = Path(dest)
+            before = set(_entries(w.dest))
             mark = w.dest / output.record
             if output.record in {m.name for m in output.marks}:  # marked first: a run stopped on the
                 # way leaves its own files (taken back by a rerun), not what reads as a user's
@@ -451,9 +487,12 @@ def writing(
                 storage.write_json_atomic({MADE_OF: made_of}, mark)
             try:
                 yield w
-            except BaseException:
+            except KeyboardInterrupt:  # stopped (Ctrl-C, SIGTERM): its files stay marked, made again
                 if not written_files(w.dest, output):  # nothing of it left: no mark of it either
                     mark.unlink(missing_ok=True)
+                raise
+            except BaseException:  # refused on the way: what it wrote goes, `out` is as it was
+                _remove_new(w.dest, before)
                 raise
             record = {**w.record, MADE_OF: made_of, FILES: files_sha256(dest, written_files(dest, output))}
             storage.write_json_atomic(sealed(record), w.dest / output.record)

@@ -17,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,7 +34,6 @@ from entroweight.schemas.datadir import DataDir, DataDirError, Part, no_rows
 from entroweight.schemas.exports import EXPORT_RECORD, MEGATRON_PREFIX, megatron_weight_prefix
 from entroweight.schemas.manifest import counts_line, sum_lineage
 from entroweight.schemas.weighted import WEIGHT, describe_encoding, matrix, real_mask, row_lengths
-from entroweight.transforms.writer import write_json_atomic
 
 FORMATS = ("megatron", "litdata", "hf")
 # Formats asked for that this install cannot write, and why (checked before anything is read).
@@ -296,13 +293,16 @@ def _scorer_detail(meta: dict) -> str:
 
 
 WRITERS = {"megatron": _megatron, "litdata": _litdata, "hf": _hf}
-#: export-data's output (entroweight.output's contract): export.json marks it, written last
+#: export-data's output (entroweight.output's contract): export.json marks it, written first and
+#: sealed last. Kept: a trainer reads the export, so one not made of this very source and format (its
+#: shards changed since, its files edited) is refused unless --overwrite
 EXPORT_DATA = output.declare(
     output.Output(
         "export-data",
         marks=(output.Mark(EXPORT_RECORD, ("format", "source", "code_version", "metadata", "counts")),),
         files=(EXPORT_RECORD, "README.md", "data", "index.json", "*.bin", "*.idx"),
         record=EXPORT_RECORD,
+        kept=True,
     )
 )
 MEGATRON_MODULE = "megatron.core.datasets.indexed_dataset"
@@ -319,19 +319,12 @@ def _quiet_import(name: str):
 # -- the command
 
 
-def check_request(src: str | Path, out: str | Path, fmt: str, overwrite: bool) -> None:
-    """Every refusal that needs no reading of the data: format, library, where --out is."""
+def check_format(fmt: str) -> None:
+    """Every refusal of the format, before anything is read: supported, its library installed."""
     if fmt in UNSUPPORTED:
         raise ExportError(UNSUPPORTED[fmt])
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
-    try:  # the one path rule (storage.check_output): where it reads, another command's output, a user's
-        # files (hidden ones too: the export replaces `out` whole)
-        output.check_output(out, [("SCORED", src)], "export-data", overwrite=overwrite, whole=True)
-    except storage.OutputRefused as e:
-        raise ExportError(str(e)) from None
-    if storage.is_local(out) and Path(out).exists() and not Path(out).is_dir():
-        raise ExportError(f"--out {out} is a file; name a directory for the export")
     if EXTRAS[fmt]:
         try:
             _quiet_import(MEGATRON_MODULE if fmt == "megatron" else "litdata")
@@ -342,104 +335,81 @@ def check_request(src: str | Path, out: str | Path, fmt: str, overwrite: bool) -
 
 
 def _made_of(source: Source, fmt: str, bpb: list[dict] | None) -> dict:
-    """What an export is a function of, as export.json records it: the format, the source (where it
-    lies, and its committed shards: each one's sha256 as its manifest records it), this code and the
-    card's BPB rows. An export recording the same is this export (`export_data` does nothing)."""
+    """What an export is made of (entroweight.output's made_of): the format and the source (where it
+    lies) a user chose; the fingerprints of its committed shards (each one's sha256 as its manifest
+    records it), this code and the card's BPB rows."""
     shards = [[p.location.rsplit("/", 1)[-1], p.manifest.output_sha256] for p in source.parts]
     return {
-        "format": fmt,
-        "source": storage.key(source.path),
-        "source_sha256": hashlib.sha256(json.dumps(shards).encode()).hexdigest(),
-        "code_version": __version__,
-        "bpb": bpb or [],
+        "options": {"format": fmt, "source": storage.key(source.path)},
+        "inputs": {
+            "source_sha256": hashlib.sha256(json.dumps(shards).encode()).hexdigest(),
+            "code_version": __version__,
+            "bpb": bpb or [],
+        },
     }
-
-
-#: what each field of `_made_of` is, as a refusal names the one that differs
-MADE_OF = {
-    "format": "format",
-    "source": "source location",
-    "source_sha256": "source content (its shards differ)",
-    "code_version": "entroweight version",
-    "bpb": "BPB table (its workflow's evaluations changed)",
-}
-
-
-def _files_of(out) -> dict[str, str]:
-    """{path relative to `out`: sha256} of the files of an export but its record."""
-    return {
-        name: storage.sha256(storage.path(out) / name)
-        for name in sorted(storage.walk(out))
-        if name != EXPORT_RECORD
-    }
-
-
-def _recorded(out) -> dict | None:
-    """The record of the export in `out` (export.json), or None where it does not read as one."""
-    return storage.json_record(storage.path(out) / EXPORT_RECORD)
 
 
 def export_data(
-    src: str | Path, out: str | Path, fmt: str, overwrite: bool = False, bpb: list[dict] | None = None
+    src: str | Path,
+    out: str | Path,
+    fmt: str,
+    overwrite: bool = False,
+    bpb: list[dict] | None = None,
+    advise_wait: bool = True,
 ) -> dict:
-    """Write `src`'s scored shards to `out` in `fmt`; returns the record also written to export.json.
+    """Write `src`'s scored shards to `out` in `fmt`; returns the record also written to export.json,
+    with `up_to_date` where `out` already holds this very export (nothing done).
 
-    Written into a temporary sibling of `out` and renamed into place: a refusal or a crash leaves
-    `out` as it was. An `out` on an object store is written locally first, then uploaded with
-    export.json last: an export without its export.json is incomplete. `bpb`: rows {run, seed, loss,
-    bpb} of the workflow that made the data, for the card.
-    """
-    check_request(src, out, fmt, overwrite)
-    source = open_scored(src)
-    made_of = _made_of(source, fmt, bpb)
-    if not overwrite and output.output_owner(out) == "export-data":
-        done = _recorded(out)
-        differ = [k for k in made_of if done is None or done.get(k) != made_of[k]]
-        if not differ and _files_of(out) == done.get("files"):
-            return {**done, "up_to_date": True}  # this very export: a rerun (a retry) does nothing
-        if done is None or "source_sha256" not in done:
-            why = "an export that records no source"
-        elif differ:
-            why = f"an export of another {' and '.join(MADE_OF[k] for k in differ)}"
-        else:
-            why = "this export, but its files differ from its record (changed, or some removed)"
-        raise ExportError(f"--out {out} already holds {why}; pass --overwrite to replace it")
-    if fmt == "litdata" and not any(p.manifest.rows_out for p in source.parts):  # before any writing
-        raise ExportError(no_rows(src) + _NO_LITDATA_ROWS)
-    if storage.is_url(out):
-        with tempfile.TemporaryDirectory(prefix="entroweight-export-") as local:
-            record = export_data(src, Path(local) / "export", fmt, overwrite, bpb)
-            storage.remove_tree(out)  # --overwrite (checked above): the old export goes first
-            storage.upload_dir(Path(local) / "export", out, last=(EXPORT_RECORD,))
-        return record
-    # where it leads: the export renamed into place replaces a directory, not a link to one
-    out = Path(storage.key(out))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.export-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    Written through the output contract (entroweight.output.writing): the path rule, the lock, this
+    very export again is nothing to do, another refused unless --overwrite, export.json sealed last (an
+    export without it sealed is incomplete; on an object store it is uploaded last); a refusal on the
+    way (a shard that differs from its manifest) takes back what was written. `bpb`: rows {run, seed,
+    loss, bpb} of the workflow that made the data, for the card. Raises ExportError (a refusal) and
+    storage.OutputHeld (another run writes `out`)."""
+    check_format(fmt)
+    opened: list[Source] = []
+
+    def made_of() -> dict:  # after the path rule: its refusals come first
+        opened.append(open_scored(src))
+        return _made_of(opened[0], fmt, bpb)
+
+    def check() -> None:  # before anything is written
+        if fmt == "litdata" and not any(p.manifest.rows_out for p in opened[0].parts):
+            raise ExportError(no_rows(src) + _NO_LITDATA_ROWS)
+
+    reads = [("SCORED", src)]
     try:
-        record = {
-            **made_of,
-            "metadata": source.meta,
-            "weight_dtype": source.weight_dtype,
-            "counts": {},  # filled as the writer reads
-            # what each stage read and rejected, tokenize's first: every source document accounted for
-            "lineage": sum_lineage([p.manifest for p in source.parts]),
-        }
-        try:
-            WRITERS[fmt](source, tmp, record)
-        except DataDirError as e:  # a shard that differs from its manifest: the temp export goes
-            raise ExportError(str(e)) from None
-        size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
-        real = record["counts"]["real_tokens"]
-        record["bytes"] = size
-        record["bytes_per_real_token"] = round(size / real, 3) if real else None
-        record["files"] = _files_of(tmp)  # what a rerun finds, or the export is written again
-        write_json_atomic(record, tmp / EXPORT_RECORD)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with output.writing(
+            EXPORT_DATA, out, reads, made_of, overwrite=overwrite, what="an export", advise_wait=advise_wait,
+            check=check,
+        ) as w:  # fmt: skip
+            if w.nothing_to_do:
+                return {**storage.json_record(storage.path(out) / EXPORT_RECORD), "up_to_date": True}
+            w.record = _write(opened[0], w.dest, fmt, bpb)
+    except storage.OutputRefused as e:
+        raise ExportError(str(e)) from None
+    return w.record
+
+
+def _write(source: Source, dest: Path, fmt: str, bpb: list[dict] | None) -> dict:
+    """The export's files in `dest`; returns what export.json records of them."""
+    record = {
+        "format": fmt,
+        "source": storage.key(source.path),
+        "code_version": __version__,
+        "bpb": bpb or [],
+        "metadata": source.meta,
+        "weight_dtype": source.weight_dtype,
+        "counts": {},  # filled as the writer reads
+        # what each stage read and rejected, tokenize's first: every source document accounted for
+        "lineage": sum_lineage([p.manifest for p in source.parts]),
+    }
+    try:
+        WRITERS[fmt](source, dest, record)
+    except DataDirError as e:  # a shard that differs from its manifest: what was written goes
+        raise ExportError(str(e)) from None
+    size = sum((dest / f).stat().st_size for f in output.written_files(dest, EXPORT_DATA))
+    real = record["counts"]["real_tokens"]
+    record["bytes"] = size
+    record["bytes_per_real_token"] = round(size / real, 3) if real else None
     return record

@@ -483,7 +483,7 @@ def test_train_tokenizer_never_replaces_a_tokenizer_unasked(tmp_path, c4_lines, 
         (out / "tokenizer.json").write_text('{"mine": 1}')
     before = (out / "tokenizer.json").read_bytes()
     res = cli("train-tokenizer", src, "--vocab-size", 320, "--out", out)
-    assert res.exit_code == 2 and "already holds a tokenizer" in res.output and "--overwrite" in res.output
+    assert res.exit_code == 2 and "holds a tokenizer" in res.output and "--overwrite" in res.output
     assert (out / "tokenizer.json").read_bytes() == before
     res = cli("train-tokenizer", src, "--vocab-size", 320, "--out", out, "--overwrite")
     assert res.exit_code == 0 and (out / "tokenizer.json").read_bytes() != before
@@ -492,9 +492,10 @@ def test_train_tokenizer_never_replaces_a_tokenizer_unasked(tmp_path, c4_lines, 
 def test_a_rerun_of_the_same_train_tokenizer_does_nothing(tmp_path, c4_lines):
     """A scheduler's retry of train-tokenizer (or a rerun after a kill that came after the write) with
     the same arguments finds its tokenizer and does nothing, exit 0, as a stage's rerun does; it was
-    refused (exit 2). Anything else is refused, saying what differs: a source changed since (its
-    size or mtime), the sources in another order (with --max-docs, other documents), another option,
-    or a tokenizer.json that is not the one the record names (edited, or another copied in)."""
+    refused (exit 2). Anything else is refused (a kept output, entroweight.output), saying what
+    differs: a source changed since (its size or mtime), the sources in another order (with
+    --max-docs, other documents), another option, or a tokenizer.json that is not the one the record
+    names (edited, or another copied in)."""
     import os
     import shutil
 
@@ -508,39 +509,42 @@ def test_a_rerun_of_the_same_train_tokenizer_does_nothing(tmp_path, c4_lines):
     assert res.exit_code == 0 and "nothing to do" in res.output, res.output
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == files
     others = {
-        "other vocab size": ["--vocab-size", 301],
-        "other max docs": ["--max-docs", 10],
-        "other text column": ["--text-column", "url"],
-        "other base sha256, algorithm": ["--algorithm", "lz78"],
+        "vocab_size: 300 -> 301": ["--vocab-size", 301],
+        "max_docs: None -> 10": ["--max-docs", 10],
+        "text_column: 'text' -> 'url'": ["--text-column", "url"],
+        "algorithm: 'bpe' -> 'lz78'": ["--algorithm", "lz78"],
     }
     for says, change in others.items():
         res = cli(*argv, *change)
-        assert res.exit_code == 2 and f"trained from {says}" in res.output, (says, res.output)
+        assert res.exit_code == 2 and f"a tokenizer of other options ({says})" in res.output, (
+            says,
+            res.output,
+        )
     swapped = ["train-tokenizer", other, src, "--vocab-size", 300, "--out", out]
     res = cli(*swapped)
-    assert res.exit_code == 2 and "the sources in another order" in res.output, res.output
+    assert res.exit_code == 2 and "of other options (sources: [" in res.output, res.output
     mtime = src.stat().st_mtime_ns
     write(src, c4_lines[:20])
     os.utime(src, ns=(mtime + 10**9,) * 2)  # rewritten: the same bytes, a later modification time
     res = cli(*argv)
-    assert res.exit_code == 2 and "a source changed since (size or modification time" in res.output
+    assert res.exit_code == 2 and "a tokenizer of inputs changed since (sources)" in res.output, res.output
     assert cli(*argv, "--overwrite").exit_code == 0
     tok = out / "tokenizer.json"
     tok.write_bytes(tok.read_bytes().replace(b'"<|pad|>"', b'"<|PAD|>"'))  # edited by hand since
     res = cli(*argv)
-    assert res.exit_code == 2 and "not the one its record names" in res.output, res.output
+    assert res.exit_code == 2 and "whose files differ from its record" in res.output, res.output
     assert cli(*argv, "--overwrite").exit_code == 0
     # another tokenizer copied in with `cp tok2/* tok/` (the glob leaves the hidden record behind)
     assert cli("train-tokenizer", src, "--vocab-size", 400, "--out", tmp_path / "tok2").exit_code == 0
     for name in ("tokenizer.json", "tokenizer.sha256"):
         shutil.copy(tmp_path / "tok2" / name, out / name)
     res = cli(*argv)
-    assert res.exit_code == 2 and "not the one its record names" in res.output, res.output
+    assert res.exit_code == 2 and "whose files differ from its record" in res.output, res.output
     assert {p.name for p in out.iterdir()} == {"tokenizer.json", "tokenizer.sha256", ".train-tokenizer.json"}
     for record in ("[1, 2]", "{not json", '{"sources": 3}'):  # a record edited into something else
         (out / ".train-tokenizer.json").write_text(record)
         res = cli(*argv)
-        assert res.exit_code == 2 and "already holds a tokenizer" in res.output, (record, res.output)
+        assert res.exit_code == 2 and "holds a tokenizer " in res.output, (record, res.output)
         assert "Traceback" not in res.output
 
 

@@ -415,9 +415,9 @@ def test_overwrite_replaces_an_export_never_a_users_files(scored, tmp_path):
         assert res.exit_code == 2 and "holds files of no entroweight command (notes.txt)" in res.output, (
             res.output
         )
-    (mine / "notes.txt").unlink()  # hidden files alone: the export would replace them, so refused too
+    (mine / "notes.txt").unlink()  # hidden files alone: the export is written beside them, kept
     res = export(scored, mine, "litdata", "--overwrite")
-    assert res.exit_code == 2 and "holds files of no entroweight command (.git)" in res.output, res.output
+    assert res.exit_code == 0 and (mine / "index.json").exists(), res.output
     assert (mine / ".git").is_dir()
 
 
@@ -464,7 +464,7 @@ def test_a_rerun_of_the_same_export_does_nothing(scored, tmp_path, fmt):
     """Rule: a command rerun as it was (a scheduler's retry, or after a kill that came just after the
     export was renamed into place) completes as the stages do: "nothing to do", exit 0, the export
     untouched; it was refused ("already holds an export"). Another source or format, or an export
-    whose files differ from its record, is refused as before."""
+    whose files differ from its record, is refused as before (a kept output: entroweight.output)."""
     out = tmp_path / "out"
     assert export(scored, out, fmt).exit_code == 0
     files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
@@ -474,10 +474,10 @@ def test_a_rerun_of_the_same_export_does_nothing(scored, tmp_path, fmt):
     )
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()} == files
     res = export(scored, out, "hf" if fmt != "hf" else "megatron")
-    assert res.exit_code == 2 and "already holds an export of another format;" in res.output, res.output
+    assert res.exit_code == 2 and "holds an export of other options (format: " in res.output, res.output
     moved = shutil.copytree(scored, tmp_path / "moved")  # the same shards elsewhere: named as such
     res = export(moved, out, fmt)
-    assert res.exit_code == 2 and "an export of another source location;" in res.output, res.output
+    assert res.exit_code == 2 and "an export of other options (source: " in res.output, res.output
     # a byte flipped at the same size, then a file removed: the export's files are not as recorded
     victim = sorted(p for p in files if p.name != "export.json")[-1]
     raw = bytearray(victim.read_bytes())
@@ -485,6 +485,6 @@ def test_a_rerun_of_the_same_export_does_nothing(scored, tmp_path, fmt):
     victim.write_bytes(bytes(raw))
     for _ in range(2):
         res = export(scored, out, fmt)
-        assert res.exit_code == 2 and "its files differ from its record" in res.output, res.output
+        assert res.exit_code == 2 and "whose files differ from its record" in res.output, res.output
         victim.unlink(missing_ok=True)
     assert export(scored, out, fmt, "--overwrite").exit_code == 0

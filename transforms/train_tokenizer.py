@@ -118,18 +118,23 @@ def train_tokenizer(
     return text_as_data(tok, f"the trained {algorithm} tokenizer")
 
 
-#: what train-tokenizer records beside the tokenizer it wrote: what it was trained from (`trained_from`)
+#: train-tokenizer's output (entroweight.output's contract): tokenizer.sha256 marks it, and its record
+#: (what it was trained from: `trained_from`), written first and sealed last. Kept: data tokenized and
+#: models trained with the tokenizer depend on it, so one not trained from these very arguments and
+#: files is refused unless --overwrite
 TRAINED_FROM = ".train-tokenizer.json"
 SHA256_FILE = "tokenizer.sha256"
-#: train-tokenizer's output (entroweight.output's contract): tokenizer.sha256 marks it; what it was
-#: trained from is its record, written last
 TRAIN_TOKENIZER = output.declare(
     output.Output(
         "train-tokenizer",
-        marks=(output.Mark(SHA256_FILE, re.compile(r"[0-9a-f]{64}  tokenizer\.json\n?")),),
+        marks=(
+            output.Mark(SHA256_FILE, re.compile(r"[0-9a-f]{64}  tokenizer\.json\n?")),
+            output.Mark(TRAINED_FROM, (output.MADE_OF,)),
+        ),
         files=(SHA256_FILE, TOKENIZER_FILE),
         record=TRAINED_FROM,
-        leftovers=True,  # a tokenizer.json written before its sha256: taken back
+        leftovers=True,  # a tokenizer.json written before its sha256: taken back with --overwrite
+        kept=True,
     )
 )
 
@@ -137,11 +142,11 @@ TRAIN_TOKENIZER = output.declare(
 def trained_from(
     sources: list[str], vocab_size: int, base, max_docs, algorithm: str, text_column: str
 ) -> dict | None:
-    """What a tokenizer trained by `train-tokenizer` is a function of: every source file as listed,
-    in the order read (with --max-docs the order decides which documents), with its size and mtime
-    or an object's version; the options; the base tokenizer's bytes; this code. A rerun that finds
-    the same record beside the tokenizer it names has nothing to do. None where a source is a hub
-    dataset: its main branch may have moved, and nothing pins it here."""
+    """What a tokenizer trained by `train-tokenizer` is made of (entroweight.output's made_of): the
+    options, the source files as listed in the order read (with --max-docs the order decides which
+    documents); the inputs' fingerprints: each source's size and mtime or an object's version, the
+    base tokenizer's bytes, this code. None where a source is a hub dataset: its main branch may have
+    moved, and nothing pins it here (never "the same": refused unless --overwrite)."""
     from entroweight import __version__
 
     from .sources import source_files
@@ -150,38 +155,15 @@ def trained_from(
     if any(stat is None for stat in files.values()):
         return None
     base_file = resolve_tokenizer_path(base or DEFAULT_BASE) if algorithm == "bpe" else None
+    options = {"sources": list(files), "vocab_size": vocab_size, "base": base, "max_docs": max_docs}
     return {
-        "sources": [[f, *stat] for f, stat in files.items()],
-        "vocab_size": vocab_size,
-        "base_sha256": storage.sha256(base_file) if base_file is not None else None,
-        "max_docs": max_docs,
-        "algorithm": algorithm,
-        "text_column": text_column,
-        "code_version": __version__,
+        "options": {**options, "algorithm": algorithm, "text_column": text_column},
+        "inputs": {
+            "sources": [list(stat) for stat in files.values()],
+            "base_sha256": storage.sha256(base_file) if base_file is not None else None,
+            "code_version": __version__,
+        },
     }
-
-
-def _by_file(sources) -> dict[str, list]:
-    """A record's [file, size, mtime, version] rows by file; {} for anything else (a record edited)."""
-    try:
-        return {str(f): rest for f, *rest in sources}
-    except (TypeError, ValueError):
-        return {}
-
-
-def differs(recorded: dict, now: dict) -> str:
-    """What differs between a tokenizer's `trained_from` record and the arguments given now, in words
-    (a source file changed since, another option), for the refusal to name."""
-    if recorded.get("sources") != now["sources"]:
-        was, now_files = _by_file(recorded.get("sources")), _by_file(now["sources"])
-        changed = [f for f in now_files if f in was and was[f] != now_files[f]]
-        if changed:
-            return f"a source changed since (size or modification time: {changed[0]})"
-        if set(was) == set(now_files):
-            return "the sources in another order"
-        return "other sources"
-    options = [k for k in now if k != "sources" and recorded.get(k) != now[k]]
-    return "other " + ", ".join(k.replace("_", " ") for k in options) if options else "another record"
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> tuple[Path, str]:

@@ -22,11 +22,11 @@ from .cli_common import (
     _fail,
     check_output,
     engine_options,
-    holding_out,
     run_stage_cli,
     say_listing,
     stage_options,
     wait_option,
+    writing_out,
 )
 
 # Command modules added by other areas; each exports COMMANDS, a list of click commands.
@@ -78,71 +78,44 @@ def main():
 @wait_option
 def train_tokenizer_cmd(sources, vocab_size, base, max_docs, algorithm, text_column, out, overwrite, wait):
     """Train a tokenizer of VOCAB_SIZE tokens (pad/bos/eos reserved) on SOURCES: BPE or LZ78."""
-    reads = [("the source", s) for s in sources] + [("--base", base)]
-    foreign = check_output(out, reads, "train-tokenizer", overwrite=overwrite)
-    with holding_out(out, wait):  # until it is written: another run's is refused (exit 3)
-        _train_tokenizer_held(
-            sources, vocab_size, base, max_docs, algorithm, text_column, out, overwrite, foreign
-        )
-
-
-def _train_tokenizer_held(
-    sources, vocab_size, base, max_docs, algorithm, text_column, out, overwrite, foreign
-):
-    """train-tokenizer once this run holds the lock on `out`: what --out holds is checked under it."""
-    from entroweight import storage
-    from entroweight.schemas.tokenizer import TOKENIZER_FILE
     from entroweight.transforms.sources import SourceError
     from entroweight.transforms.train_tokenizer import (
-        TRAINED_FROM,
+        TRAIN_TOKENIZER,
         corpus_texts,
-        differs,
         rejects_said,
         save_tokenizer,
         train_tokenizer,
         trained_from,
     )
 
-    held = storage.path(out) / TOKENIZER_FILE
+    reads = [("the source", s) for s in sources] + [("--base", base)]
     rejected: collections.Counter = collections.Counter()
-    try:
-        say_listing(sources)
-        made_of = trained_from(list(sources), vocab_size, base, max_docs, algorithm, text_column)
-    except (SourceError, ValueError) as e:
-        _fail(str(e))
-    if held.exists() and not overwrite:  # data and models made with it would no longer match it
-        recorded = storage.json_record(storage.path(out) / TRAINED_FROM)
-        sha = recorded.pop("tokenizer_sha256", None) if isinstance(recorded, dict) else None
-        if recorded is None or made_of is None:
-            which = "a tokenizer"
-        elif recorded != made_of:
-            which = f"a tokenizer trained from {differs(recorded, made_of)}"
-        elif sha is None or sha != storage.sha256(held):
-            which = "a tokenizer that is not the one its record names (edited, or copied in since)"
-        else:  # this very tokenizer: a rerun (a scheduler's retry) does nothing
-            click.echo(f"nothing to do: {held} is the tokenizer these arguments train (sha256 {sha})")
+
+    def made_of() -> dict | None:  # after the path rule: its refusals come first
+        try:
+            say_listing(sources)
+            return trained_from(list(sources), vocab_size, base, max_docs, algorithm, text_column)
+        except (SourceError, ValueError) as e:
+            _fail(str(e))
+
+    trained = []
+
+    def train() -> None:  # under the lock, before --out is touched: a refusal leaves it as it was
+        try:
+            texts = corpus_texts(list(sources), max_docs, text_column, rejected)
+            trained.append(train_tokenizer(texts, vocab_size, algorithm, base, progress=sys.stderr.isatty()))
+        except (SourceError, ValueError) as e:
+            _fail(str(e))
+
+    with writing_out(TRAIN_TOKENIZER, out, reads, made_of, overwrite, wait, "a tokenizer", train) as w:
+        if w.nothing_to_do:
+            click.echo(f"nothing to do: {out} already holds the tokenizer these arguments train")
             return
-        _fail(
-            f"--out {out} already holds {which} ({held}); what was tokenized or trained with it depends "
-            "on it: write to another --out, or pass --overwrite to replace it"
-        )
-    try:
-        texts = corpus_texts(list(sources), max_docs, text_column, rejected)
-        tok = train_tokenizer(texts, vocab_size, algorithm, base, progress=sys.stderr.isatty())
-    except (SourceError, ValueError) as e:
-        _fail(str(e))
-    if foreign:  # another command's output, which --overwrite replaces whole (the lock stays)
-        storage.clear_output(out)
-    storage.remove(storage.path(out) / TRAINED_FROM)  # (an --overwrite: the old record goes first)
-    with storage.staged(out) as local:  # an s3:// --out: written here, then uploaded
-        path, sha = save_tokenizer(tok, local)
-    if made_of is not None:  # last: a rerun with these arguments finds its tokenizer and does nothing
-        storage.write_json_atomic({**made_of, "tokenizer_sha256": sha}, storage.path(out) / TRAINED_FROM)
-    path = storage.path(out) / path.name
+        path, sha = save_tokenizer(trained[0], w.dest)
     skipped = f"; {rejects_said(rejected)}" if rejected else ""
-    n = tok.get_vocab_size()
+    n = trained[0].get_vocab_size()
     short = f"; {vocab_size} asked: the documents give no more" if n < vocab_size else ""
-    click.echo(f"wrote {path} ({n} tokens, sha256 {sha}){short}{skipped}")
+    click.echo(f"wrote {out}/{path.name} ({n} tokens, sha256 {sha}){short}{skipped}")
 
 
 @main.command(cls=GeneratedOptions, generated=[engine_options])

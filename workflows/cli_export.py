@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import Location, _fail, check_output, holding_out
+from .cli_common import EXIT_LOCKED, Location, _fail
 
 
 @click.command("export-data")
@@ -25,16 +25,15 @@ from .cli_common import Location, _fail, check_output, holding_out
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty --out.")
 def export_data_cmd(scored, fmt, out, overwrite):
     """Write the scored shards of SCORED (tokens + per-token weights) in a trainer's own format."""
+    from entroweight import storage
     from entroweight.pipelines.export_data import ExportError, export_data
 
-    check_output(out, [("SCORED", scored)], "export-data", overwrite=overwrite, whole=True)
-    # the lock beside --out, not in it: the export replaces --out whole (a temporary beside it renamed
-    # into place), and its checks count a hidden file in --out as a user's
-    with holding_out(out, beside=True):
-        try:
-            record = export_data(scored, out, fmt, overwrite=overwrite, bpb=workflow_bpb(scored))
-        except ExportError as e:
-            _fail(str(e))
+    try:  # every rule of its output: entroweight.output.writing, inside export_data
+        record = export_data(scored, out, fmt, overwrite, workflow_bpb(scored), advise_wait=False)
+    except storage.OutputHeld as e:
+        _fail(str(e), EXIT_LOCKED)
+    except (ExportError, storage.StorageError) as e:
+        _fail(str(e))
     c = record["counts"]
     size = record["bytes_per_real_token"]
     what = f"({fmt}): {c['documents']} documents, {c['rows']} rows, {c['real_tokens']} tokens" + (
