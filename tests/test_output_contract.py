@@ -184,3 +184,39 @@ def test_the_toy_gets_the_lock(src, tmp_path):
     finally:
         held.release()
     assert toy(src, out, 1) == "wrote"  # free again
+
+
+def test_a_kept_toy_refuses_what_is_not_this_very_output_unless_overwrite(src, tmp_path, monkeypatch):
+    """`kept` (a tokenizer, an export: what was made with it depends on it): a changed input, an edited
+    file, files with no record are refused unless --overwrite, where the default makes them again; a
+    run stopped before its seal is made again either way."""
+    kept = output.Output(TOY.command, TOY.marks, TOY.files, TOY.record, kept=True)
+    monkeypatch.setattr(__import__(__name__), "TOY", kept)
+    monkeypatch.setitem(output._DECLARED, kept.command, kept)
+    out = tmp_path / "out"
+    toy(src, out, 1)
+    src.write_text("a\nb\nc\n")
+    with pytest.raises(storage.OutputRefused, match=r"of inputs changed since \(src\).*--overwrite"):
+        toy(src, out, 1)
+    assert (out / "counts.txt").read_text() == "2\n"
+    assert toy(src, out, 1, overwrite=True) == "wrote"
+    (out / "counts.txt").write_text("9\n")
+    with pytest.raises(storage.OutputRefused, match="whose files differ from its record"):
+        toy(src, out, 1)
+    (out / "toy.json").write_text("[1, 2]")  # a record edited into no record
+    with pytest.raises(storage.OutputRefused, match="with no record of what it is made of"):
+        toy(src, out, 1)
+    toy(src, out, 1, overwrite=True)
+    with pytest.raises(KeyboardInterrupt):
+        toy(src, out, 2, overwrite=True, stop_before_seal=True)
+    assert toy(src, out, 2) == "wrote" and toy(src, out, 2) == "nothing to do"
+
+
+def test_a_block_refused_on_the_way_takes_back_what_it_wrote(src, tmp_path):
+    """A refusal inside the block (a shard that differs from its manifest, found while writing):
+    `out` is left as it was found, its lock and the directory made for it gone."""
+    out = tmp_path / "new" / "out"
+    with pytest.raises(ValueError, match="refused"), output.writing(TOY, out, [("SRC", src)], None) as w:
+        (w.dest / "counts.txt").write_text("1\n")
+        raise ValueError("refused on the way")
+    assert not (tmp_path / "new").exists()
