@@ -217,3 +217,31 @@ def test_the_benchmark_workflows_are_valid(name):
     wf = load_workflow(ROOT / "workflows" / f"{name}.yaml")
     assert wf.synthesize is not None and wf.excess is not None
     assert {r.data for r in wf.train.runs} >= {"synthetic"}
+
+
+def test_a_score_that_is_only_the_position_trend_reads_zero_within_position(monkeypatch):
+    """The truth's entropy falls along the row (less context early): a score that is only the position
+    correlates with it, and the within-position Spearman, which takes each position's mean rank out
+    of both, says it knows nothing of which token is uncertain."""
+    from entroweight.transforms import agreement
+
+    rng = np.random.default_rng(0)
+    rows, width = 300, 40
+    ids = {f"r{i}": rng.integers(0, 50, width) for i in range(rows)}
+    trend = 3.0 * np.exp(-np.arange(width) / 8)
+    h = {sid: trend + rng.normal(0, 0.5, width) for sid in ids}
+    columns = {
+        "truth": {"entropy": h, "surprisal": {sid: v + rng.exponential(1.0, width) for sid, v in h.items()}},
+        "position": {"entropy": {sid: trend.copy() + 1e-9 * rng.random(width) for sid in ids}},
+        "knows": {"entropy": {sid: v + rng.normal(0, 0.3, width) for sid, v in h.items()}},
+    }
+    meta = {"stage": "synthesize"}
+    monkeypatch.setattr(
+        agreement, "_read", lambda d, col: (meta, {sid: (ids[sid], v) for sid, v in columns[d][col].items()})
+    )
+    table = agreement.truth_table("truth", {"position": "position", "knows": "knows"}, resamples=100)
+    rows_ = {r["scorer"]: r["entropy"] for r in table["rows"]}
+    assert rows_["position"]["spearman"] > 0.5 and abs(rows_["position"]["spearman_within_position"]) < 0.1
+    assert rows_["knows"]["spearman_within_position"] > 0.7
+    lo, hi = rows_["knows"]["spearman_within_position_ci"]
+    assert lo <= rows_["knows"]["spearman_within_position"] <= hi

@@ -201,7 +201,9 @@ def truth_table(
     rows both hold: Pearson, Spearman and R², each with a 95 % interval by a bootstrap over rows
     (the rows resampled with replacement, `resamples` times, from `seed`; a row's tokens are not
     independent, so rows are the unit). Spearman is the Pearson of the ranks over all tokens, which
-    the bootstrap resamples without ranking again. The teacher's own surprisal is the first
+    the bootstrap resamples without ranking again; `spearman_within_position` the same less each
+    position's mean rank (a correlation that is only the shared position trend is 0 there). The
+    teacher's own surprisal is the first
     estimator of the entropy ("surprisal"): what a model's loss at the truth would reach."""
     meta, truth = _read(truth_dir, "entropy")
     if meta.get("stage") != "synthesize":
@@ -248,6 +250,17 @@ def truth_table(
                 ranked.append((rx[at : at + x.size], ry[at : at + x.size]))
                 at += x.size
             p, sp = _bootstrap(pairs, counts), _bootstrap(ranked, counts)
+            # the same ranks less each position's mean rank: what is left once the trend both share
+            # with the position in the row (early tokens have less context) is taken out
+            pos = np.concatenate([np.arange(x.size) for x, _ in pairs])
+            per_pos = np.maximum(np.bincount(pos), 1)
+            dx = rx - (np.bincount(pos, rx) / per_pos)[pos]
+            dy = ry - (np.bincount(pos, ry) / per_pos)[pos]
+            within, at = [], 0
+            for x, _ in pairs:
+                within.append((dx[at : at + x.size], dy[at : at + x.size]))
+                at += x.size
+            wp = _bootstrap(within, counts)
             row[target] = {
                 "pearson": p["r"],
                 "pearson_ci": p["r_ci"],
@@ -255,6 +268,8 @@ def truth_table(
                 "r2_ci": p["r2_ci"],
                 "spearman": sp["r"],
                 "spearman_ci": sp["r_ci"],
+                "spearman_within_position": wp["r"],
+                "spearman_within_position_ci": wp["r_ci"],
             }
         out.append(row)
     return {"resamples": resamples, "seed": seed, "interval": list(INTERVAL), "rows": out}

@@ -424,21 +424,23 @@ def headline(wf: Workflow) -> dict:
             }
             for a, b in contrast_pairs(wf)
         ],
-        "precision": precision(tables, wf.primary_run()),
+        "precision": precision(wf, tables),
     }
 
 
 PRECISION = 0.01  # the half-width of an interval worth having at this scale (BPB, accuracy)
 
 
-def precision(tables: dict[str, dict], primary: str | None) -> list[dict]:
+def precision(wf: Workflow, tables: dict[str, dict]) -> list[dict]:
     """Per text: the primary comparison's per-seed noise and the seeds its interval would need to
     reach ±PRECISION (stats.seeds_for): what to run next for a stated precision."""
     out = []
     for t, tab in tables.items():
-        c = next((c for c in tab["comparisons"] if c["run"] == primary and c.get("sd")), None)
+        c = next((c for c in tab["comparisons"] if c["run"] == wf.primary_run() and c.get("sd")), None)
         if c is not None:
-            out.append({"text": t, "sd": c["sd"], "seeds": stats.seeds_for(c["sd"], PRECISION)})
+            out.append(
+                {"text": text_name(wf, t), "sd": c["sd"], "seeds": stats.seeds_for(c["sd"], PRECISION)}
+            )
     return out
 
 
