@@ -512,23 +512,6 @@ def writing_out(declared, out, reads, made_of, overwrite, wait: float = 0, what=
         yield w
 
 
-@contextlib.contextmanager
-def holding_out(out, wait: float = 0, beside: bool = False):
-    """`storage.holding_output` for a command that writes a directory: refused with exit 3 while
-    another run holds `out`, 2 where it cannot be written; the refusal advises --wait where the
-    command has one."""
-    from entroweight import storage
-
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(storage.holding_output(out, wait, beside, _takes("wait")))
-        except storage.OutputHeld as e:
-            _fail(str(e), EXIT_LOCKED)
-        except storage.StorageError as e:
-            _fail(str(e))
-        yield
-
-
 def run_stage_cli(stage, out, overwrite, wait, reads=(), **params):
     """Run `stage` into `out` on the engine of `params` (the command's engine flags); exit codes above.
     `reads`: what the stage reads besides its inputs, as (flag, location) pairs, for the path rule."""
