@@ -28,6 +28,7 @@ from entroweight.schemas.weighted import (
     real_mask,
     weights_matrix,
 )
+from entroweight.trainers.accuracy import MARGIN
 from entroweight.trainers.checkpoint import METRICS, STATE
 
 from . import stats
@@ -471,6 +472,9 @@ def accuracy_tables(wf: Workflow) -> list[dict]:
     for task in dict.fromkeys(t for res in results.values() for t in res.get("tasks", {})):
         found = [res["tasks"][task] for res in results.values() if task in res.get("tasks", {})]
         metrics = list(found[0]["metrics"])
+        # the mean log-likelihood margin per item (nats), where the answers hold it: no standard error,
+        # so no chance line
+        metrics += [MARGIN] if any(MARGIN in f.get("items", {}) for f in found) else []
         chance = found[0].get("chance")
         rows = []
         for r in wf.train.runs:
@@ -482,6 +486,9 @@ def accuracy_tables(wf: Workflow) -> list[dict]:
                     if t and m in t["metrics"]:
                         seeds[s] = t["metrics"][m]["value"]
                         errs.append(t["metrics"][m]["stderr"])
+                    elif t and m == MARGIN and MARGIN in t.get("items", {}):
+                        seeds[s] = float(np.mean(t["items"][MARGIN]))
+                        errs.append(None)
                 v = np.array(list(seeds.values()), dtype=np.float64)
                 se = float(np.mean(errs)) if errs and None not in errs else None
                 cells.append(
