@@ -532,3 +532,17 @@ def test_the_same_command_again_does_nothing_and_other_options_are_refused(
         assert r.exit_code == 0 and "wrote" in r.output, (damage, r.output)
         r = _cli(command, tiny_ckpt, *extra, "--out", out)
         assert "nothing to do" in r.output, (damage, r.output)
+
+
+def test_the_margin_is_the_true_continuations_log_likelihood_over_the_distractors_mean():
+    """The continuous endpoint: lm-eval's conditional log-likelihoods of the choices (with
+    acc_mutual_info, the unconditional ones that follow them are not read)."""
+    from entroweight.trainers.accuracy import margin
+
+    lls = [[-3.0, False], [-1.0, True], [-2.0, False], [-4.0, False]]
+    sample = {"target": 1, "filtered_resps": lls, "arguments": [("c", "x")] * 4, "metrics": ["acc"]}
+    assert margin(sample) == pytest.approx(-1.0 - (-3.0 - 2.0 - 4.0) / 3)
+    mutual = {**sample, "filtered_resps": lls + [[-9.0, False]] * 4, "arguments": [("c", "x")] * 8}
+    assert margin(mutual | {"metrics": ["acc", "acc_mutual_info"]}) == pytest.approx(2.0)
+    assert margin({**sample, "target": "the text"}) is None  # no single gold index: no margin
+    assert margin({**sample, "target": 7}) is None
