@@ -13,6 +13,7 @@ from entroweight import storage
 from entroweight.storage import AnyPath, remove_stale_tmp
 
 from .stage import (
+    Judged,
     LockHeld,
     RunSummary,
     Stage,
@@ -56,17 +57,20 @@ def run_stage(
     wait: float = 0,
     progress: bool = True,
     reads=(),
+    judged: Judged | None = None,
     **engine_options,
 ) -> RunSummary:
     """Plan, run the pending shards on `engine`, and summarize. Raises StageFailed naming bad shards.
 
     Everything that can refuse the run (an --out among the inputs, an unreadable source or hub
     dataset, a Ray cluster that cannot be reached, a read-only --out) is checked before --out is
-    written; a directory this call created for a run that then could not start is removed."""
+    written; a directory this call created for a run that then could not start is removed. The path
+    rule is asked once: here, or by the caller that asked it before building the stage (`judged`,
+    `stage.judge_out`'s verdict: `reads` then go unused)."""
     from .stage import check_out_dir, finish_run
 
     require_engine(engine)
-    foreign = check_out_dir(stage, out_dir, overwrite, reads)
+    foreign = (judged or check_out_dir(stage, out_dir, overwrite, reads, wait)).replaces
     inputs = stage.plan_inputs()
     module = engine_module(engine)
     with getattr(module, "session", _no_session)(**engine_options):
@@ -107,6 +111,7 @@ def _no_session(**options):
 __all__ = [
     "ENGINES",
     "engine_module",
+    "Judged",
     "LockHeld",
     "RunSummary",
     "Stage",

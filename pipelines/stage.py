@@ -265,17 +265,51 @@ def read_manifests(out_dir: AnyPath, names: dict[str, int] | None = None) -> lis
     return DataDir(out_dir, names).manifests
 
 
-def check_out_dir(stage: Stage, out_dir: AnyPath, overwrite: bool = False, reads=()) -> str | None:
-    """The path rule (entroweight.storage.check_output) for a stage: --out may not be, hold or lie
-    inside one of the stage's inputs (with --overwrite its shards would be deleted, and a rerun would
-    read its own output as input), nor another command's output unless --overwrite replaces it whole.
-    `reads`: more (flag, location) pairs it reads (--quantiles-from, --tokenizer). Returns the other
-    command whose output --overwrite replaces, else None."""
+@dataclass(frozen=True)
+class Judged:
+    """`judge_out`'s verdict on a stage's --out: `replaces`, the other command's output --overwrite
+    replaces whole (removed under the run's lock), else None."""
+
+    replaces: str | None
+
+
+def check_out_dir(
+    stage: Stage, out_dir: AnyPath, overwrite: bool = False, reads=(), wait: float = 0, apart: bool = False
+) -> Judged:
+    """The path rule for a built stage: its inputs (`stage.input_paths()`) and `reads`, more (flag,
+    location) pairs it reads (--quantiles-from, --tokenizer), as `judge_out` asks it."""
     pairs = [("the input", p) for p in stage.input_paths()] + list(reads)
+    return judge_out(stage.name, out_dir, pairs, overwrite, wait, apart)
+
+
+def judge_out(
+    name: str, out_dir: AnyPath, reads, overwrite: bool = False, wait: float = 0, apart: bool = False
+) -> Judged:
+    """The path rule for a stage's --out, asked once per run: by `run_stage`, or first by a command
+    that builds its stage after it (a model named, a tokenizer loaded), which hands the verdict to
+    `run_stage`. In order: a run writing there now (LockHeld, exit 3: its files are not yet marked
+    as its output), a glob read that may match it, `output.check_output` (--out may not be, hold or
+    lie inside what it reads: with --overwrite its shards would be deleted, and a rerun would read
+    its own output; nor another command's output unless --overwrite replaces it whole; `apart`, a
+    command run by hand: nor lie inside another command's output), and an --out on an object store
+    writable now, not after the work."""
+    from entroweight.transforms.sources import check_globs_apart
+
     try:
-        return output.check_output(out_dir, pairs, stage.name, overwrite=overwrite)
-    except storage.OutputRefused as e:
+        storage.wait_unheld(out_dir, wait)
+    except storage.OutputHeld as e:
+        raise LockHeld(str(e)) from None
+    try:
+        check_globs_apart(out_dir, reads, name)
+        foreign = output.check_output(out_dir, reads, name, overwrite=overwrite, apart=apart)
+    except (storage.OutputRefused, storage.StorageError) as e:
         raise StageError(str(e)) from None
+    if storage.is_url(out_dir):  # no bucket, no credentials: now, not after the work (one probe object)
+        try:
+            storage.check_writable(out_dir)
+        except OSError as e:
+            raise StageError(f"cannot write to --out {out_dir}: {e.strerror or e}") from None
+    return Judged(foreign)
 
 
 def run_lock(out_dir: AnyPath, wait: float = 0):

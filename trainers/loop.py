@@ -100,14 +100,17 @@ def _check_nats(files) -> None:
             )
 
 
-def _check_out_apart(cfg: TrainConfig) -> str | None:
-    """The path rule (entroweight.output.check_output): --out neither is, holds nor lies inside the
-    data or the tokenizer (checkpoints would mix with the data), nor holds another command's output
-    unless --overwrite replaces it whole (returned: the caller removes it once training can start).
-    An --out on an object store must be writable now, not at the first save."""
-    reads = [("the data", d) for d in _as_list(cfg.data)] + [("--tokenizer", cfg.tokenizer)]
+def _check_out_apart(cfg: TrainConfig, wait: float, reads, apart: bool) -> str | None:
+    """The path rule (entroweight.output.check_output), asked here alone: a run writing --out now is
+    OutputHeld (exit 3: its files are not yet marked as its output); --out neither is, holds nor lies
+    inside the data, the tokenizer or `reads` (checkpoints would mix with the data), nor holds another
+    command's output unless --overwrite replaces it whole (returned: the caller removes it once
+    training can start); `apart` (run by hand): nor lies inside another command's output. An --out
+    on an object store must be writable now, not at the first save."""
+    storage.wait_unheld(cfg.out, wait)
+    reads = [("the data", d) for d in _as_list(cfg.data)] + [("--tokenizer", cfg.tokenizer), *reads]
     try:
-        foreign = output.check_output(cfg.out, reads, "train", overwrite=cfg.overwrite)
+        foreign = output.check_output(cfg.out, reads, "train", overwrite=cfg.overwrite, apart=apart)
         if storage.is_url(cfg.out):
             storage.check_writable(cfg.out)
         if foreign is None:
@@ -185,16 +188,20 @@ def _optimizer(model, cfg: TrainConfig, device) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, **kw)
 
 
-def train(cfg: TrainConfig, allow_config_change: bool = False, wait: float = 0) -> TrainResult:
+def train(
+    cfg: TrainConfig, allow_config_change: bool = False, wait: float = 0, reads=(), apart: bool = False
+) -> TrainResult:
     """Run (or with cfg.resume continue) a training run. A resume whose settings differ from the
     checkpoint's is refused unless `allow_config_change`; then config.json's `train_history` records
     each config with the step it took effect. The run holds the lock on cfg.out while it writes
     there (`_holding_out`): another run holding it is refused (storage.OutputHeld, exit 3), or
-    waited for `wait` seconds."""
+    waited for `wait` seconds. `reads`: what else the caller read ((flag, location) pairs: a config
+    file) and `apart` (a command run by hand), for the path rule (`_check_out_apart`)."""
     if allow_config_change and not cfg.resume:
         raise TrainError("--allow-config-change applies only with --resume")
     device = _device(cfg.device)
-    foreign = _check_out_apart(cfg)  # another command's output, which --overwrite replaces whole
+    # another command's output, which --overwrite replaces whole
+    foreign = _check_out_apart(cfg, wait, reads, apart)
     try:
         rank, world, device, own_group = _setup_dist(device)
         try:

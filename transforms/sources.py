@@ -181,6 +181,18 @@ def relation_to(directory: str | Path, spec: str) -> str:
     return ""
 
 
+def check_globs_apart(out, reads, command: str, flag: str = "--out") -> None:
+    """Refuse (OutputRefused) an `out` where a glob it reads (SOURCES, --documents: (flag, location)
+    pairs) may match files: a rerun would read its own output as documents."""
+    for what, read in reads:
+        if read is not None and storage.has_glob_chars(str(read)) and not storage.blank(read):
+            if relation_to(out, str(read)).endswith("match"):
+                raise storage.OutputRefused(
+                    f"{flag} {out} lies where {what} {read} may match files, which {command} reads (a "
+                    "rerun would read its own output); write to a location apart from what it reads"
+                )
+
+
 def _may_match_inside(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
     """Whether glob `pattern` (path components) may match a path below the directory `parts`: each of
     its components, up to the directory's depth, matches the directory's, or one is `**`."""

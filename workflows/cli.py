@@ -20,8 +20,8 @@ from .cli_common import (
     GeneratedOptions,
     Location,
     _fail,
-    check_output,
     engine_options,
+    judge_stage_out,
     run_stage_cli,
     say_listing,
     stage_options,
@@ -168,7 +168,7 @@ def tokenize(
     from entroweight.transforms.tokenizer import TokenizerError
 
     reads = [("the source", s) for s in sources] + [("--tokenizer", tokenizer)]
-    check_output(out, reads, "tokenize", overwrite=eng["overwrite"])
+    judged = judge_stage_out(out, reads, "tokenize", eng)
     try:
         say_listing(sources)  # cheap (no file is read): refuse before --out is created
         stage = TokenizeStage(
@@ -185,7 +185,7 @@ def tokenize(
     except (SourceError, TokenizerError, ValueError) as e:
         _fail(str(e))
     try:
-        run_stage_cli(stage, out, reads=reads[len(sources) :], **eng)
+        run_stage_cli(stage, out, judged, **eng)
     except SourceError as e:
         _fail(str(e))
 

@@ -437,15 +437,26 @@ def _takes(param: str) -> bool:
 def _reads_apart(out, reads, command: str, flag: str) -> None:
     """A glob read (SOURCES, --documents) may match what the run writes: refused (exit 2)."""
     from entroweight import storage
-    from entroweight.transforms.sources import relation_to
+    from entroweight.transforms.sources import check_globs_apart
 
-    for what, read in reads:
-        if read is not None and storage.has_glob_chars(str(read)) and not storage.blank(read):
-            if relation_to(out, str(read)).endswith("match"):
-                _fail(
-                    f"{flag} {out} lies where {what} {read} may match files, which {command} reads (a "
-                    "rerun would read its own output); write to a location apart from what it reads"
-                )
+    try:
+        check_globs_apart(out, reads, command, flag)
+    except storage.OutputRefused as e:
+        _fail(str(e))
+
+
+def judge_stage_out(out, reads, command: str, params: dict):
+    """The path rule for a stage command's --out (`pipelines.stage.judge_out`), asked before the stage
+    is built (a model named, a tokenizer loaded): exit 2, or 3 while a run writes there. Its verdict
+    goes to `run_stage_cli`, which the planner takes instead of asking again."""
+    from entroweight.pipelines.stage import LockHeld, StageError, judge_out
+
+    try:
+        return judge_out(command, out, reads, params["overwrite"], params["wait"], apart=True)
+    except LockHeld as e:
+        _fail(str(e), EXIT_LOCKED)
+    except StageError as e:
+        _fail(str(e))
 
 
 def check_output(out, reads, command: str, overwrite: bool = False, flag: str = "--out", **kw):
@@ -512,13 +523,15 @@ def writing_out(declared, out, reads, made_of, overwrite, wait: float = 0, what=
         yield w
 
 
-def run_stage_cli(stage, out, overwrite, wait, reads=(), **params):
+def run_stage_cli(stage, out, judged, overwrite, wait, **params):
     """Run `stage` into `out` on the engine of `params` (the command's engine flags); exit codes above.
-    `reads`: what the stage reads besides its inputs, as (flag, location) pairs, for the path rule."""
+    `judged`: the path rule's verdict on `out` (`judge_stage_out`)."""
     from entroweight.pipelines import LockHeld, StageError, StageFailed, run_stage
 
     try:
-        summary = run_stage(stage, out, overwrite=overwrite, wait=wait, reads=reads, **engine_kwargs(params))
+        summary = run_stage(
+            stage, out, overwrite=overwrite, wait=wait, judged=judged, **engine_kwargs(params)
+        )
     except LockHeld as e:
         _fail(str(e), EXIT_LOCKED)
     except StageError as e:

@@ -10,9 +10,9 @@ from .cli_common import (
     Location,
     _click_type,
     _fail,
-    check_output,
     document_step_options,
     engine_options,
+    judge_stage_out,
     run_stage_cli,
     stage_options,
     take,
@@ -151,7 +151,7 @@ def score(
     reads = [("--tokenizer", tokenizer), ("--quantiles-from", quantiles_from)] + [
         (flag(k), v) for k, v in options.items() if _names_a_location(v)
     ]
-    check_output(out, [("DATA_DIR", data_dir), *reads], "score", overwrite=params["overwrite"])
+    judged = judge_stage_out(out, [("DATA_DIR", data_dir), *reads], "score", params)
     try:
         # every refusal that needs no model comes first: nothing is loaded, nothing written
         validated = check_options(scorer, options)
@@ -182,7 +182,7 @@ def score(
         stage.row_progress = params["engine"] == "local"
     except (ScorerError, StageError, ModelLoadError, CheckpointError, TokenizerError, ValueError) as e:
         _fail(str(e))
-    run_stage_cli(stage, out, reads=reads, **params)
+    run_stage_cli(stage, out, judged, **params)
 
 
 def _names_a_location(value) -> bool:

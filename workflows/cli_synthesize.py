@@ -12,8 +12,8 @@ from .cli_common import (
     GeneratedOptions,
     Location,
     _fail,
-    check_output,
     engine_options,
+    judge_stage_out,
     run_stage_cli,
     stage_options,
     weigh_config,
@@ -118,7 +118,7 @@ def synthesize_cmd(
     from entroweight.pipelines.synthesize import SynthesizeStage
 
     reads = [(f, p) for f, p in (("--checkpoint", checkpoint), ("--prefix-from", prefix_from)) if p]
-    check_output(out, reads, "synthesize", overwrite=params["overwrite"])
+    judged = judge_stage_out(out, reads, "synthesize", params)
     config = weigh_config(params, None, "nats")
     try:
         stage = SynthesizeStage(
@@ -140,7 +140,7 @@ def synthesize_cmd(
         )
     except (StageError, ValueError) as e:
         _fail(str(e))
-    run_stage_cli(stage, out, reads=reads, **params)
+    run_stage_cli(stage, out, judged, **params)
 
 
 COMMANDS = [synthesize_cmd]

@@ -21,7 +21,6 @@ from .cli_common import (
     EXIT_LOCKED,
     Location,
     _fail,
-    check_output,
     config_options,
     given_options,
     of_checkpoint,
@@ -99,20 +98,18 @@ def train_cmd(ctx, data, config_file, model_config_file, allow_config_change, wa
         if model_config_file is None:  # (the flag, given too, wins)
             model_config_file, model_config_flag = named, f"model_config (in --config {config_file})"
     values |= given_options(ctx, options)
-    if values.get("out"):  # the path rule first; the trainer applies it again (its own callers too)
-        given = list(data) or _as_list(values.get("data"))
-        reads = [("the data", d) for d in given] + [
-            ("--tokenizer", values.get("tokenizer")),
-            ("--config", config_file),
-            (model_config_flag, model_config_file),
-        ]
-        check_output(values["out"], reads, "train", overwrite=bool(values.get("overwrite")))
     if data:
         values["data"] = list(data)
     if model_config_file:
         values["model_config"] = _read_mapping(model_config_file, model_config_flag)
     try:
-        result = train(TrainConfig(**values), allow_config_change=allow_config_change, wait=wait)
+        result = train(
+            TrainConfig(**values),
+            allow_config_change=allow_config_change,
+            wait=wait,
+            reads=[("--config", config_file), (model_config_flag, model_config_file)],
+            apart=True,
+        )  # the path rule is the trainer's (its other callers too)
     except storage.OutputHeld as e:  # another run trains into --out (under torchrun: rank 0 holds the lock)
         _fail(str(e), EXIT_LOCKED)
     except (

@@ -9,9 +9,9 @@ from .cli_common import (
     GeneratedOptions,
     Location,
     _fail,
-    check_output,
     document_step_options,
     engine_options,
+    judge_stage_out,
     run_stage_cli,
     stage_options,
     weigh_config,
@@ -40,7 +40,7 @@ def weigh_cmd(scored_dir, out, quantiles_from, drop_entropy, **params):
     from entroweight.transforms.weigh import GLOBAL_SCALE
 
     reads = [("--quantiles-from", quantiles_from)]
-    check_output(out, [("SCORED_DIR", scored_dir), *reads], "weigh", overwrite=params["overwrite"])
+    judged = judge_stage_out(out, [("SCORED_DIR", scored_dir), *reads], "weigh", params)
     if params[WEIGHTING + "method"] in GLOBAL_SCALE:
         quantiles_from = quantiles_from or scored_dir
     from .quantiles import values_unit
@@ -55,7 +55,7 @@ def weigh_cmd(scored_dir, out, quantiles_from, drop_entropy, **params):
         )
     except (StageError, ValueError) as e:
         _fail(str(e))
-    run_stage_cli(stage, out, reads=reads, **params)
+    run_stage_cli(stage, out, judged, **params)
 
 
 COMMANDS = [weigh_cmd]
