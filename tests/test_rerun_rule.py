@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from test_trainer_fixtures import TINY, tiny_ckpt, weighted_dir  # noqa: F401 - fixtures
 from test_weighted_inputs import model, scored, tokens  # noqa: F401 - fixtures
 
+from entroweight import output
 from entroweight.workflows.cli import main
 
 # command -> (its arguments but --out, from the fixtures below; what its rerun says)
@@ -64,8 +65,14 @@ def snapshot(root: Path) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("command", sorted(ROWS))
 def test_the_same_command_again_has_nothing_to_do(
-    command, c4_60, tokenizer_dir, tokenized_dir, tokens, scored, model, tiny_ckpt, tmp_path
+    command, c4_60, tokenizer_dir, tokenized_dir, tokens, scored, model, tiny_ckpt, tmp_path, monkeypatch
 ):
+    """...and each run asks the path rule once (`output.check_output`): a stage's by the planner's
+    `judge_out`, train's by the trainer, the others' by `output.writing`, never the CLI and again
+    the library it calls."""
+    asked = []
+    rule = output.check_output
+    monkeypatch.setattr(output, "check_output", lambda *a, **k: asked.append(a[0]) or rule(*a, **k))
     config = tmp_path / "tiny.yaml"
     config.write_text("".join(f"{k}: {v}\n" for k, v in TINY.items()))
     found = {
@@ -83,6 +90,7 @@ def test_the_same_command_again_has_nothing_to_do(
     argv = [command, *map(str, args(found)), "--out", str(out)]
     first = CliRunner().invoke(main, argv)
     assert first.exit_code == 0, first.output
+    assert asked == [str(out)], asked
     before = snapshot(out)
     again = CliRunner().invoke(main, argv)
     assert again.exit_code == 0 and says in again.output, again.output
