@@ -622,29 +622,11 @@ class OutputHeld(LockBusy):
 LOCK_FILE = ".lock"
 
 
-def lock_location(out, beside: bool = False) -> AnyPath:
+def lock_location(out) -> AnyPath:
     """Where a run holds its lock on `out`: `out/.lock` (a file lock locally, a lease object on an
-    object store); `beside`: `.NAME.lock` next to it, for a command that replaces `out` whole (its
-    export renamed into place)."""
+    object store)."""
     root = path(key(out)) if is_local(out) else path(out)  # where a link leads: one place, however named
-    return root.parent / f".{root.name}.lock" if beside else root / LOCK_FILE
-
-
-def take_output(out, wait: float = 0, beside: bool = False):
-    """The lock a run holds on the output `out` it writes, at `lock_location(out, beside)`, taken once
-    no run holds `out` at the other place either: a command that replaces `out` whole (export-data)
-    locks beside it, every other writer in it, and one run per output holds across both. Each run
-    takes its own place, then asks after the other: of two runs starting at once, one or both are
-    refused (LockBusy), never neither. (Asking after in-place locks alone, an export renamed itself
-    over a training run that had started in the meantime, both exit 0.)"""
-    held = lock(lock_location(out, beside), wait)
-    try:  # asked, not waited on: a run waiting there while holding its own place would go on, once
-        # the other is done, into what that one left (an export renamed over it), judged before
-        _wait_free(lock_location(out, not beside), 0)
-    except BaseException:
-        held.release()
-        raise
-    return held
+    return root / LOCK_FILE
 
 
 def _wait_free(at: AnyPath, wait: float) -> None:
@@ -654,7 +636,7 @@ def _wait_free(at: AnyPath, wait: float) -> None:
     was (a stage's, which stays with its output)."""
     try:
         there = at.exists()
-    except Exception:  # noqa: BLE001 - beside a bucket's root, say: no run can hold a lock there
+    except Exception:  # noqa: BLE001 - unreachable (no bucket, no credentials): the checks after say why
         return
     if not there:
         return
@@ -678,14 +660,14 @@ def _inode(p) -> tuple[int, int] | None:
 
 
 @contextlib.contextmanager
-def holding_output(out, wait: float = 0, beside: bool = False, advise_wait: bool = True):
+def holding_output(out, wait: float = 0, advise_wait: bool = True):
     """Hold the lock on `out` while the block writes it (`lock` at `lock_location`): another run
     holding it is OutputHeld (exit 3) naming the holder, or with `wait` is queued behind; a dead
     holder's lock is taken over; StorageError where it cannot be written. Locally the lock file (and
     the directories made for it, where nothing else came into them) is removed before the lock is
     released: a run refused, or one that wrote nothing, leaves nothing behind (a run waiting on the
     removed file takes the lock anew: filelock checks that the file it locked still has a name)."""
-    at = lock_location(out, beside)
+    at = lock_location(out)
     local = is_local(at)
     made = []  # the directories that do not exist yet, deepest first: made for the lock file
     if local:
@@ -694,7 +676,7 @@ def holding_output(out, wait: float = 0, beside: bool = False, advise_wait: bool
                 break
             made.append(d)
     try:
-        held = take_output(out, wait, beside)
+        held = lock(at, wait)
     except LockBusy as e:
         _remove_empty(made)
         raise OutputHeld(held_message(out, e, wait, advise_wait)) from None
@@ -729,8 +711,7 @@ def wait_unheld(out, wait: float = 0, advise_wait: bool = True) -> None:
     so its files would read as a user's (exit 2, "write elsewhere"), and --overwrite would remove them
     from under it."""
     try:  # (a location refused as such: the path rule says why, next)
-        for beside in (False, True):  # where any run writing `out` holds it (`take_output`)
-            _wait_free(lock_location(out, beside), wait)
+        _wait_free(lock_location(out), wait)
     except LockBusy as e:
         raise OutputHeld(held_message(out, e, wait, advise_wait)) from None
     except Exception:  # noqa: BLE001 - unreachable or unwritable: the checks after this say why

@@ -318,7 +318,7 @@ def run_lock(out_dir: AnyPath, wait: float = 0):
     out = storage.path(out_dir)
     try:
         storage.check_writable(out)
-        return storage.take_output(out, wait)
+        return storage.lock(storage.lock_location(out), wait)
     except storage.LockBusy as e:
         raise LockHeld(storage.held_message(out_dir, e, wait)) from None
     except OSError as e:  # read-only, not a directory, full, no bucket: refused before anything is written

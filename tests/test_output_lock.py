@@ -25,10 +25,6 @@ from entroweight.storage import holding_output as out_lock
 from entroweight.storage import lock_location
 from entroweight.workflows.cli import main
 
-# the commands whose lock lies beside --out (none since export-data writes through entroweight.output:
-# in --out, as every other writer; a lock beside it, an older run's, is still asked after)
-LOCK_BESIDE: set[str] = set()
-
 
 def directory_writers() -> list[str]:
     """The commands whose --out is a directory (report's is one file, which it replaces atomically)."""
@@ -80,14 +76,13 @@ def invoke_while_held(tmp_path, argv, at):
 def test_a_second_run_on_a_held_out_exits_3_and_writes_nothing(tmp_path, command, existing, stage_argv):
     out = tmp_path / "out"
     argv = argv_of(command, out, tmp_path, stage_argv)
-    # the holder has started writing: a file of its own (hidden: no command counts it as a user's),
-    # export-data's in the temporary beside --out it renames into place
-    mine = tmp_path / ".out.export-tmp" / "part" if command in LOCK_BESIDE else out / ".holders-file"
+    # the holder has started writing: a file of its own (hidden: no command counts it as a user's)
+    mine = out / ".holders-file"
     if existing:
         mine.parent.mkdir()
         mine.write_text("the first run's")
     # the lock exactly where the command takes it, held as a live run holds it
-    result, untouched = invoke_while_held(tmp_path, argv, lock_location(out, beside=command in LOCK_BESIDE))
+    result, untouched = invoke_while_held(tmp_path, argv, lock_location(out))
     assert result.exit_code == 3, (command, result.output, result.exception)
     lines = result.output.strip().splitlines()
     assert lines and lines[-1].startswith("error: another entroweight run holds "), result.output
@@ -99,22 +94,6 @@ def test_a_second_run_on_a_held_out_exits_3_and_writes_nothing(tmp_path, command
     assert untouched, f"{command} wrote while another run held {out}"
     if existing:
         assert mine.read_text() == "the first run's"
-
-
-@pytest.mark.parametrize("command", directory_writers())
-def test_a_run_holding_out_at_the_other_place_is_seen_too(tmp_path, command, stage_argv):
-    """export-data locks beside --out (it renames its export into place), every other writer in it:
-    each asked after its own place alone, so an export renamed itself over a train that had started
-    into the same --out meanwhile, and both exited 0 (an audit's finding). A run holding --out at
-    the other place than the command's own is refused as one at its own (exit 3, nothing written)."""
-    out = tmp_path / "out"
-    argv = argv_of(command, out, tmp_path, stage_argv)
-    result, untouched = invoke_while_held(
-        tmp_path, argv, lock_location(out, beside=command not in LOCK_BESIDE)
-    )
-    assert result.exit_code == 3, (command, result.output, result.exception)
-    assert "another entroweight run holds" in result.output and "Traceback" not in result.output
-    assert untouched, f"{command} wrote while another run held {out}"
 
 
 @pytest.mark.parametrize("command", directory_writers())
@@ -150,7 +129,7 @@ def test_wait_queues_behind_the_holder(tmp_path, command, stage_argv):
     check of the fake inputs, exit 2, not 3), and its lock file is gone again."""
     out = tmp_path / "out"
     argv = argv_of(command, out, tmp_path, stage_argv) + ["--wait", "30"]
-    at = lock_location(out, beside=command in LOCK_BESIDE)
+    at = lock_location(out)
     held = storage.lock(at)  # released by this thread, which took it (filelock's locks are per thread)
     result = {}
     second = threading.Thread(target=lambda: result.update(r=CliRunner().invoke(main, argv)))
@@ -190,45 +169,26 @@ def test_a_train_step_lock_does_not_meet_its_workflows(tmp_path):
         run.release()
 
 
-def test_a_run_holding_the_other_place_is_not_waited_on_while_holding_ones_own(tmp_path):
-    """take_output asks after the other place, it does not wait there: a `train --wait` that held
-    `out/.lock` while waiting on an export-data's `.out.lock` went on, once the export was done, into
-    the export renamed over it (both exit 0; an audit's finding). Refused at once instead (exit 3);
-    `wait_unheld`, asked before a command judges --out, is where --wait queues."""
-    out = tmp_path / "out"
-    for mine, other in ((False, True), (True, False)):
-        held = storage.lock(lock_location(out, beside=other))
-        try:
-            start = time.monotonic()
-            with pytest.raises(storage.LockBusy):
-                storage.take_output(out, wait=5, beside=mine)
-            assert time.monotonic() - start < 2
-        finally:
-            held.release()
-        storage.take_output(out, wait=0, beside=mine).release()  # free now
-
-
 def test_waiting_for_a_run_leaves_no_lock_file(tmp_path):
     """Waiting on a run (`wait_unheld`, --wait) took the lock once it was free, and the lock made its
-    file anew where the run had removed its own: a `.out.lock` beside a finished output, an empty
-    `.lock` in a finished evaluation (an audit's finding). The file is removed as a run removes it."""
-    for beside in (False, True):
-        out = tmp_path / f"out-{beside}"
-        out.mkdir()
-        done = threading.Event()
+    file anew where the run had removed its own: an empty `.lock` in a finished evaluation (an
+    audit's finding). The file is removed as a run removes it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    done = threading.Event()
 
-        def hold(out, beside, done):
-            with out_lock(out, beside=beside):
-                done.set()
-                time.sleep(0.5)
+    def hold():
+        with out_lock(out):
+            done.set()
+            time.sleep(0.5)
 
-        t = threading.Thread(target=hold, args=(out, beside, done))
-        t.start()
-        done.wait()
-        storage.wait_unheld(out, wait=10)
-        t.join()
-        assert not lock_location(out, beside=beside).exists(), beside
-        assert sorted(p.name for p in out.iterdir()) == []
+    t = threading.Thread(target=hold)
+    t.start()
+    done.wait()
+    storage.wait_unheld(out, wait=10)
+    t.join()
+    assert not lock_location(out).exists()
+    assert sorted(p.name for p in out.iterdir()) == []
 
 
 def test_a_lock_file_left_by_a_killed_run_is_no_users_file(tmp_path, scored):  # noqa: F811 - fixture
