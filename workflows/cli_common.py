@@ -459,32 +459,6 @@ def judge_stage_out(out, reads, command: str, params: dict):
         _fail(str(e))
 
 
-def check_output(out, reads, command: str, overwrite: bool = False, flag: str = "--out", **kw):
-    """The path rule (entroweight.output.check_output), refused with exit 2, for a command not yet
-    written through the contract (`writing_out`): a stage command, train, report. Returns the other
-    command's output that --overwrite replaces whole (the caller removes it before writing), else None."""
-    from entroweight import output, storage
-
-    ctx = click.get_current_context(silent=True)
-    if not _takes("overwrite"):
-        overwrite = None  # the command has no --overwrite: its refusals must not advise one
-    try:  # a run writing there now: exit 3 (its files are not yet marked as its output)
-        storage.wait_unheld(out, (ctx.params.get("wait") if ctx is not None else 0) or 0, _takes("wait"))
-    except storage.OutputHeld as e:
-        _fail(str(e), EXIT_LOCKED)
-    _reads_apart(out, reads, command, flag)
-    try:
-        foreign = output.check_output(out, reads, command, flag=flag, overwrite=overwrite, apart=True, **kw)
-    except (storage.OutputRefused, storage.StorageError) as e:
-        _fail(str(e))
-    if storage.is_url(out):  # no bucket, no credentials: now, not after the work (one probe object)
-        try:
-            storage.check_writable(out)
-        except OSError as e:
-            _fail(f"cannot write to {flag} {out}: {e.strerror or e}")
-    return foreign
-
-
 def of_checkpoint(ckpt_dir, options: dict, inputs: dict) -> dict:
     """The made_of of an output made from a checkpoint (export-hf's, evaluate's): its weights (of
     another checkpoint, or of this one trained again since, is refused unless --overwrite), the

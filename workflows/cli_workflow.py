@@ -81,16 +81,28 @@ def run_cmd(workflow, dry_run, overwrite, wait, **params):
 )
 def report_cmd(run_dir, out, samples):
     """Write one self-contained HTML report of RUN_DIR (plots embedded; opens offline)."""
-    from entroweight import storage
+    from entroweight import output, storage
 
-    from .cli_common import check_output
     from .report import ReportError, check_report_out, write_report
     from .report_data import load_run
     from .spec import REPORT_FILE, ReportSpec
 
     try:
         if out is not None:  # RUN_DIR/report.html, its default, lies inside what it reads by design
-            check_output(out, [("RUN_DIR", run_dir)], "report", may_lie_inside=True, file=True)
+            output.check_output(
+                out,
+                [("RUN_DIR", run_dir)],
+                "report",
+                overwrite=None,
+                may_lie_inside=True,
+                apart=True,
+                file=True,
+            )
+            if storage.is_url(out):  # no bucket, no credentials: now, not after the report is built
+                try:
+                    storage.check_writable(storage.path(out).parent)
+                except OSError as e:
+                    _fail(f"cannot write to --out {out}: {e.strerror or e}")
             check_report_out(out)
         _, wf = load_run(run_dir)
         recorded = wf.report or ReportSpec()  # what the run's own report step writes: the defaults
@@ -107,7 +119,7 @@ def report_cmd(run_dir, out, samples):
             samples=recorded.samples if samples is None else samples,
             max_tokens=recorded.max_tokens,
         )
-    except ReportError as e:
+    except (ReportError, storage.OutputRefused, storage.StorageError) as e:
         _fail(str(e))
     click.echo(f"wrote {path}")
 
