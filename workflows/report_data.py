@@ -745,21 +745,26 @@ def excess_section(wf: Workflow) -> dict | None:
             row[f"{k}_mean"] = float(v.mean()) if v.size else None
             row[f"{k}_std"] = float(v.std(ddof=1)) if v.size > 1 else None
         runs.append(row)
-    ref = next((x for x in runs if x["run"] == wf.reference_run()), None)
-    comparisons = []
-    for x in runs:
-        if ref is None or x is ref or not x["results"]:
-            continue
-        seeds = [s for s in ref["results"] if s in x["results"]]
-        sizes = ref["results"][seeds[0]]["rows"]["tokens"] if seeds else None
+    by = {x["run"]: x for x in runs}
+
+    def against(x: dict, other: dict) -> dict:
+        seeds = [s for s in other["results"] if s in x["results"]]
+        sizes = other["results"][seeds[0]]["rows"]["tokens"] if seeds else None
         c = stats.compare(
-            {s: ref["results"][s]["rows"]["kl"] for s in seeds},
+            {s: other["results"][s]["rows"]["kl"] for s in seeds},
             {s: x["results"][s]["rows"]["kl"] for s in seeds},
             sizes,
         )
-        comparisons.append({"run": x["run"], "reference": ref["run"], "cluster": "held-out rows", **c})
+        return {"run": x["run"], "reference": other["run"], "cluster": "held-out rows", **c}
+
+    ref = by.get(wf.reference_run())
+    comparisons = [against(x, ref) for x in runs if ref is not None and x is not ref and x["results"]]
+    contrasts = [
+        against(by[a], by[b]) for a, b in contrast_pairs(wf) if by[a]["results"] and by[b]["results"]
+    ]
     stats.decide(comparisons, wf.primary_run(), lower_is_better=True)
-    for c in comparisons:
+    stats.decide(contrasts, None, lower_is_better=True)
+    for c in comparisons + contrasts:
         c["verdict"] = verdict(c, "nats of KL per token")
         c["seeds_needed"] = stats.seeds_for(c["sd"], PRECISION) if c.get("sd") else None
     for x in runs:
@@ -769,6 +774,7 @@ def excess_section(wf: Workflow) -> dict | None:
         "seeds": wf.train.seeds,
         "runs": runs,
         "comparisons": comparisons,
+        "contrasts": contrasts,
     }
 
 
