@@ -18,6 +18,10 @@ then the output is written into staging, its record sealed last; a block refused
 back what it wrote. A new rule for every
 writing command is a change here; a new writing command is one `declare` (tests/test_output_contract.py).
 
+The resumable command, `train`, writes as it goes (each save a checkpoint, its own record; a
+torchrun's lock held by rank 0): it asks the same rules in the same order (trainers/loop.py), its
+rerun judged here too: the same record continues (`continues`), another is refused.
+
 The stages' outputs are the stage mechanism's (`.stage.json` names its stage): not declared here.
 """
 
@@ -96,7 +100,11 @@ class Output:
     `kept`: what was made with the output depends on it (data tokenized with a tokenizer, a trainer
     reading an export): one that is not this very output (of inputs changed since, its files or record
     edited, no record) is refused unless --overwrite, where the default makes it again; a run stopped
-    on its way (its mark written first, never sealed) is made again either way."""
+    on its way (its mark written first, never sealed) is made again either way.
+    `resumable`: a command that continues its output (train) keeps its own record, rewritten by each
+    save (a checkpoint's): the function reading from a directory what that record says the output is
+    made of and where it stopped ((made_of, step)), None where it holds none one command made; its
+    same record is not "nothing to do" but "continue from step N" (`continues`)."""
 
     command: str
     marks: tuple[Mark, ...]
@@ -105,6 +113,7 @@ class Output:
     leftovers: bool = False
     kept: bool = False
     files_of: Callable[[object], list[str] | None] | None = None
+    resumable: Callable[[object], tuple[dict, int] | None] | None = None
 
     def names_written(self) -> set[str]:
         return set(self.files) - {m.name for m in self.marks}
@@ -398,6 +407,22 @@ def recorded(out, output: Output, made_of: dict) -> tuple[str | None, str]:
     return "same", ""
 
 
+def continues(out, output: Output, made_of: dict | Callable[[], dict | None] | None) -> int | None:
+    """Where a resumable command (`Output.resumable`) continues `out` from: the step its record says it
+    stopped at, where `out` holds this very output (the same options and inputs: `made_of`, or the
+    function computing it, asked only where there is a record; None: inputs that cannot be read, refused
+    where the command reads them). At its last step the command has nothing left to do. None where
+    `out` holds no record of it, or another's, which the command refuses unless told to continue it
+    or to replace it (--overwrite). Asked under the lock on `out`."""
+    held = output.resumable(out)
+    if held is None:
+        return None
+    if callable(made_of):
+        made_of = made_of()
+    was, step = held
+    return step if made_of is not None and was == made_of else None
+
+
 @dataclasses.dataclass
 class Writing:
     """A command's write in progress (`writing`): `state` "same" (nothing to do: `dest` is None) or
@@ -507,6 +532,7 @@ __all__ = [
     "check_apart",
     "check_output",
     "command_output",
+    "continues",
     "declare",
     "declared",
     "edited",

@@ -220,3 +220,32 @@ def test_a_block_refused_on_the_way_takes_back_what_it_wrote(src, tmp_path):
         (w.dest / "counts.txt").write_text("1\n")
         raise ValueError("refused on the way")
     assert not (tmp_path / "new").exists()
+
+
+def test_a_resumable_declaration_continues_its_same_record_from_its_step(src, tmp_path):
+    """A resumable command (train) keeps its own record as it goes: the contract's answer to the same
+    record is "continue from step N", to no record or another's None (the command refuses that unless
+    told to continue or replace it); the current made_of is asked only where there is a record."""
+
+    def progress(directory):
+        try:
+            return json.loads((directory / "progress.json").read_text())
+        except OSError:
+            return None
+
+    counter = output.Output("toy-counter", marks=(output.Mark("progress.json"),), resumable=progress)
+    out, asked = tmp_path / "out", []
+    made_of = {"options": {"n": 2}, "inputs": {"src": list(storage.stat(src))}}
+
+    def now():
+        asked.append(1)
+        return made_of
+
+    assert output.continues(out, counter, now) is None and not asked  # nothing there: nothing asked
+    out.mkdir()
+    (out / "progress.json").write_text(json.dumps([made_of, 3]))
+    assert output.continues(out, counter, now) == 3 and asked
+    assert output.continues(out, counter, {**made_of, "options": {"n": 3}}) is None  # other options
+    src.write_text("a\nb\nc\n")  # an input changed since
+    assert output.continues(out, counter, {**made_of, "inputs": {"src": list(storage.stat(src))}}) is None
+    assert output.continues(out, counter, lambda: None) is None  # inputs that cannot be read

@@ -33,6 +33,7 @@ from .checkpoint import METRICS, STATE, TOKENIZER, load_training_state, save_tra
 from .config import CHECKED_APART, RUN_ONLY, TrainConfig, TrainError
 from .data import DataError, WeightedTokens, inspect_data, parquet_files, value_problems
 from .losses import LOSSES, Loss, floor, per_token_ce
+from .outputs import TRAIN
 
 
 class TrainFailed(TrainError):
@@ -224,46 +225,57 @@ def train(
 
 def _the_same_run(cfg: TrainConfig, rank: int) -> TrainConfig:
     """`cfg` with `resume` where --out holds a checkpoint of this very run (a scheduler's retry, a
-    rerun after a kill): the same model kind, every setting that changes what it computes as
-    recorded and never changed on the way (`train_history`), the data's shards as recorded. It
-    continues, or at its last step has nothing to train, as a stage's rerun does; any other
-    checkpoint there is refused as before (--resume or another --out). Read under the run's lock."""
+    rerun after a kill), as the output contract judges it (`output.continues`: the same record of what
+    the run is made of, `_made_of`): it continues, or at its last step has nothing to train, as a
+    stage's rerun does; any other checkpoint there is refused (--resume, --overwrite or another
+    --out: `_resolve`). Read under the run's lock."""
     if cfg.resume or cfg.overwrite:
         return cfg
-    out = storage.path(cfg.out)
+    step = output.continues(cfg.out, TRAIN, lambda: _made_of_now(cfg))
+    if step is None:
+        return cfg
+    if rank == 0 and not cfg.quiet and step < cfg.steps:  # (finished: "nothing to train")
+        print(f"{cfg.out} holds this run (the same settings) at step {step}: continuing it", flush=True)
+    return cfg.model_copy(update={"resume": True})
+
+
+def _made_of(settings: dict, tokenizer_sha256: str | None, shards: dict) -> dict:
+    """What a training run is made of, as its rerun compares it (the contract's made_of): every
+    setting that changes what it computes (the model kind among them); the tokenizer by its content,
+    however and from wherever it is named (its path is as typed; None: the data's own, which its
+    shards fix); the data by its shards' sha256."""
+    options = {k: v for k, v in settings.items() if k not in (*RUN_ONLY, "tokenizer")}
+    return {"options": options, "inputs": {"tokenizer": tokenizer_sha256, "data": shards}}
+
+
+def _made_of_now(cfg: TrainConfig) -> dict | None:
+    """`_made_of` for this command, None where its inputs cannot be read (refused where the run reads
+    them)."""
+    try:
+        tok = storage.sha256(resolve_tokenizer_path(cfg.tokenizer)) if cfg.tokenizer is not None else None
+        return _made_of(_settings(cfg), tok, data_shards(parquet_files(cfg.data)))
+    except (TokenizerError, DataError, DataDirError, OSError, ValueError):
+        return None
+
+
+def recorded_made_of(directory) -> tuple[dict, int] | None:
+    """What the checkpoint in `directory` records it is made of (`_made_of`) and the step it is at
+    (train's declared `resumable`, trainers/outputs.py); None where it holds no checkpoint of ours, or
+    one no single command made: continued under other settings (`train_history`), or on data of
+    other tools, known by its size alone (not told apart from other data)."""
+    out = storage.path(directory)
     try:
         prev = json.loads((out / "config.json").read_bytes())
-        state = json.loads((out / STATE).read_bytes())
-        old = _recorded_settings(prev["train"])
+        step = int(json.loads((out / STATE).read_bytes()).get("step", 0))
+        settings = _recorded_settings(prev["train"])
+        shards, tok = prev["data_shards"], prev.get("tokenizer_sha256")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no checkpoint, or not ours
-        return cfg
-    new = _settings(cfg)
-    # the tokenizer by its content, however and from wherever it is named (its path is as typed)
-    settings = [k for k in old.keys() | new.keys() if k not in (*RUN_ONLY, "tokenizer")]
-    if prev.get("kind") != cfg.model or any(old.get(k) != new.get(k) for k in settings):
-        return cfg
-    if cfg.tokenizer is not None:
-        try:
-            if storage.sha256(resolve_tokenizer_path(cfg.tokenizer)) != prev.get("tokenizer_sha256"):
-                return cfg
-        except (TokenizerError, OSError, ValueError):  # refused where the run reads it
-            return cfg
-    if len(prev.get("train_history") or ()) > 1:  # trained under other settings before: not this run
-        return cfg
-    recorded = prev.get("data_shards")
-    if not isinstance(recorded, dict) or any(not str(v).startswith("sha256:") for v in recorded.values()):
-        return cfg  # files of other tools, known by their size alone: not told apart from others
-    try:  # the data as recorded (a shard rewritten since is other data)
-        if data_shards(parquet_files(cfg.data)) != recorded:
-            return cfg
-    except (DataError, DataDirError, OSError):  # refused where the run reads it
-        return cfg
-    if rank == 0 and not cfg.quiet and state.get("step", 0) < cfg.steps:  # (finished: "nothing to train")
-        print(
-            f"{cfg.out} holds this run (the same settings) at step {state.get('step')}: continuing it",
-            flush=True,
-        )
-    return cfg.model_copy(update={"resume": True})
+        return None
+    if len(prev.get("train_history") or ()) > 1 or settings.get("model") != prev.get("kind"):
+        return None
+    if not isinstance(shards, dict) or any(not str(v).startswith("sha256:") for v in shards.values()):
+        return None
+    return _made_of(settings, tok if settings.get("tokenizer") is not None else None, shards), step
 
 
 def _out_of_memory(e: BaseException) -> bool:

@@ -27,8 +27,18 @@ TRAIN = declare(
         ),  # fmt: skip
         # a run stopped in its first save: --resume has nothing to continue, --overwrite starts over
         leftovers=True,
+        # the same command again continues the run its --out holds (config.json records what it is made of)
+        resumable=lambda directory: _checkpoint_made_of(directory),
     )
 )
+
+
+def _checkpoint_made_of(directory):
+    from .loop import recorded_made_of  # torch: asked by train alone, never by source discovery
+
+    return recorded_made_of(directory)
+
+
 EXPORT_HF = declare(
     Output(
         "export-hf",
