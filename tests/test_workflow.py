@@ -762,11 +762,11 @@ def test_a_checkpoint_of_edited_settings_is_replaced_only_with_overwrite(small_r
     the run trains it again; then up to date."""
     spec = copy.deepcopy(small_run["spec"]) | {"run_dir": str(tmp_path / "run"), "scores": []}
     assert run_cli("run", write_yaml(tmp_path / "wf.yaml", spec))[0] == 0
-    # the tokenizer's path is not a setting edited (it moves with run_dir; train checks its sha256)
-    marker = tmp_path / "run" / "models" / "causal" / ".workflow-step.json"
-    made = json.loads(marker.read_text())
-    made["settings"]["train"]["tokenizer"] = "/elsewhere/tokenizer/tokenizer.json"
-    marker.write_text(json.dumps(made))
+    # the tokenizer's path is not a setting edited (it moves with run_dir; train's record is its sha256)
+    config = tmp_path / "run" / "models" / "causal" / "config.json"
+    made = json.loads(config.read_text())
+    made["train"]["tokenizer"] = "/elsewhere/tokenizer/tokenizer.json"
+    config.write_text(json.dumps(made))
     code, out = run_cli("run", tmp_path / "wf.yaml", "--dry-run")
     assert code == 0 and "nothing to do" in out, out
     spec["models"][0]["steps"] = 3

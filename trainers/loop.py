@@ -207,7 +207,7 @@ def train(
         rank, world, device, own_group = _setup_dist(device)
         try:
             with _holding_out(cfg, wait, foreign, rank, world, device):
-                cfg = _the_same_run(cfg, rank)
+                cfg = _the_same_run(cfg, rank, world)
                 if storage.is_url(cfg.out):
                     return _train_to_store(cfg, rank, world, device, allow_config_change)
                 return _train(cfg, rank, world, device, allow_config_change)
@@ -223,15 +223,15 @@ def train(
         ) from None
 
 
-def _the_same_run(cfg: TrainConfig, rank: int) -> TrainConfig:
+def _the_same_run(cfg: TrainConfig, rank: int, world: int) -> TrainConfig:
     """`cfg` with `resume` where --out holds a checkpoint of this very run (a scheduler's retry, a
-    rerun after a kill), as the output contract judges it (`output.continues`: the same record of what
-    the run is made of, `_made_of`): it continues, or at its last step has nothing to train, as a
-    stage's rerun does; any other checkpoint there is refused (--resume, --overwrite or another
-    --out: `_resolve`). Read under the run's lock."""
+    rerun after a kill), as the output contract judges it (`output.continues` over `made_of`): it
+    continues, or at its last step has nothing to train, as a stage's rerun does; any other
+    checkpoint there is refused (--resume, --overwrite or another --out: `_resolve`). Read under the
+    run's lock."""
     if cfg.resume or cfg.overwrite:
         return cfg
-    step = output.continues(cfg.out, TRAIN, lambda: _made_of_now(cfg))
+    step = output.continues(cfg.out, TRAIN, lambda: made_of(cfg, world))
     if step is None:
         return cfg
     if rank == 0 and not cfg.quiet and step < cfg.steps:  # (finished: "nothing to train")
@@ -239,23 +239,28 @@ def _the_same_run(cfg: TrainConfig, rank: int) -> TrainConfig:
     return cfg.model_copy(update={"resume": True})
 
 
-def _made_of(settings: dict, tokenizer_sha256: str | None, shards: dict) -> dict:
+def _made_of(settings: dict, world: int, tokenizer_sha256: str | None, shards: dict) -> dict:
     """What a training run is made of, as its rerun compares it (the contract's made_of): every
-    setting that changes what it computes (the model kind among them); the tokenizer by its content,
-    however and from wherever it is named (its path is as typed; None: the data's own, which its
-    shards fix); the data by its shards' sha256."""
+    setting that changes what it computes (the model kind among them) and its processes (the data
+    order); the tokenizer by its content, however and from wherever it is named (its path is as
+    typed; None: the data's own, which its shards fix); the data by its shards' sha256."""
     options = {k: v for k, v in settings.items() if k not in (*RUN_ONLY, "tokenizer")}
-    return {"options": options, "inputs": {"tokenizer": tokenizer_sha256, "data": shards}}
+    return {
+        "options": {**options, "world_size": world},
+        "inputs": {"tokenizer": tokenizer_sha256, "data": shards},
+    }
 
 
-def _made_of_now(cfg: TrainConfig) -> dict | None:
-    """`_made_of` for this command, None where its inputs cannot be read (refused where the run reads
-    them)."""
+def made_of(cfg: TrainConfig, world: int, shards: dict | None = None) -> dict | None:
+    """`_made_of` for a run of `cfg` on `world` processes, the data's `shards` as given (a workflow's
+    plan: from its manifests, `manifest_shards`) or as read now (`data_shards`); None where its inputs
+    cannot be read (refused where the run reads them)."""
     try:
         tok = storage.sha256(resolve_tokenizer_path(cfg.tokenizer)) if cfg.tokenizer is not None else None
-        return _made_of(_settings(cfg), tok, data_shards(parquet_files(cfg.data)))
+        shards = data_shards(parquet_files(cfg.data)) if shards is None else shards
     except (TokenizerError, DataError, DataDirError, OSError, ValueError):
         return None
+    return _made_of(_settings(cfg), world, tok, shards)
 
 
 def recorded_made_of(directory) -> tuple[dict, int] | None:
@@ -266,7 +271,8 @@ def recorded_made_of(directory) -> tuple[dict, int] | None:
     out = storage.path(directory)
     try:
         prev = json.loads((out / "config.json").read_bytes())
-        step = int(json.loads((out / STATE).read_bytes()).get("step", 0))
+        state = json.loads((out / STATE).read_bytes())
+        step, world = int(state.get("step", 0)), int(state.get("world_size", 1))
         settings = _recorded_settings(prev["train"])
         shards, tok = prev["data_shards"], prev.get("tokenizer_sha256")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no checkpoint, or not ours
@@ -275,7 +281,7 @@ def recorded_made_of(directory) -> tuple[dict, int] | None:
         return None
     if not isinstance(shards, dict) or any(not str(v).startswith("sha256:") for v in shards.values()):
         return None
-    return _made_of(settings, tok if settings.get("tokenizer") is not None else None, shards), step
+    return _made_of(settings, world, tok if settings.get("tokenizer") is not None else None, shards), step
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -394,6 +400,15 @@ def data_shards(files) -> dict[str, str]:
             name = str(f).rsplit("/", 1)[1]
             out[storage.key(f)] = f"sha256:{shas[name]}" if name in shas else f"bytes:{data.names.get(name)}"
     return out
+
+
+def manifest_shards(data_dir) -> dict[str, str]:
+    """`data_shards` of a stage's output as its manifests record it, its files not read: what a
+    workflow plans from (a shard gone missing is remade as recorded before the run reads it)."""
+    return {
+        storage.key(f"{str(data_dir).rstrip('/')}/{m.output}"): f"sha256:{m.output_sha256}"
+        for m in DataDir(data_dir).manifests
+    }
 
 
 def _check_same_data(old: dict[str, str] | None, new: dict[str, str], allow: bool) -> None:

@@ -13,6 +13,7 @@ this run's.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import subprocess
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from entroweight import output
 from entroweight.models.checkpoint import WEIGHTS
 from entroweight.options import setting_changes
 from entroweight.pipelines import StageError, run_stage
@@ -29,6 +31,7 @@ from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas.tokenizer import TOKENIZER_FILE
 from entroweight.trainers.accuracy import ITEMS_FILE
 from entroweight.trainers.checkpoint import STATE
+from entroweight.trainers.outputs import TRAIN
 from entroweight.transforms.writer import sha256_file, write_json_atomic
 
 from .report import read_metrics, write_report
@@ -295,7 +298,7 @@ class TrainStep(Step):
     are the file it wrote (`damage`)."""
 
     command = "train"
-    plans_from_records = True  # the data's fingerprint is its manifests' (`data_fingerprint`)
+    plans_from_records = True  # the data's fingerprint is its manifests' (`made_of`)
 
     def __init__(self, *args, make_config, nproc: int, **kw):
         super().__init__(*args, **kw)
@@ -311,35 +314,40 @@ class TrainStep(Step):
         if self.run_ctx.here:  # a CUDA workflow on a machine without one: refused before, not after
             device_here(self.config.device)
 
-    def settings(self) -> dict:
-        """What the checkpoint depends on but its data: the training settings and the processes."""
-        run_only = ("out", "quiet", "overwrite", "resume", "device", "log_every", "data")
-        return {
-            "train": {k: v for k, v in self.config.dump().items() if k not in run_only},
-            "nproc": self.nproc,
-        }
+    @functools.cached_property
+    def made_of(self) -> dict | None:
+        """What train records its checkpoint is made of (the contract's made_of, trainers/loop.py), the
+        data's fingerprint from its manifests (a shard gone missing is remade as recorded first); asked
+        once the step's upstream has run (its plan and its record check alike)."""
+        from entroweight.trainers.loop import made_of, manifest_shards
 
-    def key(self) -> str:
         data = Path(self.config.data[0])
         if not data.is_dir():
             raise WorkflowError(f"{self.kind} {self.name}: no data at {data}")
-        return _key({**self.settings(), "data": data_fingerprint(data)})
+        try:
+            shards = manifest_shards(data)
+        except (OSError, ValueError):  # (a manifest that does not parse: refused where it is read)
+            return None
+        return made_of(self.config, self.nproc, shards)
 
     def replaced_settings(self) -> list[str]:
-        """What changed since the finished checkpoint in `out` was trained (`key: old -> new`): a
-        spec edited since. [] where none is finished, or its record is from before settings were
-        kept. Known from the spec alone, so the plan refuses it before any step runs."""
-        made = step_record(self.out / STEP_FILE)
-        if not step_record(self.out / STATE).get("step") or "settings" not in made:
+        """What changed since the checkpoint in `out` was trained (`train.key: old -> new`), as its
+        record says (train's config.json): a spec edited since. [] where it holds none. Known from the
+        spec alone, so the plan refuses it before any step runs."""
+        held = TRAIN.resumable(self.out)
+        now = self.made_of if held is not None else None
+        if now is None:
             return []
         # through JSON, as recorded: tuples are lists there
-        now = json.loads(json.dumps(self.settings(), default=str))
-        return setting_changes(_edited(made["settings"]), _edited(now))
+        now = json.loads(json.dumps(now["options"], default=str))
+        return setting_changes(held[0]["options"], now, "train.")
 
     def done(self):
-        made, state = step_record(self.out / STEP_FILE), step_record(self.out / STATE)
-        if made.get("key") != self.key() or state.get("step") != self.config.steps:
+        """The contract's record check (train's `continues`): this very run, at its last step, its
+        weights the file it wrote (`weights_damage`)."""
+        if output.continues(self.out, TRAIN, lambda: self.made_of) != self.config.steps:
             return None
+        made, state = step_record(self.out / STEP_FILE), step_record(self.out / STATE)
         self.damage = weights_damage(self.out, made, state)
         return None if self.damage else f"finished checkpoint {self.out}"
 
@@ -351,7 +359,7 @@ class TrainStep(Step):
         return f"{cfg.steps} steps of {cfg.model}, loss {cfg.loss}, seed {cfg.seed}{again}"
 
     def run(self):
-        cfg, key = self.config, self.key()
+        cfg = self.config
         (self.out / STEP_FILE).unlink(missing_ok=True)
         cfg.overwrite = True  # the run directory is the workflow's: a stale checkpoint is replaced
         if self.nproc > 1:
@@ -361,18 +369,11 @@ class TrainStep(Step):
 
             train(cfg)  # a refusal (TrainError, DataError, CheckpointError) is reported by the runner
         size, mtime = file_stat(self.out / WEIGHTS)
-        made = {"key": key, "steps": cfg.steps, "weights_bytes": size, "weights_mtime_ns": mtime}
-        made["settings"] = self.settings()
+        # the weights' size and time as written: damage is seen without reading them (`weights_damage`)
+        made = {"steps": cfg.steps, "weights_bytes": size, "weights_mtime_ns": mtime}
         write_json_atomic(made, self.out / STEP_FILE)
         ce = (read_metrics(self.out) or [{}])[-1].get("ce", float("nan"))
         return "ran", f"{cfg.steps} steps, ce {ce:.4f}"
-
-
-def _edited(settings: dict) -> dict:
-    """A train step's settings as an edit of its spec changes them: without the tokenizer's path, which
-    moves with run_dir (its identity, the sha256, is train's check): a moved run is trained again as
-    before (its key changed), not refused as an edit."""
-    return {**settings, "train": {k: v for k, v in settings["train"].items() if k != "tokenizer"}}
 
 
 def torchrun(cfg, nproc: int) -> None:
