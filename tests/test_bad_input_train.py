@@ -428,7 +428,9 @@ def test_a_loss_parameter_of_another_loss_is_refused(weighted_dir, tmp_path):
     from entroweight.trainers.losses import LOSSES
 
     other = {"normalize": "weight", "margin": 5.0, "prefix_weight": 0.3}
-    assert set(other) == set(LossSettings.model_fields) - {"loss"}  # a new parameter needs a value here
+    # a new parameter needs a value here; shuffle_weights is a control of the data, not a loss's parameter
+    # (a loss that reads no weight refuses it: tests/test_controls.py)
+    assert set(other) == set(LossSettings.model_fields) - {"loss", "shuffle_weights"}
     for loss, spec in LOSSES.items():
         for name, value in other.items():
             kw = {"data": str(weighted_dir), "out": str(tmp_path / "o"), "loss": loss, name: value}

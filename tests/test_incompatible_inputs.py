@@ -71,6 +71,9 @@ EXEMPT = {
     "against the checkpoint's (tests/test_export.py, test_the_unigram_baseline_refuses_data_of_another_tokenizer)",
     "tokenize": "its inputs are raw documents: any two sources tokenize together",
     "train-tokenizer": "its inputs are raw documents",
+    "synthesize": "one teacher (--checkpoint or --model) and at most one data input (--prefix-from), whose "
+    "tokenizer is checked against the teacher's (tests/test_synthesize.py, "
+    "test_bad_teachers_are_refused_in_one_line: a prefix in another tokenizer)",
 }
 
 

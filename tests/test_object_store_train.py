@@ -168,6 +168,7 @@ COVERED = {
     "weigh": "test_object_store.py::test_tokenize_score_weigh_on_s3_match_local_disk",
     "train": "test_train_and_resume_on_s3_match_local_disk",
     "export-data": "test_export_data_reads_and_writes_s3_like_local_disk",
+    "synthesize": "test_synthesize.py::test_object_storage",
 }
 URL_OUT = {
     "export-hf": lambda ckpt, run, docs, out: ["export-hf", ckpt, "--out", out],
