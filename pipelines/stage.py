@@ -105,13 +105,21 @@ class Shuffle:
 
 
 def shuffle_here(job: Shuffle, out_dir: AnyPath | None = None, **_) -> list:
-    """`Shuffle` in this process (the local engine's, and a preview's): each map's tables spill to a
-    file per partition in a temporary directory, then each partition is grouped alone, so memory holds
-    one partition (and one map's output), not the whole input's ids."""
+    """`Shuffle` in this process (the local engine's, and a preview's). One partition (an input under
+    BYTES_PER_PARTITION) is grouped in memory, which grouping needs anyway; several spill each map's
+    tables to a file per partition in a temporary directory, then each partition is grouped alone, so
+    memory holds one partition (and one map's output), not the whole input's ids. A spill that cannot
+    be written (a full disk) is a StageError naming the place, not a traceback."""
     import tempfile
 
     import pyarrow as pa
 
+    if job.parts <= 1:
+        held: dict[int, list] = {}
+        for item in job.items:
+            for part, table in job.map(item):
+                held.setdefault(part, []).append(table)
+        return [job.group(part, held[part]) for part in sorted(held)]
     with tempfile.TemporaryDirectory(prefix="entroweight-shuffle-") as tmp:
         writers: dict[int, Any] = {}
         try:
@@ -120,6 +128,11 @@ def shuffle_here(job: Shuffle, out_dir: AnyPath | None = None, **_) -> list:
                     if part not in writers:
                         writers[part] = pa.ipc.new_stream(os.path.join(tmp, f"{part}.arrow"), table.schema)
                     writers[part].write_table(table)
+        except OSError as e:
+            raise StageError(
+                f"the plan of duplicate ids could not write its partitions under {tmp} ({e}): free space "
+                "there, or point TMPDIR at a disk with room"
+            ) from None
         finally:
             for w in writers.values():
                 w.close()
