@@ -592,3 +592,11 @@ def test_bpb_is_compared_over_seeds_and_blocks_of_the_text(tmp_path, tokenizer_d
     assert c["cluster"] == "blocks of the text" and c["clusters"] == 20 and seeds_only["clusters"] == 1
     assert c["delta"] == pytest.approx(seeds_only["delta"], rel=1e-9)
     assert c["var_cluster"] > 0 and c["ci"][1] - c["ci"][0] > seeds_only["ci"][1] - seeds_only["ci"][0]
+
+
+def test_a_misspelt_accuracy_endpoint_is_refused_from_the_spec(tmp_path, tokenizer_dir):
+    """The offline task's endpoints are known: a typo would otherwise decide on another without a word."""
+    wf = yaml.safe_load((ROOT / "workflows" / "default.yaml").read_text())
+    wf["accuracy"]["decides"] = "margn"
+    with pytest.raises(SpecError, match="decides: 'margn' is not one of margin"):
+        parse_workflow(wf)

@@ -492,6 +492,16 @@ class AccuracySpec(_Strict):
             raise ValueError("tasks repeat")
         return v
 
+    @model_validator(mode="after")
+    def _decides_what_the_offline_task_has(self):
+        """A misspelt endpoint would decide on another one without a word: the offline task's are known."""
+        if self.tasks == [OFFLINE_TASK] and self.decides not in OFFLINE_ENDPOINTS:
+            raise ValueError(f"decides: {self.decides!r} is not one of {', '.join(OFFLINE_ENDPOINTS)}")
+        return self
+
+
+# what the offline task's answers hold (trainers/accuracy.py summarize): the endpoints `decides` may name
+OFFLINE_ENDPOINTS = ("margin", "acc_mutual_info", "acc", "acc_norm")
 
 PRIMARY = "weighted-occlusion"  # the write-up's weighting: the comparison named before any run
 
