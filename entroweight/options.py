@@ -8,7 +8,7 @@ key its own way (`--floor` on the command line, `scores[0].weighting.floor` in a
 The rules every option of every front end follows are here too, once: a float is finite (`Options`),
 a seed is one numpy and torch both take (`Seed`, `SEED_LIMIT`), a device is one torch knows and
 entroweight runs on (`DeviceName`), and is on this machine where the work is about to run
-(`device_here`). The command line's own flags take them through workflows/cli_common.py.
+(`device_here`). The command line's own flags take them through workflows/cli/common.py.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from .storage import OutputRefused, blank, listing, path, some_of
 #: the modules that declare the built-in commands' outputs (each calls `declare` when imported);
 #: light modules all: source discovery asks the registry while it lists what tokenize reads
 BUILTIN = (
-    "entroweight.workflows.outputs",
+    "entroweight.workflows.engine.outputs",
     "entroweight.trainers.outputs",
     "entroweight.pipelines.export_data",
     "entroweight.transforms.train_tokenizer",
@@ -423,6 +423,34 @@ def continues(out, output: Output, made_of: dict | Callable[[], dict | None] | N
     return step if made_of is not None and was == made_of else None
 
 
+def standing(
+    out, output: Output, made_of: dict | None, overwrite, what: str, flag: str = "--out"
+) -> str | None:
+    """What `out` holds of `output` for a run made of `made_of`, as a rerun takes it (`recorded`): "same"
+    (nothing to do), "again" (made again whole), None (nothing of it); refused (OutputRefused) where it
+    holds this output of other options, unless `overwrite`, and for a `kept` output where it holds one
+    that is not this very output (of other inputs, edited, no record). `made_of` None: inputs that
+    cannot be listed or recorded (never "the same"). Asked by `writing` under the lock, and by a
+    workflow step that writes this output before its run starts (its plan refuses what the run would)."""
+    advice = "" if overwrite is None else ", or pass --overwrite to replace it"
+    try:
+        state, why = recorded(out, output, made_of) if made_of is not None else (None, "")
+    except Differs as e:
+        if not overwrite:
+            raise OutputRefused(
+                f"{flag} {out} holds {what} of other options ({e}); write elsewhere{advice}"
+            ) from None
+        return "again"
+    if output.kept and not overwrite:
+        if state is None and output.holds_its_files(out):  # its files (or a user's of their names), no record
+            state, why = "again", "with no record of what it is made of"
+        if state == "again" and why:
+            raise OutputRefused(
+                f"{flag} {out} holds {what} {why}; what was made with it depends on it: write elsewhere{advice}"
+            )
+    return state
+
+
 @dataclasses.dataclass
 class Writing:
     """A command's write in progress (`writing`): `state` "same" (nothing to do: `dest` is None) or
@@ -439,6 +467,18 @@ class Writing:
     @property
     def nothing_to_do(self) -> bool:
         return self.state == "same"
+
+
+def seal(directory, output: Output, made_of: dict, facts: dict | None = None) -> None:
+    """Write `output`'s sealed record in local `directory`: the command's own `facts`, `made_of` and
+    each written file's sha256. Last of all in `writing`; alone, where an output its command wrote
+    before it kept this record is taken as it is (a workflow's tokenizer of an older version)."""
+    record = {
+        **(facts or {}),
+        MADE_OF: made_of,
+        FILES: files_sha256(directory, written_files(directory, output)),
+    }
+    storage.write_json_atomic(sealed(record), Path(directory) / output.record)
 
 
 @contextlib.contextmanager
@@ -472,28 +512,10 @@ def writing(
             storage.check_writable(out)
         except OSError as e:
             raise OutputRefused(f"cannot write to {flag} {out}: {e.strerror or e}") from None
-    advice = "" if overwrite is None else ", or pass --overwrite to replace it"
     with storage.holding_output(out, wait, advise_wait=advise_wait):
         if callable(made_of):  # what needs reading the inputs: under the lock, which a refusal takes back
             made_of = made_of()
-        try:  # (no made_of: inputs that cannot be listed, refused by `check`, or not recordable)
-            state, why = recorded(out, output, made_of) if not foreign and made_of is not None else (None, "")
-        except Differs as e:
-            if not overwrite:
-                raise OutputRefused(
-                    f"{flag} {out} holds {what} of other options ({e}); write elsewhere{advice}"
-                ) from None
-            state, why = "again", ""
-        if output.kept and not overwrite and not foreign:
-            if state is None and output.holds_its_files(
-                out
-            ):  # its files (or a user's of their names), no record
-                state, why = "again", "with no record of what it is made of"
-            if state == "again" and why:
-                raise OutputRefused(
-                    f"{flag} {out} holds {what} {why}; what was made with it depends on it: write "
-                    f"elsewhere{advice}"
-                )
+        state = None if foreign else standing(out, output, made_of, overwrite, what, flag)
         if state == "same":
             yield Writing(out, output, made_of, "same")
             return
@@ -519,8 +541,7 @@ def writing(
             except BaseException:  # refused on the way: what it wrote goes, `out` is as it was
                 _remove_new(w.dest, before)
                 raise
-            record = {**w.record, MADE_OF: made_of, FILES: files_sha256(dest, written_files(dest, output))}
-            storage.write_json_atomic(sealed(record), w.dest / output.record)
+            seal(w.dest, output, made_of, w.record)
 
 
 __all__ = [
@@ -540,6 +561,8 @@ __all__ = [
     "named",
     "output_owner",
     "recorded",
+    "seal",
     "sealed",
+    "standing",
     "writing",
 ]

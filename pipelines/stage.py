@@ -69,7 +69,7 @@ class StageFailed(RuntimeError):
 @dataclass(frozen=True)
 class EngineOption:
     """A knob of an engine: a keyword of its `run`, and the command-line flag that sets it
-    (workflows/cli_common.py makes the flags from each engine's `OPTIONS`). `type` dict: a repeatable
+    (workflows/cli/common.py makes the flags from each engine's `OPTIONS`). `type` dict: a repeatable
     KEY=VALUE flag whose pairs make a dict."""
 
     flag: str

@@ -30,7 +30,7 @@ from entroweight.trainers.accuracy import (
 )
 from entroweight.transforms.choice_items import ItemError, build_items
 from entroweight.transforms.train_tokenizer import corpus_texts
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 P, L = 24, 8  # prefix and continuation tokens: small items, fast tests
@@ -379,7 +379,7 @@ def test_without_lm_eval_the_command_names_the_extra(tiny_ckpt, tmp_path, monkey
 
 
 def test_the_reference_is_placed_against_chance_with_its_interval():
-    from entroweight.workflows.report_data import Z95, above_chance
+    from entroweight.workflows.report.data import Z95, above_chance
 
     def row(mean, se):
         return {"cells": [{"metric": "acc", "mean": mean, "stderr": se, "seeds": {0: mean}}]}

@@ -27,7 +27,7 @@ from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
 from entroweight.scorers import register
 from entroweight.transforms.tokenizer import load_tokenizer
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 N_CTX = 64
 GOOD = "A good document about the weather in the hills."

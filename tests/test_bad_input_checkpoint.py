@@ -18,7 +18,7 @@ from test_bad_input_score import data, model, refused  # noqa: F401
 from test_trainer_fixtures import tiny_ckpt, weighted_dir  # noqa: F401
 
 from entroweight.scorers.registry import BUILTIN
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 NOT_OURS = {
     "an HF model directory": ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "Hugging Face"),

@@ -28,7 +28,7 @@ from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.pipelines.verify import verify_dir
 from entroweight.scorers import register
 from entroweight.transforms.writer import sha256_file
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 N_CTX = 64
 

@@ -18,7 +18,7 @@ from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import read_file_metadata
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 N_DOCS = 600  # > READ_ROWS (256): a shard is read, scored and written in three batches
 

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas import read_file_metadata
 from entroweight.transforms.tokenizer import TokenizerError, load_tokenizer
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 N_CTX = 64
 CARRIED = ".tokenizer/tokenizer.json"

@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from test_trainer_fixtures import TINY, make_weighted, one_thread, tiny_ckpt, weighted_dir  # noqa: F401
 
 from entroweight.trainers.bpb import eval_bpb
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 
 def cli(*args):

@@ -31,7 +31,7 @@ from test_weighted_inputs import model, scored, tokens, weighed  # noqa: F401 - 
 from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas.datadir import DataDir
 from entroweight.schemas.manifest import SHARDS_FILE, STAGE_FILE, manifest_name
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 SCORE = ["--scorer", "causal_loss", "--dtype", "fp32"]  # + --model: the config `scored` was made with
 

@@ -22,7 +22,7 @@ from entroweight.schemas import METADATA_KEY, read_file_metadata
 from entroweight.schemas.datadir import DataDir
 from entroweight.scorers import register
 from entroweight.transforms.agreement import AgreementError, compare_dirs, rankdata
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 
 def _tokenize(tmp, c4_path, tokenizer_dir, skip):

@@ -13,7 +13,7 @@ from stagecopy import stage_subset
 from test_export_data import scored  # noqa: F401 - fixture
 from test_score_stage import small_data, tiny_llama  # noqa: F401 - fixtures
 
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 
 def without_row_in_doc(src, dst):

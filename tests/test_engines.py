@@ -245,7 +245,7 @@ def test_incremental_rerun_processes_only_the_new_file(tmp_path, lines, tokenize
 
 
 def test_config_change_is_refused_then_overwritten(tmp_path, inputs, tokenizer_dir):
-    from entroweight.workflows.cli import main
+    from entroweight.workflows.cli.main import main
 
     out = tmp_path / "out"
     src = inputs / "a.jsonl.gz"

@@ -18,7 +18,7 @@ from test_workflow import c4_subset, run_cli, write_yaml
 
 from entroweight.transforms.agreement import WRITEUP
 from entroweight.transforms.tokenizer import load_tokenizer
-from entroweight.workflows.report import bpb_table, outcome, verdict_sentence
+from entroweight.workflows.report.html import bpb_table, outcome, verdict_sentence
 from entroweight.workflows.results import sealed
 from entroweight.workflows.spec import SpecError, parse_workflow
 
@@ -240,8 +240,8 @@ def test_report_names_the_primary_corrects_the_others_and_shows_what_noise_hides
     """6 seeds: the primary run (named in the workflow) is read unadjusted, the other runs' p are
     Holm-corrected per table, each within-noise verdict carries the smallest detectable difference at
     the alpha it faces, the sign-flip test sits beside it; the page opens with that table."""
-    from entroweight.workflows import stats
-    from entroweight.workflows.report import write_report
+    from entroweight.workflows.report import stats
+    from entroweight.workflows.report.html import write_report
 
     base = [2.00, 2.01, 1.99, 2.005, 1.995, 2.0]
     jitter = [0.004, -0.003, 0.002, -0.004, 0.003, -0.001]
@@ -539,8 +539,8 @@ def test_the_report_follows_the_workflow_and_shows_pairs_without_a_writeup_row(r
 def test_a_named_contrast_compares_two_runs_with_each_other(tmp_path, tokenizer_dir):
     """report.contrasts: a weighted run against its own control, Δ = run − control with its interval,
     in the tables and on the page; a contrast of a run that does not exist is refused from the spec."""
-    from entroweight.workflows import stats
-    from entroweight.workflows.report import write_report
+    from entroweight.workflows.report import stats
+    from entroweight.workflows.report.html import write_report
 
     base = [2.00, 2.01, 1.99, 2.005, 1.995, 2.0]
     jitter = [0.004, -0.003, 0.002, -0.004, 0.003, -0.001]
@@ -571,7 +571,7 @@ def test_bpb_is_compared_over_seeds_and_blocks_of_the_text(tmp_path, tokenizer_d
     reference on a few blocks alone has a wider interval than its per-seed numbers give."""
     import math
 
-    from entroweight.workflows.report_data import compare
+    from entroweight.workflows.report.data import compare
 
     rng = np.random.default_rng(3)
     sizes = [2000.0] * 20

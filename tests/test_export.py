@@ -93,7 +93,7 @@ def test_eval_bpb_equals_hf_computation(tiny_ckpt, hf_dir, wikitext_path):
 
 
 def test_cli_eval_bpb_and_export(tiny_ckpt, weighted_dir, tmp_path):
-    from entroweight.workflows.cli import main
+    from entroweight.workflows.cli.main import main
 
     r = CliRunner().invoke(main, ["eval-bpb", str(tiny_ckpt), "--max-bytes", "4000", "--json"])
     assert r.exit_code == 0, r.output
@@ -115,7 +115,7 @@ def test_the_unigram_baseline_refuses_data_of_another_tokenizer(tiny_ckpt, token
     from stagecopy import stage_subset
 
     from entroweight.schemas.arrow import METADATA_KEY
-    from entroweight.workflows.cli import main
+    from entroweight.workflows.cli.main import main
 
     def other_tokenizer(t):
         meta = json.loads(t.schema.metadata[METADATA_KEY])

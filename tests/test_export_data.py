@@ -28,7 +28,7 @@ from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas.datadir import DataDir
 from entroweight.transforms.weigh import WeighConfig
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 from entroweight.workflows.results import sealed
 
 # megatron-core warns on import that Transformer Engine and Apex are absent (CPU: expected)

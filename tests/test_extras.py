@@ -11,7 +11,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "workflow-tiny.yaml"

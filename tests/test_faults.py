@@ -330,7 +330,7 @@ def test_scorer_raising_on_one_batch_fails_only_that_shard(tmp_path, reference):
 
 SWALLOWING = """
 import os, signal, time, click
-from entroweight.workflows.cli_common import Commands, _fail
+from entroweight.workflows.cli.common import Commands, _fail
 
 @click.group(cls=Commands)
 def group(): pass
@@ -353,7 +353,7 @@ group()
 def test_a_stop_a_library_swallowed_still_stops_the_command(tmp_path, sig, code, says):
     """Ctrl-C landing while pyarrow called back into Python (a file's `closed`) became pyarrow's failed
     write: the shard failed, exit 1 (once in CI). Every command records the stop it receives and
-    stops as asked however the code below answered it (workflows/cli_common.Commands)."""
+    stops as asked however the code below answered it (workflows/cli.common.Commands)."""
     script = tmp_path / "swallow.py"
     script.write_text(SWALLOWING)
     proc = subprocess.run(  # SIGINT at its default, as from a terminal (cli() above says why)

@@ -21,7 +21,7 @@ from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.transforms import sources
 from entroweight.transforms.sources import DocumentReader, plan_inputs
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 SHA_A, SHA_B = "a" * 40, "b" * 40
 

@@ -32,7 +32,7 @@ from entroweight.schemas.arrow import METADATA_KEY
 from entroweight.schemas.datadir import DataDir
 from entroweight.schemas.manifest import manifest_name
 from entroweight.transforms.writer import sha256_file
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 # command -> argv builder for (input a, input b, out)
 ROWS = {

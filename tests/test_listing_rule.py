@@ -22,7 +22,7 @@ RAW_LISTING = {
     "pipelines/beam.py": "the Beam engine's results directory (JSON results, not data)",
     "pipelines/__init__.py": "run_stage: whether --out existed before the run (a created directory is removed)",
     "transforms/sources.py": "source discovery: whether an input file lies in a stage's output (not its parts)",
-    "workflows/runner.py": "whether run_dir is a workflow run's (run.json, its lock), not a data directory",
+    "workflows/engine/runner.py": "whether run_dir is a workflow run's (run.json, its lock), not a data directory",
 }
 # modules that may name part files themselves: the naming contract, DataDir, the planner's bookkeeping,
 # and the path rule (entroweight.output: output_owner, foreign_files: a stage's shards told from a user's files, in

@@ -153,7 +153,7 @@ def test_training_on_weights_that_are_all_zero_is_refused_up_front(tokenized_dir
     # exit on a loaded machine after printing it (noted in the closing note of stop 24)
     from click.testing import CliRunner
 
-    from entroweight.workflows.cli import main
+    from entroweight.workflows.cli.main import main
 
     args = ["train", str(data), "--loss", "weighted_ce", "--out", str(out), "--steps", "2", "--device", "cpu"]
     r = CliRunner().invoke(main, args)

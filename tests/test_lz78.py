@@ -106,7 +106,7 @@ def test_cli_tokenize_stage_and_a_tiny_training_run(c4_path, tmp_path):
     from entroweight.pipelines.tokenize import TokenizeStage
     from entroweight.trainers import TrainConfig, train
     from entroweight.trainers.bpb import eval_bpb
-    from entroweight.workflows.cli import main
+    from entroweight.workflows.cli.main import main
 
     torch.set_num_threads(1)
     tok_dir = tmp_path / "lz"

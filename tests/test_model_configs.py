@@ -18,7 +18,7 @@ from test_trainer_fixtures import one_thread, weighted_dir  # noqa: F401 - fixtu
 
 from entroweight.models import build_model
 from entroweight.scorers import register
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 CONFIGS = Path(__file__).resolve().parent.parent / "workflows" / "configs"
 KINDS = ("llama", "mixer", "estimator", "autoencoder")

@@ -206,7 +206,7 @@ def test_every_writing_command_is_tried_with_an_s3_out():
 def test_an_s3_out_is_written_there(command, tiny_ckpt, tiny_run, c4_60, s3_bucket, tmp_path, monkeypatch):  # noqa: F811
     from click.testing import CliRunner
 
-    from entroweight.workflows.cli import main
+    from entroweight.workflows.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     out = f"{s3_bucket}/{command}"

@@ -1,6 +1,6 @@
 # ruff: noqa: F811 - pytest fixtures imported from test_trainer_fixtures
 """The rules every option of every command follows (docs/reliability.md), each kept in one place
-(entroweight/options.py; the command line's own flags through workflows/cli_common.py) and tested
+(entroweight/options.py; the command line's own flags through workflows/cli/common.py) and tested
 here over every flag of the CLI and every field of every options model, enumerated, so a new one is
 covered or fails here:
 
@@ -30,7 +30,7 @@ from test_trainer_fixtures import tiny_ckpt, weighted_dir  # noqa: F401
 
 from entroweight.options import SEED_LIMIT, device_here, device_name
 from entroweight.scorers.registry import BUILTIN, get_scorer_class
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 SEEDS = {"--seed", "--shuffle"}  # `--shuffle SEED`: the weighting's control, seeded
 # int flags where 0 is a value that means something; the others refuse 0 as they refuse -1

@@ -21,7 +21,7 @@ from test_weighted_inputs import model, scored, tokens, weighed  # noqa: F401 - 
 
 from entroweight import output
 from entroweight.transforms.sources import file_format
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 #: the commands whose output names its files by their declaration (a workflow run's: its run.json)
 FILES_NAMED = sorted(o.command for o in output.declared() if o.files_of is None)

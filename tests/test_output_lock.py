@@ -23,7 +23,7 @@ from test_weighted_inputs import model, scored, tokens  # noqa: F401 - fixtures
 from entroweight import storage
 from entroweight.storage import holding_output as out_lock
 from entroweight.storage import lock_location
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 
 def directory_writers() -> list[str]:

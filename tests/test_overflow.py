@@ -101,7 +101,7 @@ def test_truncate_counts_what_it_drops_everywhere(tmp_path, c4_docs, tokenizer_d
 
 def test_truncate_shows_in_inspect_cli_and_split_does_not(tmp_path, split_dir, c4_docs, tokenizer_dir):
     src, _ = c4_docs
-    base = [sys.executable, "-m", "entroweight.workflows.cli"]
+    base = [sys.executable, "-m", "entroweight.workflows.cli.main"]
     out = tmp_path / "cut"
     res = subprocess.run(
         [*base, "tokenize", str(src), "--tokenizer", str(tokenizer_dir), "--n-ctx", str(N_CTX)]

@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from entroweight import output, storage
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 CONFIG_FILE_INPUTS = {"--config", "--model-config"}  # inputs that must be files (the others: dirs)
 

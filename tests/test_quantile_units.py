@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from test_weigh_stage import model, scored, tokens  # noqa: F401 - fixtures
 
 from entroweight.schemas.arrow import METADATA_KEY
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 from entroweight.workflows.quantiles import reference_quantiles, values_unit
 
 OTHER = "occlusion_l1"

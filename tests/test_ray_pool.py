@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from entroweight.pipelines import StageError
 from entroweight.pipelines import ray as engine
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 GPU_WORKER = {"num_cpus": 4, "num_gpus": 1}
 

@@ -34,7 +34,7 @@ from entroweight.pipelines.export_data import FORMATS, export_data
 from entroweight.pipelines.score import ScoreStage
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.trainers.data import inspect_data, value_problems
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:Transformer Engine:UserWarning")
 

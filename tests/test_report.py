@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from test_workflow import run_cli, tiny_run  # noqa: F401 - the session fixture: one tiny run for both files
 
-from entroweight.workflows.report import ReportError, compare, highlight, outcome, verdict, write_report
-from entroweight.workflows.stats import decide
+from entroweight.workflows.report.html import ReportError, compare, highlight, outcome, verdict, write_report
+from entroweight.workflows.report.stats import decide
 
 
 class Page(HTMLParser):
@@ -143,7 +143,7 @@ def test_runs_are_compared_seed_by_seed():
 def test_accuracy_verdict_from_item_vectors():
     """The accuracy table's path: compare_items per run over seeds × documents, decide over the table,
     verdict(unit=accuracy)."""
-    from entroweight.workflows.stats import compare_items
+    from entroweight.workflows.report.stats import compare_items
 
     rng = np.random.default_rng(0)
     docs = np.repeat(np.arange(100), 4)  # 4 items per document
@@ -226,7 +226,7 @@ def test_an_incomplete_run_says_what_is_missing(tiny_run, tmp_path):  # noqa: F8
     showed one seed as the run's and dropped sections without a word.)"""
     import shutil
 
-    from entroweight.workflows.report_data import missing_outputs
+    from entroweight.workflows.report.data import missing_outputs
     from entroweight.workflows.spec import parse_workflow
 
     page = write_report(tiny_run["run_dir"], tmp_path / "whole.html", samples=0).read_text()
@@ -261,7 +261,7 @@ def test_a_data_output_with_shards_gone_is_named_with_how_many_and_which(tiny_ru
     said every document was processed. The banner names each directory, how many of its planned
     shards are missing and which, and says the figures are of the rest; a complete run has none."""
     from entroweight.schemas.datadir import DataDir
-    from entroweight.workflows.report_data import missing_outputs
+    from entroweight.workflows.report.data import missing_outputs
     from entroweight.workflows.spec import parse_workflow
 
     whole = write_report(tiny_run["run_dir"], tmp_path / "whole.html", samples=0).read_text()
@@ -390,7 +390,7 @@ def test_the_workflow_and_report_out_take_the_same_report_names(tmp_path, name, 
     """One rule of what the report may be called (spec.is_report_name): a workflow's `report.out` is
     accepted exactly where `report --out` is (`.html`, a hidden file's name without a suffix, was
     taken by the one and refused by the other)."""
-    from entroweight.workflows.report import check_report_out
+    from entroweight.workflows.report.html import check_report_out
     from entroweight.workflows.spec import REPORT_SUFFIX, SpecError, parse_workflow
 
     base = {"run_dir": str(tmp_path / "run"), "sources": ["a.jsonl"], "tokenizer": {"path": "t.json"}}
@@ -441,7 +441,7 @@ def test_a_null_the_trainer_writes_for_a_non_finite_value_is_read(tiny_run, tmp_
     m.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, text = run_cli("report", run, "--out", tmp_path / "r.html")
     assert code == 0, text
-    from entroweight.workflows.report_data import curves
+    from entroweight.workflows.report.data import curves
     from entroweight.workflows.spec import parse_workflow
 
     wf = parse_workflow({**json.loads((run / "run.json").read_text())["config"], "run_dir": str(run)})
@@ -465,7 +465,7 @@ def test_report_writes_inside_its_run_as_its_report_alone(tiny_run, tmp_path):  
 def test_a_truncated_metrics_line_is_named_by_its_line(tmp_path):
     """A metrics.jsonl cut mid-line (a killed run's last write) is refused naming the line, not the
     JSON error's position in the whole file."""
-    from entroweight.workflows.report_data import METRICS, read_metrics
+    from entroweight.workflows.report.data import METRICS, read_metrics
 
     (tmp_path / METRICS).write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.5}\n{"step": 3, "lo')
     with pytest.raises(ReportError, match="line 3: "):

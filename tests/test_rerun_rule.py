@@ -17,7 +17,7 @@ from test_trainer_fixtures import TINY, tiny_ckpt, weighted_dir  # noqa: F401 - 
 from test_weighted_inputs import model, scored, tokens  # noqa: F401 - fixtures
 
 from entroweight import output
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 # command -> (its arguments but --out, from the fixtures below; what its rerun says)
 ROWS = {

@@ -22,7 +22,7 @@ from entroweight.scorers import ScorerError, make_scorer
 from entroweight.trainers.losses import compute_loss, per_token_ce
 from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.transforms.weigh import WeighConfig, entropy_quantiles, weigh
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 KEEP = 0.6
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from entroweight.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from entroweight.models.llama import Llama
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("schemas", "transforms", "models", "scorers", "pipelines", "trainers", "workflows", "benchmarks")

@@ -18,7 +18,7 @@ from entroweight.pipelines.stage import read_manifests
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import read_file_metadata, weighted_sequence_schema
 from entroweight.transforms.weigh import WeighConfig
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 
 def tiny_llama_dir(out, tokenizer_json, vocab_size=1024):

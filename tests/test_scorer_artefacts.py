@@ -27,7 +27,7 @@ from entroweight.pipelines import run_stage
 from entroweight.pipelines.tokenize import TokenizeStage
 from entroweight.schemas import read_file_metadata
 from entroweight.scorers import make_scorer
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 N_CTX = 32
 VOCAB = 1024

@@ -25,7 +25,7 @@ from entroweight.scorers import (
     make_scorer,
 )
 from entroweight.scorers.registry import BUILTIN
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 from entroweight.workflows.spec import SpecError, load_workflow
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ from entroweight.schemas import METADATA_KEY, read_file_metadata
 from entroweight.scorers import Scored, Scorer, hf, make_scorer
 from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.transforms.weigh import NonFiniteScores, WeighConfig, weigh
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 
 # -- defect 3: the start token is what the model declares

@@ -117,7 +117,7 @@ def test_smollm2_weighted_c4_loads_with_datasets_and_trains(tmp_path, c4_path, t
     import datasets
     from click.testing import CliRunner
 
-    from entroweight.workflows.cli import main
+    from entroweight.workflows.cli.main import main
 
     def cli(*args):
         res = CliRunner().invoke(main, [str(a) for a in args])

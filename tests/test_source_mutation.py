@@ -20,7 +20,7 @@ from test_path_rule import snapshot
 
 from entroweight.schemas.datadir import DataDir
 from entroweight.transforms.tokenizer import load_tokenizer
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 
 def docs(c4_path, start, n, prefix):

@@ -26,7 +26,7 @@ from entroweight.transforms import lz78
 from entroweight.transforms.align import encode_exact_batch
 from entroweight.transforms.tokenizer import load_tokenizer
 from entroweight.transforms.train_tokenizer import DEFAULT_BASE, corpus_texts, save_tokenizer, train_tokenizer
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 # the GPT-2 files of the shared real data (tests/data/README.md), when this checkout sits beside it
 GPT2 = next(

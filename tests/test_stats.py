@@ -1,4 +1,4 @@
-"""workflows/stats.py: against published values (R's `sleep` data, statsmodels 0.15's
+"""workflows/report/stats.py: against published values (R's `sleep` data, statsmodels 0.15's
 `multipletests` and `TTestPower`, whose numbers are written here because statsmodels is not a
 dependency), and the rule as a property: simulated experiments whose two arms are equal in
 distribution, with the structure of ours (seed noise larger than item noise, overlapping items from
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from entroweight.workflows import stats as S
+from entroweight.workflows.report import stats as S
 
 SLEEP_1 = [0.7, -1.6, -0.2, -1.2, -0.1, 3.4, 3.7, 0.8, 0.0, 2.0]
 SLEEP_2 = [1.9, 0.8, 1.1, 0.1, -0.1, 4.4, 5.5, 1.6, 4.6, 3.4]

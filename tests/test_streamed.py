@@ -253,7 +253,7 @@ def _readers_refuse_the_hole(out, tmp_path):
     from test_trainer_fixtures import TINY
 
     from entroweight.schemas.datadir import DataDir, DataDirError
-    from entroweight.workflows.cli import main
+    from entroweight.workflows.cli.main import main
 
     d = DataDir(out)
     assert d.missing and "rows from" in d.missing[0]

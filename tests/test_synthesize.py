@@ -31,7 +31,7 @@ from entroweight.pipelines.verify import verify_dir
 from entroweight.schemas.datadir import DataDir
 from entroweight.schemas.weighted import ENTROPY, EXCLUDED, SURPRISAL, WEIGHT, excluded_mask, matrix
 from entroweight.transforms.tokenizer import load_tokenizer
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 N_CTX, TEACHER_CTX = 24, 64
 

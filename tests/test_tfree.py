@@ -131,7 +131,7 @@ def test_tfree_trains_on_the_bundled_data_and_eval_bpb_runs(tokenized_dir, token
 def test_tfree_trains_from_the_cli(tokenized_dir, tokenizer_dir, tmp_path):
     from click.testing import CliRunner
 
-    from entroweight.workflows.cli import main
+    from entroweight.workflows.cli.main import main
 
     cfg = tmp_path / "tfree.yaml"
     cfg.write_text("{d_model: 32, n_layers: 1, n_heads: 2, d_ff: 64, n_hash: 128, n_active: 2}")

@@ -30,7 +30,7 @@ from entroweight.scorers.base import BATCH_COST, Later, Scored, plan_batches, sc
 from entroweight.scorers.forward import HostCopy
 from entroweight.scorers.packing import pack_rows
 from entroweight.transforms.tokenizer import load_tokenizer
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 N_CTX = 32
 VOCAB = 1024

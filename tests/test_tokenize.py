@@ -138,7 +138,7 @@ def test_every_command_reading_sources_reads_a_glob_named_file_as_itself(tmp_pat
     """The commands that take SOURCES (enumerated from the CLI) read `a[0:5].jsonl` as that file."""
     from click.testing import CliRunner
 
-    from entroweight.workflows.cli import main
+    from entroweight.workflows.cli.main import main
 
     spec = _named_like_a_glob(str(tmp_path), lambda p: open(p, "wb"), c4_rows(c4_path, 7))
     args = {
@@ -444,7 +444,7 @@ def test_unreadable_file_fails_its_shard_and_names_it(tmp_path, tokenizer_dir, c
 
 def test_cli_tokenize_and_inspect(tmp_path, tokenizer_dir, c4_path):
     out = tmp_path / "tok"
-    base = [sys.executable, "-m", "entroweight.workflows.cli"]
+    base = [sys.executable, "-m", "entroweight.workflows.cli.main"]
     cmd = [
         *base,
         "tokenize",
@@ -498,7 +498,7 @@ def test_an_n_ctx_outside_its_bounds_is_refused_up_front(tmp_path, tokenizer_dir
     from click.testing import CliRunner
 
     from entroweight.schemas.arrow import MAX_N_CTX
-    from entroweight.workflows.cli import main
+    from entroweight.workflows.cli.main import main
 
     out = tmp_path / "out"
     if front == "tokenize":

@@ -19,8 +19,8 @@ from test_trainer_fixtures import TINY, one_thread, weighted_dir  # noqa: F401 -
 from entroweight.trainers import LOSSES, LossSettings, TrainConfig, TrainError, TrainSettings, train
 from entroweight.trainers.data import WeightedTokens, inspect_data
 from entroweight.workflows import spec
-from entroweight.workflows.cli import main
-from entroweight.workflows.cli_train import train_cmd
+from entroweight.workflows.cli.main import main
+from entroweight.workflows.cli.train import train_cmd
 
 
 def flag(name: str) -> str:
@@ -104,7 +104,7 @@ def test_train_reads_a_config_file_and_flags_override_it(weighted_dir, tmp_path)
 
 
 def test_torchrun_gets_the_run_config_as_a_file(weighted_dir, tmp_path, monkeypatch):
-    from entroweight.workflows.steps import torchrun
+    from entroweight.workflows.engine.steps import torchrun
 
     cfg = TrainConfig(
         data=[str(weighted_dir)],

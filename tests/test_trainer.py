@@ -126,7 +126,7 @@ def test_any_registered_model_kind_trains(weighted_dir, tmp_path):
 
 
 def test_cli_train_and_refusal(weighted_dir, tokenizer_dir, tmp_path):
-    from entroweight.workflows.cli import main
+    from entroweight.workflows.cli.main import main
 
     mc = tmp_path / "tiny.yaml"
     mc.write_text("d_model: 64\nn_layers: 2\nn_heads: 2\nd_ff: 192\n")

@@ -22,7 +22,7 @@ from entroweight.pipelines.weigh import WeighStage
 from entroweight.schemas import read_file_metadata
 from entroweight.transforms.select import MinMeanWeight
 from entroweight.transforms.weigh import WeighConfig, entropy_quantiles, weigh
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 
 N_CTX = 64
 

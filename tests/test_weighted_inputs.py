@@ -32,8 +32,8 @@ from entroweight.schemas.datadir import DataDir
 from entroweight.schemas.weighted import real_mask, weights_matrix
 from entroweight.trainers import train
 from entroweight.transforms.weigh import WeighConfig
-from entroweight.workflows.cli import main
-from entroweight.workflows.report_data import read_scores
+from entroweight.workflows.cli.main import main
+from entroweight.workflows.report.data import read_scores
 
 N_CTX = 64
 HAS = {m: importlib.util.find_spec(m) is not None for m in ("megatron", "litdata")}

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ABSENT = ["apache_beam", "ray"]
 CLI = (
     "import sys; sys.modules.update(dict.fromkeys(sys.argv.pop(1).split(',')));"
-    "from entroweight.workflows.cli import main; main()"
+    "from entroweight.workflows.cli.main import main; main()"
 )
 
 
@@ -87,7 +87,7 @@ def test_wheel_holds_the_package_data_and_no_benchmarks(installed):
         "entroweight/trainers/data/wikitext/wiki.test.raw",
         "entroweight/trainers/data/README.md",
         "entroweight/workflows/default.yaml",
-        "entroweight/workflows/templates/report.html.j2",  # the report page
+        "entroweight/workflows/report/templates/report.html.j2",  # the report page
     ]:
         assert data in names
     assert not [n for n in names if n.startswith(("entroweight/benchmarks/", "benchmarks/", "tests/"))]

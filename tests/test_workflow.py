@@ -19,8 +19,8 @@ import yaml
 from click.testing import CliRunner
 
 from entroweight import output, storage
-from entroweight.workflows.cli import main
-from entroweight.workflows.outputs import RUN_OUTPUTS
+from entroweight.workflows.cli.main import main
+from entroweight.workflows.engine.outputs import RUN_OUTPUTS
 from entroweight.workflows.spec import SpecError, load_workflow, parse_workflow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -611,7 +611,10 @@ def small_run(tmp_path_factory) -> dict:
     "change, says",
     [
         # the tokenizer's settings: refused by its own step, after the steps before it (the holdout) ran
-        (lambda s: s["tokenizer"]["train"].update(vocab_size=320), "tokenizer trained with other settings"),
+        (
+            lambda s: s["tokenizer"]["train"].update(vocab_size=320),
+            "holds a tokenizer of other options (vocab_size: ",
+        ),
         # the data's settings: the tokenize stage's shards are another config's
         (lambda s: s["tokenize"].update(n_ctx=48), "holds tokenize output of another config"),
         # the model's: its checkpoint would be trained again and replaced (then its scores refused)
@@ -733,7 +736,7 @@ def test_a_workflow_file_that_is_not_text_is_refused(tmp_path):
 def test_a_cached_result_gone_bad_is_made_again_not_a_failure(tmp_path, content):
     """A step's own record that cannot be read (cut short, edited into something else) means the step
     is not done: the run makes it again instead of failing on it for good."""
-    from entroweight.workflows.steps import RunContext, UnigramStep
+    from entroweight.workflows.engine.steps import RunContext, UnigramStep
 
     spec = copy.deepcopy(BASE) | {"run_dir": str(tmp_path / "run"), "train": _TRAIN, "eval": {}}
     out = tmp_path / "unigram.json"
@@ -896,8 +899,8 @@ def trained_run(tmp_path, tokenizer_dir) -> dict:
 
 
 def test_every_trained_step_kind_is_covered(trained_run):
-    from entroweight.workflows.runner import Runner
-    from entroweight.workflows.steps import TrainStep
+    from entroweight.workflows.engine.runner import Runner
+    from entroweight.workflows.engine.steps import TrainStep
 
     steps = Runner(load_workflow(trained_run["yaml"]), dry_run=True, echo=lambda _: None).run()
     assert {s.kind for s in steps if isinstance(s, TrainStep)} == set(trained_run["checkpoints"])
@@ -914,7 +917,7 @@ def test_a_checkpoint_whose_weights_changed_is_trained_again(trained_run, how, m
 
     from entroweight.models.checkpoint import load_checkpoint
     from entroweight.trainers import checkpoint
-    from entroweight.workflows import steps
+    from entroweight.workflows.engine import steps
 
     root, wf = trained_run["root"], trained_run["yaml"]
     ckpt = {kind: root / d for kind, d in trained_run["checkpoints"].items()}
@@ -1239,7 +1242,7 @@ def test_a_run_killed_before_its_record_is_not_taken_for_a_finished_one(
     runs a step marks run.json first (seconds 0), so a run killed after its steps but before its
     record is not taken for the finished run by the next, which writes it (before, the previous
     run's record stayed for good)."""
-    from entroweight.workflows.runner import Runner
+    from entroweight.workflows.engine.runner import Runner
 
     spec = {
         "run_dir": str(tmp_path / "run"),
@@ -1272,3 +1275,49 @@ def test_a_run_killed_before_its_record_is_not_taken_for_a_finished_one(
     wf.rename(tmp_path / "moved.yaml")
     assert run_cli("run", tmp_path / "moved.yaml")[0] == 0
     assert json.loads(record.read_text())["workflow_file"].endswith("moved.yaml")
+
+
+def test_a_workflows_tokenizer_is_train_tokenizers_output_with_its_one_record(tmp_path):
+    """Rule (entroweight.output's contract): the tokenizer step writes train-tokenizer's output under
+    that command's record, so `train-tokenizer` by hand with the same settings and sources has nothing
+    to do there. A tokenizer a workflow trained before that record (its step's own
+    `.workflow-step.json`) is taken as it is, its record sealed by the next run (not by a dry run):
+    not refused for want of a record, nothing downstream made again."""
+    from entroweight.workflows.engine.steps import _key
+    from entroweight.workflows.spec import load_workflow
+
+    spec = {
+        "run_dir": str(tmp_path / "run"),
+        "sources": [str(c4_subset(tmp_path / "c4.json.gz", 0, 40))],
+        "holdout": {"docs": 5},
+        "tokenizer": {"train": {"vocab_size": 300}},
+        "tokenize": {"n_ctx": 32, "shard_docs": 20},
+        "report": None,
+    }
+    wf = write_yaml(tmp_path / "wf.yaml", spec)
+    assert run_cli("run", wf)[0] == 0
+    tok = tmp_path / "run" / "tokenizer"
+    train_file = tmp_path / "run" / "holdout" / "train.jsonl.gz"
+    by_hand = tmp_path / "by-hand"  # (a command run by hand never writes inside a workflow's run)
+    shutil.copytree(tok, by_hand, ignore=shutil.ignore_patterns(".lock"))
+    code, out = run_cli("train-tokenizer", train_file, "--vocab-size", 300, "--out", by_hand)
+    assert code == 0 and "nothing to do" in out, out
+    # the record of an older version: its step's own key and the file's sha256
+    (tok / ".train-tokenizer.json").unlink()
+    legacy = {"train": load_workflow(wf).tokenizer.train.model_dump(mode="json"), "holdout": 5}
+    sha = hashlib.sha256((tok / "tokenizer.json").read_bytes()).hexdigest()
+    (tok / ".workflow-step.json").write_text(json.dumps({"key": _key(legacy), "sha256": sha}))
+    before = _files(tmp_path / "run")
+    code, out = run_cli("run", wf, "--dry-run")
+    assert code == 0 and "nothing to do" in out, out
+    assert _files(tmp_path / "run") == before
+    code, out = run_cli("run", wf)
+    assert code == 0 and "nothing to do" in out, out
+    assert not (tok / ".workflow-step.json").exists() and (tok / ".train-tokenizer.json").is_file()
+    assert json.loads((tok / ".train-tokenizer.json").read_text()) == json.loads(
+        (by_hand / ".train-tokenizer.json").read_text()
+    )
+    # ... and one whose file is not the one recorded is refused, as train-tokenizer refuses it
+    (tok / ".train-tokenizer.json").unlink()
+    code, out = run_cli("run", wf)
+    assert code == 2 and "holds a tokenizer with no record of what it is made of" in out, out

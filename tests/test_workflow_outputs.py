@@ -12,7 +12,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from entroweight.workflows.cli import main
+from entroweight.workflows.cli.main import main
 from entroweight.workflows.spec import parse_workflow
 
 TINY = Path(__file__).parent / "data" / "workflow-tiny.yaml"

@@ -46,14 +46,18 @@ def save_training_checkpoint(out, model, kind: str, optimizer, state: dict, meta
         tensors, groups = _flatten_optimizer(optimizer.state_dict())
         save_file(tensors, str(staging / OPTIM))
         plain_mode(staging / OPTIM)
+        weights = (staging / WEIGHTS).stat()  # kept by the rename: the file as saved, told without
+        # hashing it (a workflow's rerun asks whether its finished checkpoint was touched since)
         state = {
             **state,
             "param_groups": groups,
-            "weights_sha256": sha256_file(staging / "model.safetensors"),
+            "weights_sha256": sha256_file(staging / WEIGHTS),
             "optimizer_sha256": sha256_file(staging / OPTIM),
+            "weights_bytes": weights.st_size,
+            "weights_mtime_ns": weights.st_mtime_ns,
         }
         (staging / STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-        for name in ("model.safetensors", "config.json", OPTIM, STATE):  # state last: it commits the save
+        for name in (WEIGHTS, "config.json", OPTIM, STATE):  # state last: it commits the save
             os.replace(staging / name, out / name)
     finally:  # a failed save (disk full) leaves no partial files behind
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,7 +1,7 @@
 """What a training run is: one pydantic model, the single source of every training option.
 
-`entroweight train`'s options (`workflows/cli_train.py`), a workflow's `train:`/`models:` sections
-(`workflows/spec.py`) and the file `torchrun` receives (`workflows/runner.py`) are all derived from
+`entroweight train`'s options (`workflows/cli/train.py`), a workflow's `train:`/`models:` sections
+(`workflows/spec.py`) and the file `torchrun` receives (`workflows/engine/runner.py`) are all derived from
 these classes: a new option is one field here, with its default, its bounds and its help text.
 
 Three parts, because the workflow file places them apart: `TrainSettings` (the optimisation knobs

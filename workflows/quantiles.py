@@ -66,23 +66,3 @@ def reference_quantiles(location, unit: str | None, field: str = "--quantiles-fr
         return entropy_quantiles(location)
     except pa.ArrowException as e:  # not parquet at all (a .jsonl.gz): say which flag and file
         raise ValueError(f"{field} {location} is not scored parquet data ({e})") from None
-
-
-def step_unit(scores: list, name: str, _seen: frozenset = frozenset()) -> str | None:
-    """The unit of the values a workflow's score step `name` writes, from the spec alone (its scorer
-    and options, the step whose values it weighs anew, or the two it combines): what validation and
-    `--dry-run` compare before any step has run; None when it cannot be told."""
-    from entroweight.transforms.derive import DeriveError, derived_unit
-
-    from .spec import scored_step
-
-    step = scored_step(scores, name)
-    if step is None or step.name in _seen:
-        return None
-    if step.scorer:
-        return scorer_unit(step.scorer, dict(step.options))
-    units = [step_unit(scores, src, _seen | {step.name}) for src in step.sources()]
-    try:  # the unit the run records for a derived step (refusals of the pair are made elsewhere)
-        return derived_unit(step.op, *units) if len(units) == 2 else None
-    except DeriveError:
-        return None

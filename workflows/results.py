@@ -13,7 +13,7 @@ from entroweight.models.checkpoint import CONFIG, WEIGHTS, edited_config
 from entroweight.output import SEAL, edited, sealed  # noqa: F401 - the seal is the contract's
 from entroweight.trainers.checkpoint import STATE, is_the_file_saved
 
-STEP_FILE = ".workflow-step.json"  # in a tokenizer or checkpoint directory: the key it was built with
+STEP_FILE = ".workflow-step.json"  # the holdout's and the accuracy items' record: the key each was built with
 
 
 def step_record(path: Path) -> dict:
@@ -31,23 +31,23 @@ def file_stat(path: Path) -> tuple[int, int] | tuple[None, None]:
     return st.st_size, st.st_mtime_ns
 
 
-def weights_damage(ckpt: Path, made: dict, state: dict) -> str | None:
+def weights_damage(ckpt: Path, state: dict) -> str | None:
     """Why a finished checkpoint's weights are not the file its training wrote, or its config.json not
     the model they were saved as (`edited_config`) (None: they are). Each
     step that loads them checks their sha256 only then, so a file cut short or edited would stay "up to
-    date" and fail every later run. The size recorded when it was trained (`made`) is checked always;
-    the sha256 its trainer_state.json records, whenever the file's size or mtime is not what it was
-    then (a marker written before they were recorded: every time). Hashing reads the whole file, about
-    a second for a few hundred MB, and a file untouched since its training is not read at all."""
+    date" and fail every later run. The size its trainer_state.json records is checked always; the
+    sha256 it records, whenever the file's size or mtime is not what the save recorded (a checkpoint
+    saved before they were recorded: every time). Hashing reads the whole file, about a second for a
+    few hundred MB, and a file untouched since its training is not read at all."""
     weights = ckpt / WEIGHTS
     size, mtime = file_stat(weights)
     if size is None:
         return f"{WEIGHTS} is gone"
     if changed := edited_config(ckpt):  # settings the weights' shapes do not show (mask_pads, ...)
         return f"{CONFIG} does not describe the model its weights were saved as ({changed})"
-    if made.get("weights_bytes") not in (None, size):
-        return f"{WEIGHTS} is {size} bytes, {made['weights_bytes']} as trained (cut short or edited)"
-    if (size, mtime) == (made.get("weights_bytes"), made.get("weights_mtime_ns")):
+    if state.get("weights_bytes") not in (None, size):
+        return f"{WEIGHTS} is {size} bytes, {state['weights_bytes']} as trained (cut short or edited)"
+    if (size, mtime) == (state.get("weights_bytes"), state.get("weights_mtime_ns")):
         return None  # untouched since its training wrote it
     if not is_the_file_saved(ckpt, WEIGHTS, state):
         return f"{WEIGHTS} is not the file trained (its sha256 is not the one {STATE} records): edited or damaged"
@@ -60,4 +60,4 @@ def checkpoint_damage(ckpt: Path) -> str | None:
     state = step_record(ckpt / STATE)
     if not state.get("step"):
         return None
-    return weights_damage(ckpt, step_record(ckpt / STEP_FILE), state)
+    return weights_damage(ckpt, state)

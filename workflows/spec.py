@@ -43,7 +43,7 @@ SYNTHETIC = "synthetic"  # the data name of the corpus drawn from a teacher (`sy
 DATA = (TOKENS, SYNTHETIC)  # what a models or score step reads
 # The report is one HTML file, named so: no record of a run (JSON, parquet, a checkpoint) ends in it,
 # so a report can never be written over what it reads. The spec's `report.out` and `report --out`
-# (workflows/report.py, which imports this: report -> report_data -> spec) both ask `is_report_name`.
+# (workflows/report/html.py, which imports this: report -> report_data -> spec) both ask `is_report_name`.
 REPORT_SUFFIX = ".html"
 REPORT_FILE = f"report{REPORT_SUFFIX}"  # its name when none is given
 
@@ -508,7 +508,7 @@ PRIMARY = "weighted-occlusion"  # the write-up's weighting: the comparison named
 
 class ReportSpec(_Strict):
     out: str = REPORT_FILE
-    # The one comparison with the reference read without correction (workflows/stats.py); the
+    # The one comparison with the reference read without correction (workflows/report/stats.py); the
     # others are Holm-corrected. Given: it must name a run. Left out: weighted-occlusion where the
     # workflow has that run, else none (every comparison corrected; Workflow._resolve_primary).
     primary: str | None = PRIMARY
@@ -594,7 +594,7 @@ class Workflow(_Strict):
             if q is not None and q not in {x.name for x in self.scores[:i]}:
                 raise _At(f"scores[{i}].weighting.quantiles_from", f"{q!r} is not an earlier score step")
             if q is not None:  # the same unit check as the run's (and the CLI's), from the spec alone
-                from .quantiles import check_units, step_unit
+                from .quantiles import check_units
 
                 try:
                     check_units(step_unit(self.scores, q), step_unit(self.scores, s.name), "step", q)
@@ -632,7 +632,7 @@ class Workflow(_Strict):
                             "model's nats; score it with aggregate: sum",
                         )
             if s.weighting.method == "raw":  # the same check as the commands', from the spec alone
-                from .quantiles import check_raw, step_unit
+                from .quantiles import check_raw
 
                 try:
                     check_raw("raw", step_unit(self.scores, s.name), "method: raw")
@@ -797,8 +797,6 @@ class Workflow(_Strict):
         """What the run refuses of `op` over two steps, refused from the spec (so `--dry-run` does):
         values of two units, or of two different samples of rows."""
         from entroweight.transforms.derive import DeriveError, derived_unit
-
-        from .quantiles import step_unit
 
         a, b = s.sources()
         try:
@@ -972,6 +970,26 @@ def scored_step(scores: list[ScoreSpec], name: str) -> ScoreSpec | None:
         seen.add(step.name)
         step = steps.get(step.values_from)
     return step
+
+
+def step_unit(scores: list, name: str, _seen: frozenset = frozenset()) -> str | None:
+    """The unit of the values a workflow's score step `name` writes, from the spec alone (its scorer
+    and options, the step whose values it weighs anew, or the two it combines): what validation and
+    `--dry-run` compare before any step has run; None when it cannot be told."""
+    from entroweight.transforms.derive import DeriveError, derived_unit
+
+    from .quantiles import scorer_unit
+
+    step = scored_step(scores, name)
+    if step is None or step.name in _seen:
+        return None
+    if step.scorer:
+        return scorer_unit(step.scorer, dict(step.options))
+    units = [step_unit(scores, src, _seen | {step.name}) for src in step.sources()]
+    try:  # the unit the run records for a derived step (refusals of the pair are made elsewhere)
+        return derived_unit(step.op, *units) if len(units) == 2 else None
+    except DeriveError:
+        return None
 
 
 def sample_step(scores: list[ScoreSpec], name: str) -> ScoreSpec | None:

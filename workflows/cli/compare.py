@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .cli_common import Location, _fail
+from .common import Location, _fail
 
 
 @click.command("compare")

@@ -1,6 +1,6 @@
 """`entroweight run WORKFLOW.yaml` and `entroweight report RUN_DIR`.
 
-Exit codes (cli_common.py): 0 done or nothing to do, 1 a step failed after it started (failed shards,
+Exit codes (cli/common.py): 0 done or nothing to do, 1 a step failed after it started (failed shards,
 verification problems, a crashed training), 2 the workflow or an input was refused before the step's
 work, 3 another run holds RUN_DIR's lock.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import (
+from .common import (
     EXIT_FAILED_SHARDS,
     EXIT_LOCKED,
     SECONDS,
@@ -37,8 +37,8 @@ def run_cmd(workflow, dry_run, overwrite, wait, **params):
     """Run WORKFLOW (a YAML file) end to end; every step skips what is already done."""
     from entroweight.pipelines import LockHeld, StageError, StageFailed
 
-    from .runner import Runner, StepFailed, WorkflowError
-    from .spec import SpecError, load_workflow
+    from ..engine.runner import Runner, StepFailed, WorkflowError
+    from ..spec import SpecError, load_workflow
 
     try:
         wf = load_workflow(workflow)
@@ -83,9 +83,9 @@ def report_cmd(run_dir, out, samples):
     """Write one self-contained HTML report of RUN_DIR (plots embedded; opens offline)."""
     from entroweight import output, storage
 
-    from .report import ReportError, check_report_out, write_report
-    from .report_data import load_run
-    from .spec import REPORT_FILE, ReportSpec
+    from ..report.data import load_run
+    from ..report.html import ReportError, check_report_out, write_report
+    from ..spec import REPORT_FILE, ReportSpec
 
     try:
         if out is not None:  # RUN_DIR/report.html, its default, lies inside what it reads by design

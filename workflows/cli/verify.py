@@ -7,7 +7,7 @@ import json
 
 import click
 
-from .cli_common import EXIT_FAILED_SHARDS, Location, _fail
+from .common import EXIT_FAILED_SHARDS, Location, _fail
 
 
 @click.command("verify")

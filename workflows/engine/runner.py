@@ -31,9 +31,9 @@ from entroweight.trainers.config import LossSettings, TrainSettings
 from entroweight.transforms.sources import SourceError, expand_sources, relation_to
 from entroweight.transforms.writer import write_bytes_atomic, write_json_atomic
 
+from ..results import STEP_FILE
+from ..spec import SYNTHETIC, TOKENS, ModelSpec, TrainSpec, Workflow, load_yaml
 from .outputs import RUN_FILE, RUN_OUTPUTS, run_outputs
-from .results import STEP_FILE
-from .spec import SYNTHETIC, TOKENS, ModelSpec, TrainSpec, Workflow, load_yaml
 from .steps import (
     AccuracyItemsStep,
     AccuracyStep,
@@ -118,7 +118,7 @@ __all__ = [
 @functools.cache
 def code_version() -> str:
     """The package version, plus `git describe` of the checkout when it is one."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]  # workflows/engine/ -> the checkout
     try:
         out = subprocess.run(
             ["git", "-C", str(repo), "describe", "--always", "--dirty", "--tags"],
@@ -135,7 +135,7 @@ def code_version() -> str:
 
 
 class Runner:
-    """Runs a workflow's steps in order, each through the step protocol (workflows/steps.py): a dry
+    """Runs a workflow's steps in order, each through the step protocol (workflows/engine/steps.py): a dry
     run asks each step what it would do and writes nothing; a run holds the run directory's lock."""
 
     def __init__(
@@ -577,7 +577,7 @@ class Runner:
         from entroweight.transforms.select import document_steps
         from entroweight.transforms.weigh import WeighConfig
 
-        from .quantiles import reference_quantiles, scorer_unit, values_unit
+        from ..quantiles import reference_quantiles, scorer_unit, values_unit
 
         wf = self.wf
         sources = s.sources()

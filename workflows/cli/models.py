@@ -7,7 +7,7 @@ import json
 
 import click
 
-from .cli_common import COUNT, DEVICE, Location, _fail
+from .common import COUNT, DEVICE, Location, _fail
 
 DEFAULT_FORMATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .cli_common import (
+from .common import (
     WEIGHTING,
     GeneratedOptions,
     Location,
@@ -162,7 +162,7 @@ def score(
     method = params[WEIGHTING + "method"]
     if method in GLOBAL_SCALE and not quantiles_from:
         _fail(f"--weighting {method} needs --quantiles-from SCORED_DIR (a run scored with minmax)")
-    from .quantiles import scorer_unit
+    from ..quantiles import scorer_unit
 
     weigh = weigh_config(params, quantiles_from, scorer_unit(scorer, options))
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .cli_common import (
+from .common import (
     WEIGHTING,
     GeneratedOptions,
     Location,
@@ -43,7 +43,7 @@ def weigh_cmd(scored_dir, out, quantiles_from, drop_entropy, **params):
     judged = judge_stage_out(out, [("SCORED_DIR", scored_dir), *reads], "weigh", params)
     if params[WEIGHTING + "method"] in GLOBAL_SCALE:
         quantiles_from = quantiles_from or scored_dir
-    from .quantiles import values_unit
+    from ..quantiles import values_unit
 
     config = weigh_config(params, quantiles_from, values_unit(scored_dir))
     try:

@@ -1,7 +1,7 @@
 """How a run is compared with another (the reference, or its own control): the unit of inference is
 what varies independently, the training seed and the evaluated document.
 
-Pure functions of numbers (numpy and scipy only); the report (report_data.py) calls them. The rule
+Pure functions of numbers (numpy and scipy only); the report (report/data.py) calls them. The rule
 they implement, as the report states it (`RULE`; docs/experiments.md#statistics):
 
 - **The data of one comparison**: per seed, per cluster j (a held-out document, or a block of about

@@ -3,14 +3,14 @@
 Sections: the experiment's headline (a table of every run's BPB on each evaluation text, mean ± std
 over seeds, Δ and the paired test against the reference seed by seed with each run's verdict and,
 within noise, the smallest difference it could have detected; the primary comparison, the verdict
-rule (workflows/stats.py) and one sentence computed from them: which runs beat the reference, which
+rule (workflows/report/stats.py) and one sentence computed from them: which runs beat the reference, which
 lose, which are within noise); provenance and
 config; per scorer the entropy and weight histograms, mean entropy by position, sample texts with
 every token shaded by its entropy (the write-up's red highlighting, decoded from exact token bytes);
 scorer agreement; training curves; the BPB table of the reference and weighted runs over seeds with
 each run's verdict sentence.
 
-The values come from `report_data.py`; the page is the Jinja2 template `templates/report.html.j2`
+The values come from `report/data.py`; the page is the Jinja2 template `templates/report.html.j2`
 (autoescaped); this module draws the plots (matplotlib's Agg backend, PNGs embedded as base64) and
 shades the sample texts. Every number in the BPB tables is also in a `data-value` attribute, so a
 test (or a script) can read the page back.
@@ -30,7 +30,8 @@ import numpy as np
 from entroweight import storage
 from entroweight.transforms.writer import write_text_atomic
 
-from .report_data import (  # noqa: F401 - re-exported: the report's public names
+from ..spec import REPORT_FILE, REPORT_SUFFIX, is_report_name
+from .data import (  # noqa: F401 - re-exported: the report's public names
     TRUTH_NAME,
     ReportError,
     bpb_table,
@@ -43,7 +44,6 @@ from .report_data import (  # noqa: F401 - re-exported: the report's public name
     verdict,
     verdict_sentence,
 )
-from .spec import REPORT_FILE, REPORT_SUFFIX, is_report_name
 
 E = html.escape
 
@@ -151,7 +151,7 @@ def _template():
     import jinja2
 
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("entroweight.workflows", "templates"),
+        loader=jinja2.PackageLoader("entroweight.workflows.report", "templates"),
         autoescape=True,
         undefined=jinja2.StrictUndefined,  # a name the template expects and the data lacks: an error
         trim_blocks=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .cli_common import (
+from .common import (
     COUNT,
     DEVICE,
     SEED,

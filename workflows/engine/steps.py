@@ -1,4 +1,4 @@
-"""The kinds of workflow step, each behind one protocol the runner drives (workflows/runner.py):
+"""The kinds of workflow step, each behind one protocol the runner drives (workflows/engine/runner.py):
 
 - `upstream`: the steps whose output it reads (a dry run says "after X" while one of them would run);
 - `done()`: a detail when its output is up to date (None: it must run); may refuse (WorkflowError);
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from entroweight import output
-from entroweight.models.checkpoint import WEIGHTS
 from entroweight.options import setting_changes
 from entroweight.pipelines import StageError, run_stage
 from entroweight.pipelines.stage import preview_run, read_manifests
@@ -32,13 +31,14 @@ from entroweight.schemas.tokenizer import TOKENIZER_FILE
 from entroweight.trainers.accuracy import ITEMS_FILE
 from entroweight.trainers.checkpoint import STATE
 from entroweight.trainers.outputs import TRAIN
+from entroweight.transforms.train_tokenizer import TRAIN_TOKENIZER, TRAINED_FROM
 from entroweight.transforms.writer import sha256_file, write_json_atomic
 
-from .report import read_metrics, write_report
-from .results import STEP_FILE, edited, file_stat, sealed, step_record, weights_damage
+from ..report.html import read_metrics, write_report
+from ..results import STEP_FILE, edited, sealed, step_record, weights_damage
 
 if TYPE_CHECKING:
-    from .spec import Workflow
+    from ..spec import Workflow
 
 
 class WorkflowError(RuntimeError):
@@ -191,17 +191,28 @@ class HoldoutStep(Step):
 
 
 class TokenizerStep(Step):
-    """A given tokenizer (checked), or one trained on the sources (less the held-out documents)."""
+    """A given tokenizer (checked), or one trained on the sources (less the held-out documents) as
+    `train-tokenizer` trains it, under that command's contract (entroweight.output): one record, so
+    a rerun with the same settings and sources has nothing to do, and one with others is refused
+    unless --overwrite (everything downstream depends on the tokenizer), in the plan as in the run."""
 
     @property
     def command(self) -> str | None:  # type: ignore[override]
         return "train-tokenizer" if self.wf.tokenizer.train is not None else None  # a given one: the user's
 
-    def key(self) -> str:
-        key = {"train": self.wf.tokenizer.train.model_dump(mode="json")}
-        if self.wf.holdout is not None:
-            key["holdout"] = self.wf.holdout.docs
-        return _key(key)
+    def _reads(self) -> list[tuple[str, str | None]]:
+        return [("the source", s) for s in self.wf.train_sources()] + [
+            ("tokenizer.train.base", self.wf.tokenizer.train.base)
+        ]
+
+    def _made_of(self) -> dict | None:
+        from entroweight.transforms.train_tokenizer import trained_from
+
+        t = self.wf.tokenizer.train
+        sources = self.wf.train_sources()
+        return trained_from(
+            sources, t.vocab_size, t.base, t.max_docs, t.algorithm, self.wf.tokenize.text_column
+        )
 
     def done(self):
         spec, out = self.wf.tokenizer, self.out
@@ -213,16 +224,36 @@ class TokenizerStep(Step):
             except (ValueError, OSError) as e:
                 raise WorkflowError(f"tokenizer.path: {e}") from None
             return f"given: {spec.path}"
-        if not (out / TOKENIZER_FILE).exists():
-            return None
-        if _recorded_key(out / STEP_FILE) == self.key():
+        if self.wf.holdout is not None and not self.wf.holdout_dir().joinpath("train.jsonl.gz").is_file():
+            return None  # (a dry run) its sources are the holdout step's, not written yet
+        made_of = self._made_of()
+        if made_of is not None and self._taken_as_recorded(made_of):
             return str(out / TOKENIZER_FILE)
-        if not self.run_ctx.overwrite:
-            raise WorkflowError(
-                f"{out} holds a tokenizer trained with other settings; everything downstream depends on it. "
-                "Use another run_dir, or pass --overwrite to retrain it (and redo what depends on it)"
+        try:
+            state = output.standing(
+                out, TRAIN_TOKENIZER, made_of, self.run_ctx.overwrite, "a tokenizer", "tokenizer"
             )
-        return None
+        except output.OutputRefused as e:
+            raise WorkflowError(f"{e} (everything downstream depends on it)") from None
+        return str(out / TOKENIZER_FILE) if state == "same" else None
+
+    def _taken_as_recorded(self, made_of: dict) -> bool:
+        """A tokenizer this workflow trained before train-tokenizer kept its record (its step's own
+        `.workflow-step.json`, until 2026-12-07), with the settings of now and its file as written: taken
+        as it is, its record sealed now (not in a dry run), rather than refused for want of one."""
+        legacy = self.out / STEP_FILE
+        made = step_record(legacy)
+        if not made or (self.out / TRAINED_FROM).exists():
+            return False
+        key = {"train": self.wf.tokenizer.train.model_dump(mode="json")}
+        if self.wf.holdout is not None:
+            key["holdout"] = self.wf.holdout.docs
+        if made.get("key") != _key(key) or made.get("sha256") != sha256_file(self.out / TOKENIZER_FILE):
+            return False
+        if not self.run_ctx.dry_run:
+            output.seal(self.out, TRAIN_TOKENIZER, made_of)
+            legacy.unlink()
+        return True
 
     def plan(self):
         t = self.wf.tokenizer.train
@@ -231,12 +262,17 @@ class TokenizerStep(Step):
     def run(self):
         from entroweight.transforms.train_tokenizer import corpus_texts, save_tokenizer, train_tokenizer
 
-        t = self.wf.tokenizer.train
+        t, r = self.wf.tokenizer.train, self.run_ctx
         texts = corpus_texts(self.wf.train_sources(), t.max_docs, self.wf.tokenize.text_column)
         tok = train_tokenizer(texts, t.vocab_size, t.algorithm, t.base)
-        path, sha = save_tokenizer(tok, self.out)
-        write_json_atomic({"key": self.key(), "sha256": sha}, self.out / STEP_FILE)
-        return "ran", f"{tok.get_vocab_size()} tokens -> {path}"
+        with output.writing(
+            TRAIN_TOKENIZER, self.out, self._reads(), self._made_of, overwrite=r.overwrite, what="a tokenizer",
+            flag="tokenizer", apart=False,
+        ) as w:  # fmt: skip
+            if w.nothing_to_do:
+                return "up to date", str(self.out / TOKENIZER_FILE)
+            path, _ = save_tokenizer(tok, w.dest)
+        return "ran", f"{tok.get_vocab_size()} tokens -> {self.out / path.name}"
 
 
 class DataStep(Step):
@@ -347,8 +383,7 @@ class TrainStep(Step):
         weights the file it wrote (`weights_damage`)."""
         if output.continues(self.out, TRAIN, lambda: self.made_of) != self.config.steps:
             return None
-        made, state = step_record(self.out / STEP_FILE), step_record(self.out / STATE)
-        self.damage = weights_damage(self.out, made, state)
+        self.damage = weights_damage(self.out, step_record(self.out / STATE))
         return None if self.damage else f"finished checkpoint {self.out}"
 
     def plan(self):
@@ -360,7 +395,6 @@ class TrainStep(Step):
 
     def run(self):
         cfg = self.config
-        (self.out / STEP_FILE).unlink(missing_ok=True)
         cfg.overwrite = True  # the run directory is the workflow's: a stale checkpoint is replaced
         if self.nproc > 1:
             torchrun(cfg, self.nproc)
@@ -368,10 +402,6 @@ class TrainStep(Step):
             from entroweight.trainers import train
 
             train(cfg)  # a refusal (TrainError, DataError, CheckpointError) is reported by the runner
-        size, mtime = file_stat(self.out / WEIGHTS)
-        # the weights' size and time as written: damage is seen without reading them (`weights_damage`)
-        made = {"steps": cfg.steps, "weights_bytes": size, "weights_mtime_ns": mtime}
-        write_json_atomic(made, self.out / STEP_FILE)
         ce = (read_metrics(self.out) or [{}])[-1].get("ce", float("nan"))
         return "ran", f"{cfg.steps} steps, ce {ce:.4f}"
 

@@ -18,7 +18,7 @@ import click
 from entroweight.options import repeated
 from entroweight.trainers.outputs import EVALUATE, ITEMS_FILE, RESULTS
 
-from .cli_common import DEVICE, SEED, Location, _fail, of_checkpoint, wait_option, writing_out
+from .common import DEVICE, SEED, Location, _fail, of_checkpoint, wait_option, writing_out
 
 
 @click.command("evaluate")

@@ -306,7 +306,7 @@ def weigh_config(params: dict, quantiles_from: str | None, unit: str | None = No
     from entroweight.options import refusal_lines
     from entroweight.transforms.weigh import GLOBAL_SCALE, WeighConfig
 
-    from .quantiles import check_raw, reference_quantiles
+    from ..quantiles import check_raw, reference_quantiles
 
     fields = take(params, WEIGHTING)
     if fields["clip"] is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import EXIT_LOCKED, Location, _fail
+from .common import EXIT_LOCKED, Location, _fail
 
 
 @click.command("export-data")
@@ -47,8 +47,8 @@ def export_data_cmd(scored, fmt, out, overwrite):
 
 def workflow_bpb(scored: str) -> list[dict]:
     """The BPB results of the workflow whose run directory holds SCORED (none when it is not in one)."""
-    from .report_data import ReportError, read_result
-    from .runner import RUN_FILE
+    from ..engine.runner import RUN_FILE
+    from ..report.data import ReportError, read_result
 
     for root in Path(scored).resolve().parents:
         run = root / RUN_FILE

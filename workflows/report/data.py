@@ -1,9 +1,9 @@
-"""The data of a workflow run's report: what `workflows/report.py` renders, as plain values.
+"""The data of a workflow run's report: what `workflows/report/html.py` renders, as plain values.
 
 Reads run.json and the step outputs under the run directory: the scores' entropy and weight
 columns, the BPB and the downstream accuracy (lm-eval) of every run and seed, the training metrics,
 the manifests; compares each run with the reference, and each named contrast, over seeds × documents
-(workflows/stats.py: Δ with its 95 % interval, the primary comparison, Holm, the smallest detectable
+(workflows/report/stats.py: Δ with its 95 % interval, the primary comparison, Holm, the smallest detectable
 difference) and says, per run and in one sentence, which runs beat it. No HTML.
 """
 
@@ -31,9 +31,9 @@ from entroweight.schemas.weighted import (
 from entroweight.trainers.accuracy import MARGIN
 from entroweight.trainers.checkpoint import METRICS, STATE
 
+from ..results import checkpoint_damage, edited
+from ..spec import PRIMARY, TOKENS, SpecError, Workflow, parse_workflow
 from . import stats
-from .results import checkpoint_damage, edited
-from .spec import PRIMARY, TOKENS, SpecError, Workflow, parse_workflow
 
 
 class ReportError(ValueError):
@@ -185,7 +185,7 @@ def text_name(wf: Workflow, text: str) -> str:
 def bpb_table(wf: Workflow, text: str = "main") -> dict:
     """Per run: each seed's BPB (from eval/RUN/seed-S[.TEXT].json) and its nats per block of the text,
     mean, std; per compared run: the comparison with the reference over seeds × blocks, decided by the
-    rule of workflows/stats.py (the primary run unadjusted, the others Holm-corrected over this
+    rule of workflows/report/stats.py (the primary run unadjusted, the others Holm-corrected over this
     table), with its verdict; and the contrasts the workflow names (report.contrasts), run against
     run, Holm-corrected over the contrasts."""
     runs = []
@@ -445,7 +445,7 @@ def precision(wf: Workflow, tables: dict[str, dict]) -> list[dict]:
     return out
 
 
-# -- downstream accuracy (lm-eval; workflows/steps.py AccuracyStep writes accuracy/RUN/seed-S.json)
+# -- downstream accuracy (lm-eval; workflows/engine/steps.py AccuracyStep writes accuracy/RUN/seed-S.json)
 Z95 = 1.959964  # two-sided 95 % normal interval
 
 
@@ -538,7 +538,7 @@ def item_documents(wf: Workflow, task: str, n_items: int) -> list | None:
 def accuracy_comparisons(wf: Workflow, results: dict, task: str, metrics: list[str]) -> dict:
     """Each run against the reference on one task, and each named contrast, on the endpoint named
     before the runs (accuracy.decides), item by item over seeds × documents (stats.compare_items, on
-    the same items file), decided by the rule of workflows/stats.py."""
+    the same items file), decided by the rule of workflows/report/stats.py."""
     named = wf.accuracy.decides if wf.accuracy is not None else DECIDING_METRICS[0]
     has = {k for res in results.values() for k in res.get("tasks", {}).get(task, {}).get("items", {})}
     metric = named if named in has else next((m for m in DECIDING_METRICS if m in has), None)
@@ -717,7 +717,7 @@ TRUTH_NAME = "synthetic (truth)"  # the synthetic corpus' exact entropy beside t
 
 
 def truth_section(wf: Workflow) -> dict | None:
-    """The estimator benchmark's table (`truth:`, workflows/steps.py TruthStep); None when the workflow
+    """The estimator benchmark's table (`truth:`, workflows/engine/steps.py TruthStep); None when the workflow
     has none or it has not run."""
     if wf.truth is None:
         return None

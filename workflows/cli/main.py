@@ -1,6 +1,6 @@
 """The `entroweight` command line. Each command is a thin shell over a library call.
 
-Exit codes: see cli_common.py.
+Exit codes: see common.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import click
 
 from entroweight import __version__
 
-from .cli_common import (
+from .common import (
     COUNT,
     Commands,
     GeneratedOptions,
@@ -31,16 +31,16 @@ from .cli_common import (
 
 # Command modules added by other areas; each exports COMMANDS, a list of click commands.
 COMMAND_MODULES = (
-    "cli_train",
-    "cli_models",
-    "cli_score",
-    "cli_compare",
-    "cli_verify",
-    "cli_workflow",
-    "cli_export",
-    "cli_weigh",
-    "cli_evaluate",
-    "cli_synthesize",
+    "train",
+    "models",
+    "score",
+    "compare",
+    "verify",
+    "workflow",
+    "export",
+    "weigh",
+    "evaluate",
+    "synthesize",
 )
 
 
@@ -255,7 +255,7 @@ def _check_inspectable(path: str) -> None:
 
 def _add_command_modules() -> None:
     for name in COMMAND_MODULES:
-        module = importlib.import_module(f"entroweight.workflows.{name}")
+        module = importlib.import_module(f"entroweight.workflows.cli.{name}")
         for command in module.COMMANDS:
             main.add_command(command)
 

@@ -15,7 +15,7 @@ import click
 
 from entroweight.trainers.config import TrainConfig
 
-from .cli_common import (
+from .common import (
     DEVICE,
     EXIT_FAILED_SHARDS,
     EXIT_LOCKED,
@@ -41,7 +41,7 @@ def _read_mapping(path: str | None, what: str) -> dict:
         return {}
     import yaml
 
-    from .spec import load_yaml
+    from ..spec import load_yaml
 
     try:
         data = load_yaml(Path(path))

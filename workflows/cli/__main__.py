@@ -1,0 +1,5 @@
+"""`python -m entroweight.workflows.cli ...` (torchrun's form): the `entroweight` command."""
+
+from .main import main
+
+main()
