@@ -14,8 +14,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from test_engines import cli  # the command in a process of its own, killable with its workers
 
 from entroweight.pipelines import run_stage
 from entroweight.pipelines.stage import read_manifests
@@ -204,17 +203,6 @@ def test_object_storage(reference, teacher, s3_bucket):
     assert verify_dir(out) == []
     res = CliRunner().invoke(main, ["weigh", out, "--out", f"{s3_bucket}/weighed"])
     assert res.exit_code == 0, res.output
-
-
-def cli(*args, env=None):
-    return subprocess.Popen(
-        [sys.executable, "-m", "entroweight.workflows.cli", *map(str, args)],
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
 
 
 def test_a_killed_run_resumes_to_the_same_bytes(teacher, tmp_path):

@@ -615,6 +615,11 @@ def small_run(tmp_path_factory) -> dict:
             lambda s: s["tokenizer"]["train"].update(vocab_size=320),
             "holds a tokenizer of other options (vocab_size: ",
         ),
+        # the held-out split the tokenizer was trained without: its inputs would change under it
+        (
+            lambda s: s["holdout"].update(docs=11),
+            "holds the output of `train-tokenizer` made from what holdout",
+        ),
         # the data's settings: the tokenize stage's shards are another config's
         (lambda s: s["tokenize"].update(n_ctx=48), "holds tokenize output of another config"),
         # the model's: its checkpoint would be trained again and replaced (then its scores refused)
@@ -623,7 +628,7 @@ def small_run(tmp_path_factory) -> dict:
             "holds a checkpoint trained with other settings (train.steps: 2 -> 3)",
         ),
     ],
-    ids=["tokenizer", "tokenize", "model"],
+    ids=["tokenizer", "holdout", "tokenize", "model"],
 )
 def test_a_refused_run_is_refused_before_any_step_writes(small_run, tmp_path, change, says):
     """Rule: a run that will be refused is refused before the lock or any step writes, in the dry run

@@ -337,7 +337,21 @@ class Runner:
     def _refuse_redoing(self, step: Step, waiting: list[str]) -> None:
         """A data step whose output holds shards, downstream of a model or tokenizer this run will
         (re)train, would be made again from the new one: its stage would refuse the old shards after
-        the training it waited for. Refused now instead, unless --overwrite (which redoes it)."""
+        the training it waited for. Refused now instead, unless --overwrite (which redoes it). So is a
+        command's `kept` output (a trained tokenizer) made from what a step this run will redo (the
+        held-out split): its inputs would change, and what was made with it depends on it."""
+        declared = output.declaration(step.command) if step.command else None
+        if (
+            declared is not None
+            and declared.kept
+            and not self.overwrite
+            and declared.holds_its_files(step.out)
+        ):
+            raise WorkflowError(
+                f"{step.kind} {step.name}: {step.out} holds the output of `{step.command}` made from what "
+                f"{' and '.join(name for _, name in waiting)} would make again this run, and what was made "
+                "with it depends on it: pass --overwrite to redo it (and what depends on it), or use another run_dir"
+            )
         steps = {s.ref: s for s in self.steps}
         replaced = [u for u in waiting if u in steps and steps[u].kind in ("model", "tokenizer")]
         if not replaced or self.overwrite or not isinstance(step, DataStep) or not has_shards(step.out):
@@ -388,7 +402,9 @@ class Runner:
         wf = self.wf
         if wf.holdout is not None:
             yield HoldoutStep(*HOLDOUT_STEP, wf.holdout_dir(), self.ctx)
-        yield TokenizerStep(*TOKENIZER_STEP, wf.tokenizer_dir(), self.ctx)
+        yield TokenizerStep(
+            *TOKENIZER_STEP, wf.tokenizer_dir(), self.ctx, [HOLDOUT_STEP] if wf.holdout else []
+        )
         yield self._tokenize()
         # the models of the tokens (a teacher among them), the synthetic corpus, the models of it
         for data in (TOKENS, SYNTHETIC):
