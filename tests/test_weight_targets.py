@@ -17,19 +17,23 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+from collections import Counter
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import C4
-from test_export_data import export, score
+from test_export_data import expected, export, score
 from test_score_stage import tiny_llama  # noqa: F401 - fixture
 from test_trainer_fixtures import one_thread  # noqa: F401 - fixture
 
 from entroweight.pipelines import run_stage
 from entroweight.pipelines.tokenize import TokenizeStage
-from entroweight.trainers import LOSSES, WeightedTokens
-from entroweight.trainers.hf import WeightedCollator, WeightedExamples, weighted_lm_loss
+from entroweight.schemas.weighted import decode_weights
+from entroweight.trainers import LOSSES, DataError, WeightedTokens
+from entroweight.trainers.hf import IGNORE, WeightedCollator, WeightedExamples, weighted_lm_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:Transformer Engine:UserWarning")
 # the fixed batch: rows of the scored data, in file order (`scored`: row 0 whole, the others padded)
@@ -79,8 +83,6 @@ def hf_trainer(scored, tmp_path, model, normalize):
 def _rows_loss(rows, pad_id, model, normalize):
     """Rows of real tokens and their weights (an export read back) as a Hugging Face batch: labels
     the tokens, weights as read (float16 or uint8 decoded), left-padded as our data is laid out."""
-    from entroweight.schemas.weighted import decode_weights
-
     examples = [
         {
             "input_ids": torch.as_tensor(np.asarray(ids, dtype=np.int64)),
@@ -91,6 +93,12 @@ def _rows_loss(rows, pad_id, model, normalize):
     ]
     batch = WeightedCollator(pad_id)(examples)
     return weighted_lm_loss(model(batch["input_ids"]), batch["labels"], batch["weight"], normalize=normalize)
+
+
+def hf_export(scored, tmp_path, model, normalize):
+    """`export-data --format hf` read back by WeightedExamples through its collator, as in hf_trainer."""
+    assert export(scored, tmp_path / "hub", "hf").exit_code == 0
+    return hf_trainer(tmp_path / "hub", tmp_path, model, normalize)
 
 
 def hub(scored, tmp_path, model, normalize):
@@ -145,7 +153,7 @@ def _pad(scored) -> int:
     return max(WeightedTokens(str(scored)).pad_id, 0)
 
 
-TARGETS = [ours, hf_trainer, hub, litdata, megatron]
+TARGETS = [ours, hf_trainer, hf_export, hub, litdata, megatron]
 
 
 def _megatron_ours(scored, tmp_path, model):
@@ -212,3 +220,83 @@ def test_the_batch_holds_fractional_weights_and_the_normalisations_differ(scored
             abs(ours(scored, None, model, "tokens").item() - ours(scored, None, model, "weight").item())
             > 1e-3
         )
+
+
+def _targets(batch) -> Counter:
+    """Each target a collated batch takes a loss on: (its row's real tokens, its place among them,
+    the token, its weight)."""
+    found = Counter()
+    for ids, labels, weight in zip(batch["input_ids"], batch["labels"], batch["weight"], strict=True):
+        real = labels != IGNORE
+        row, first = tuple(ids[real].tolist()), int(real.nonzero()[0])
+        for j in (real[1:].nonzero()[:, 0] + 1).tolist():
+            found[row, j - first, int(labels[j]), float(weight[j])] += 1
+    return found
+
+
+@pytest.mark.parametrize("named", ["export", "data directory", "file"])
+def test_an_hf_export_reads_as_the_weighted_data_it_holds(scored, tmp_path, named):
+    """WeightedExamples on `export-data --format hf`'s output (the directory, its data/ or a file in it:
+    rows of real tokens, no pads) yields the examples of the weighted data itself, left-padded to
+    n_ctx: every real token a target with its weight as our parquet holds it (the first of a padded
+    row too, which a reader padding on the right loses), and the same loss for both normalisations."""
+    out = tmp_path / "hub"
+    assert export(scored, out, "hf").exit_code == 0
+    given = {"export": out, "data directory": out / "data", "file": next((out / "data").glob("*.parquet"))}
+    ours = list(WeightedExamples(str(scored), seed=1, epochs=1))
+    theirs = list(WeightedExamples(str(given[named]), seed=1, epochs=1))
+
+    def key(e):
+        return tuple(tuple(e[k].tolist()) for k in ("input_ids", "labels", "weight"))
+
+    assert sorted(map(key, theirs)) == sorted(map(key, ours))
+    # the targets, from the parquet: each real token of a row but the first of a whole one
+    rows, _ = expected(scored)
+    n_ctx = WeightedTokens(str(scored)).info.n_ctx
+    want = Counter(
+        (tuple(ids.tolist()), k, int(ids[k]), float(w))
+        for _, ids, stored in rows
+        for k, w in enumerate(decode_weights(stored))
+        if k or len(ids) < n_ctx
+    )
+    assert sum(len(ids) < n_ctx for _, ids, _ in rows) >= 10  # padded rows, each a target at stake
+    batch, reference = WeightedCollator()(theirs), WeightedCollator()(ours)
+    assert _targets(batch) == _targets(reference) == want
+    model = Bigram(WeightedTokens(str(scored)).info.vocab_size)
+    with torch.no_grad():
+        for normalize in ("tokens", "weight"):
+            got = weighted_lm_loss(
+                model(batch["input_ids"]), batch["labels"], batch["weight"], normalize=normalize
+            )
+            loss = weighted_lm_loss(
+                model(reference["input_ids"]), reference["labels"], reference["weight"], normalize=normalize
+            )
+            assert got.item() == pytest.approx(loss.item(), rel=1e-6)
+
+
+REFUSED = {
+    "megatron": ("--format megatron", "or its --format hf export"),
+    "edited record": ("export.json is not the record export-data sealed", "--overwrite"),
+    "edited file": ("a row is longer than its export's n_ctx 64", "export it again"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_an_export_it_cannot_read_as_ours_is_refused_naming_what_to_give(scored, tmp_path, case):
+    out = tmp_path / "export"
+    assert export(scored, out, "megatron" if case == "megatron" else "hf").exit_code == 0
+    if case == "edited record":  # its n_ctx, pad id and tokenizer can no longer be trusted
+        record = json.loads((out / "export.json").read_text())
+        (out / "export.json").write_text(
+            json.dumps({**record, "metadata": {**record["metadata"], "n_ctx": 256}})
+        )
+    if case == "edited file":  # a row past n_ctx: no left padding makes it one of ours
+        f = next((out / "data").glob("*.parquet"))
+        rows = pq.read_table(f).to_pylist()
+        rows[0] = {**rows[0], "input_ids": rows[0]["input_ids"] * 2, "weight": rows[0]["weight"] * 2}
+        pq.write_table(pa.Table.from_pylist(rows, pq.read_schema(f)), f)
+    with pytest.raises(DataError) as e:
+        list(WeightedExamples(str(out), epochs=1))
+    said = str(e.value)
+    assert "\n" not in said and all(part in said for part in REFUSED[case])
+    assert case != "megatron" or f"exported from ({scored})" in said

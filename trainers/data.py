@@ -31,9 +31,18 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from entroweight import storage
+from entroweight import output, storage
 from entroweight.schemas.compat import Incompatible, check_compatible, check_part_config, facts
-from entroweight.schemas.datadir import DataDirError, Part, data_files, no_rows, open_data_file
+from entroweight.schemas.datadir import (
+    DataDir,
+    DataDirError,
+    Part,
+    data_dir,
+    data_files,
+    no_rows,
+    open_data_file,
+)
+from entroweight.schemas.exports import EXPORT_RECORD
 from entroweight.schemas.weighted import (
     EXCLUDED,
     WEIGHT,
@@ -68,26 +77,73 @@ COLUMNS = ("weight", "entropy")  # what an item carries beside input_ids and mas
 
 def parquet_files(paths) -> list[str]:
     """The parquet files to read for `paths` (local paths or URLs): a file itself; a stage's output
-    directory through its committed parts (schemas/datadir.py: refused while incomplete); a directory
-    no stage wrote (other tools' data) through its `*.parquet`."""
+    directory through its committed parts (schemas/datadir.py: refused while incomplete); an
+    `export-data --format hf` output (or its data directory) through the parquet files its record
+    lists; a directory no stage wrote (other tools' data) through its `*.parquet`."""
     return _data(paths)[0]
 
 
+def _hf_export(d: DataDir) -> tuple[list[str], dict] | None:
+    """Where `d` (no stage's output) is an `export-data --format hf` output, its data directory or one
+    of its files: the parquet files it names, as the export's record lists them, and the metadata of
+    the weighted data they were exported from (the files carry none: their rows hold the real tokens
+    only, which the reader left-pads back to that n_ctx). None where it is no export's; an export of
+    another format, or one whose record is not as export-data sealed it, is refused."""
+    if d.record is not None or d.holds_stage_files:
+        return None
+    here, top = storage.key(d.root), d.root
+    for _ in range(3):  # the export itself, its data directory, a file in that
+        record = storage.json_record(top / EXPORT_RECORD)
+        below = here[len(storage.key(top)) :].strip("/")
+        if record is not None and isinstance(record.get("files"), dict) and "format" in record:
+            if record["format"] != "hf":
+                if below:
+                    return None
+                raise DataError(
+                    f"{storage.url(d.root)} is an `export-data --format {record['format']}` export, which "
+                    f"that trainer's own reader reads: give the weighted data it was exported from "
+                    f"({record.get('source')}), or its --format hf export"
+                )
+            names = [n for n in sorted(record["files"]) if n.endswith(".parquet")]
+            names = [n for n in names if not below or n == below or n.startswith(below + "/")]
+            if not names:  # beside the export's files, not one of them
+                return None
+            if output.edited(record) or not isinstance(record.get("metadata"), dict):
+                raise DataError(
+                    f"{storage.url(top / EXPORT_RECORD)} is not the record export-data sealed (an export cut "
+                    "short, or edited): export again (`entroweight export-data ... --overwrite`)"
+                )
+            return [storage.url(top / n) for n in names], record["metadata"]
+        top = top.parent
+    return None
+
+
 def _data(
-    paths, parts: dict[str, Part] | None = None, given: dict[str, int] | None = None
+    paths,
+    parts: dict[str, Part] | None = None,
+    given: dict[str, int] | None = None,
+    exported: dict[str, dict] | None = None,
 ) -> tuple[list[str], list[list[int] | None]]:
     """(files, each file's rows per row group as its manifest records them, or None); `parts`, when
-    given, gains the committed part (with its manifest) of each file that is a stage's output, and
-    `given` each file's input (the index into `paths`)."""
+    given, gains the committed part (with its manifest) of each file that is a stage's output,
+    `given` each file's input (the index into `paths`) and `exported` the metadata of each file of an
+    hf export (`_hf_export`)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[str] = []
     groups: list[list[int] | None] = []
     parts = {} if parts is None else parts
     given = {} if given is None else given  # each file (canonical key) -> the input it came through
+    exported = {} if exported is None else exported
     for i, p in enumerate(paths):
         try:
-            d, found = data_files(p, hint="tokenize (and score) data first", foreign=True)
+            d = data_dir(p)
+            export = _hf_export(d)
+            if export is None:
+                d, found = data_files(d, hint="tokenize (and score) data first", foreign=True)
+            else:
+                found = export[0]
+                exported.update((f, export[1]) for f in found)
         except DataDirError as e:
             raise DataError(str(e)) from None
         for f in found:  # one directory twice, or a directory and a file in it: its rows read twice
@@ -170,6 +226,8 @@ class DataInfo:
     # the committed part (manifest: sha256) of each file that is a stage's output; other tools' files
     # have none and are read unchecked
     parts: dict[str, Part] = dataclasses.field(default_factory=dict, repr=False)
+    # each file of an hf export (its rows: real tokens only) -> the n_ctx its rows are left-padded to
+    padded_to: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
 
 def inspect_data(
@@ -184,7 +242,8 @@ def inspect_data(
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
     parts: dict[str, Part] = {}
     given: dict[str, int] = {}
-    files, recorded = _data(paths, parts, given)
+    exported: dict[str, dict] = {}
+    files, recorded = _data(paths, parts, given, exported)
     metas, common = [], None
     groups = recorded if all(g is not None for g in recorded) else None
     if groups is None:  # not all of them stage output with manifests: every file's footer
@@ -216,7 +275,8 @@ def inspect_data(
                     )
                 raise DataError(f"{f} has no {col!r} column, which the loss needs; {hint}")
         common = names if common is None else common & names
-        metas.append(facts(schema))
+        # an hf export's file says nothing of itself: the data it was exported from speaks for it
+        metas.append({**exported.get(f, {}), **facts(schema)})
     # the inputs read together (a directory each: its first file speaks for it) must go together
     firsts: dict[str, dict] = {}
     for f, m in zip(files, metas, strict=True):
@@ -261,6 +321,7 @@ def inspect_data(
         metadata=metas[0],
         row_groups=groups,
         parts=parts,
+        padded_to={f: m["n_ctx"] for f, m in exported.items() if isinstance(m.get("n_ctx"), int)},
     )
 
 
@@ -332,6 +393,13 @@ def footers(files) -> list[pq.FileMetaData]:
         return list(pool.map(_footer, names))
 
 
+def left_padded(m: np.ndarray, n_pad: np.ndarray) -> np.ndarray:
+    """Rows filled on the right (each row's values first) moved right by their `n_pad`: the fill on
+    the left, as a stage lays rows out (schemas/weighted.py)."""
+    cols = np.arange(m.shape[1])[None, :] - np.asarray(n_pad)[:, None]
+    return np.take_along_axis(m, cols % m.shape[1], axis=1)
+
+
 def make_units(files: list[Path], n_streams: int, row_groups: list | None = None) -> list[Unit]:
     if row_groups is None:
         row_groups = [[md.row_group(i).num_rows for i in range(md.num_row_groups)] for md in footers(files)]
@@ -378,7 +446,8 @@ class WeightedTokens(IterableDataset):
     Yields dicts: `input_ids` int64, `mask` bool (True on real tokens, False on pads), and where
     the data has them `weight` float32 in [0, 1] (decoded by schemas/weighted.py) and `entropy`
     float32. With `batch_size` each item is a stacked batch (B, T); without, one sequence (T,).
-    Values at index i describe token i (shift by one against next-token logits).
+    Values at index i describe token i (shift by one against next-token logits). An `export-data
+    --format hf` output reads as the weighted data it was exported from: the same rows, left-padded.
 
     rank/world_size default to torch.distributed (or RANK/WORLD_SIZE); DataLoader workers split a
     rank's share further. `start`: items this rank already consumed (resume). With DataLoader
@@ -517,11 +586,20 @@ class WeightedTokens(IterableDataset):
         ids_col = table.column("input_ids").combine_chunks()
         lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False)
         width = int(lengths.max()) if len(lengths) else 0
-        ids = matrix(ids_col, np.int64, fill=max(self.pad_id, 0), width=width)
         # the one real-token mask (schemas/weighted.py): from n_pad; other tools' data without the
         # column: every position within the row's length
         n_pad = table.column("n_pad").to_numpy() if "n_pad" in table.column_names else None
-        out = {"input_ids": ids, "mask": real_mask(n_pad, width, lengths)}
+        n_ctx = self.info.padded_to.get(u.path)
+        if n_ctx is not None:  # an hf export's rows: the pads it dropped go back on the left, as in ours
+            if width > n_ctx:
+                raise DataError(f"{where}: a row is longer than its export's n_ctx {n_ctx}: export it again")
+            width, n_pad = n_ctx, n_ctx - lengths
+
+        def laid(m: np.ndarray) -> np.ndarray:  # `matrix` fills short rows on the right
+            return left_padded(m, n_pad) if n_ctx is not None else m
+
+        ids = laid(matrix(ids_col, np.int64, fill=max(self.pad_id, 0), width=width))
+        out = {"input_ids": ids, "mask": real_mask(n_pad, width, None if n_ctx is not None else lengths)}
         for c in self.columns:
             col = table.column(c).combine_chunks()
             if not np.array_equal(pc.list_value_length(col).to_numpy(zero_copy_only=False), lengths):
@@ -530,7 +608,7 @@ class WeightedTokens(IterableDataset):
                     "written by another tool: re-run the scoring stage for it"
                 )
             if c == WEIGHT:
-                m = weights_matrix(col, width)
+                m = laid(weights_matrix(col, width))
                 if np.isnan(m).any() or (m < 0).any() or (m > 1).any():
                     raise DataError(
                         f"{where}: weights must lie in [0, 1] (found "
@@ -538,7 +616,7 @@ class WeightedTokens(IterableDataset):
                         "re-run the weigh stage (it clips and min-max normalises)"
                     )
             else:
-                m = matrix(col, np.float32, width=width)
+                m = laid(matrix(col, np.float32, width=width))
                 if not np.isfinite(m).all():
                     raise DataError(
                         f"{where}: {c} has NaN or infinite values; re-run the scoring stage for this file"

@@ -1,7 +1,7 @@
 """Hugging Face `transformers.Trainer` on entroweight's weighted data, computing our trainer's loss.
 
     from entroweight.trainers.hf import WeightedExamples, WeightedCollator, WeightedTrainer
-    ds = WeightedExamples("weighted/")                     # a directory, files or a URL
+    ds = WeightedExamples("weighted/")  # a directory, files or a URL; or its `export-data --format hf`
     trainer = WeightedTrainer(model=model, args=args, train_dataset=ds,
                               data_collator=WeightedCollator(ds.pad_id), normalize="tokens")
 
@@ -38,9 +38,10 @@ IGNORE = -100  # the label of a position that takes no loss (transformers' and t
 
 class WeightedExamples(IterableDataset):
     """One example per row of our weighted output (`paths`: what `WeightedTokens` reads, local or a
-    URL): `input_ids` int64, `labels` (−100 on pads), `weight` float32. Seeded shuffle, `epochs=None`
-    loops (each epoch reshuffled): the same rows in the same order as our trainer's reader with the
-    same seed and shuffle buffer on one process."""
+    URL, an `export-data --format hf` output among them: its rows left-padded back to n_ctx, the
+    examples of the data it was exported from): `input_ids` int64, `labels` (−100 on pads), `weight`
+    float32. Seeded shuffle, `epochs=None` loops (each epoch reshuffled): the same rows in the same
+    order as our trainer's reader with the same seed and shuffle buffer on one process."""
 
     def __init__(self, paths, seed: int = 0, shuffle: bool = True, shuffle_buffer: int = 4096, epochs=None):
         super().__init__()
