@@ -85,8 +85,8 @@ def has_glob_chars(text: str) -> bool:
 
 
 def glob_not_expanded(location) -> str:
-    """The refusal of a quoted glob where a command takes directories and files (those of `tokenize`,
-    `train-tokenizer` and `evaluate --documents` expand globs; the rest read what is named)."""
+    """The refusal of a quoted glob where a command takes directories and files and reads what is
+    named (a command that reads sources expands globs itself: transforms/sources.py)."""
     return (
         f"{location} does not exist; as a glob it is not expanded here: give the directory, or its "
         "files (unquoted, the shell expands the glob)"

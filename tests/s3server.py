@@ -55,8 +55,10 @@ def s3_server():
                     raise RuntimeError("the moto S3 server did not start") from None
                 time.sleep(0.1)
         os.environ.update(env)
+        _forget_clients()
         yield endpoint
     finally:
+        _forget_clients()  # a client cached in this process would go on calling a server that is gone
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -64,6 +66,15 @@ def s3_server():
                 os.environ[k] = v
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def _forget_clients() -> None:
+    """Drop s3fs's cached filesystems: each holds the endpoint it was made with, and fsspec hands the
+    same one back for the same arguments, so a second server in one process (the benchmarks start one
+    per module) was called at the first one's address."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def new_bucket() -> str:

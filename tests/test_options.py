@@ -19,8 +19,8 @@ from entroweight.options import options_table
 from entroweight.pipelines import ENGINES, engine_module
 from entroweight.scorers.registry import BUILTIN, get_scorer_class
 from entroweight.transforms.weigh import WeighConfig, WeighOptions
-from entroweight.workflows.cli.main import main
 from entroweight.workflows.cli.common import weighting_flag
+from entroweight.workflows.cli.main import main
 from entroweight.workflows.spec import Weighting
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +90,9 @@ def test_every_engine_option_is_a_keyword_of_its_run_and_a_flag_of_every_stage_c
 
 def test_starting_the_cli_imports_no_model_or_engine_library():
     """The generated flags come from modules that import torch and pyarrow: made when a command runs."""
-    code = "import sys, entroweight.workflows.cli.main; print(sorted({'torch', 'pyarrow'} & set(sys.modules)))"
+    code = (
+        "import sys, entroweight.workflows.cli.main; print(sorted({'torch', 'pyarrow'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

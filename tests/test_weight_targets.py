@@ -300,3 +300,20 @@ def test_an_export_it_cannot_read_as_ours_is_refused_naming_what_to_give(scored,
     said = str(e.value)
     assert "\n" not in said and all(part in said for part in REFUSED[case])
     assert case != "megatron" or f"exported from ({scored})" in said
+
+
+@pytest.mark.parametrize("beside", ["the data", "another export of it"])
+def test_an_hf_export_beside_the_data_it_holds_is_refused_as_its_documents_twice(scored, tmp_path, beside):
+    """An export's files have no manifests: the shards of the data it was exported from stand for
+    them, so it and that data (or a second export of it) given together are its documents twice,
+    refused as a stage's outputs of one shard are."""
+    hub = tmp_path / "hub"
+    assert export(scored, hub, "hf").exit_code == 0
+    other = scored
+    if beside == "another export of it":
+        other = tmp_path / "hub2"
+        assert export(scored, other, "hf").exit_code == 0
+    with pytest.raises(DataError) as e:
+        WeightedExamples([str(other), str(hub)], epochs=1)
+    assert "hold the same documents" in str(e.value) and "\n" not in str(e.value)
+    assert len(list(WeightedExamples(str(hub), epochs=1, shuffle=False))) == len(CUTS)  # alone: read

@@ -83,10 +83,10 @@ def parquet_files(paths) -> list[str]:
     return _data(paths)[0]
 
 
-def _hf_export(d: DataDir) -> tuple[list[str], dict] | None:
+def _hf_export(d: DataDir) -> tuple[list[str], dict, str | None] | None:
     """Where `d` (no stage's output) is an `export-data --format hf` output, its data directory or one
-    of its files: the parquet files it names, as the export's record lists them, and the metadata of
-    the weighted data they were exported from (the files carry none: their rows hold the real tokens
+    of its files: the parquet files it names, as the export's record lists them, the metadata of the
+    weighted data they were exported from and where that lies (its record's `source`) (the files carry none: their rows hold the real tokens
     only, which the reader left-pads back to that n_ctx). None where it is no export's; an export of
     another format, or one whose record is not as export-data sealed it, is refused."""
     if d.record is not None or d.holds_stage_files:
@@ -113,7 +113,7 @@ def _hf_export(d: DataDir) -> tuple[list[str], dict] | None:
                     f"{storage.url(top / EXPORT_RECORD)} is not the record export-data sealed (an export cut "
                     "short, or edited): export again (`entroweight export-data ... --overwrite`)"
                 )
-            return [storage.url(top / n) for n in names], record["metadata"]
+            return [storage.url(top / n) for n in names], record["metadata"], record.get("source")
         top = top.parent
     return None
 
@@ -123,11 +123,12 @@ def _data(
     parts: dict[str, Part] | None = None,
     given: dict[str, int] | None = None,
     exported: dict[str, dict] | None = None,
+    sources: dict[int, str] | None = None,
 ) -> tuple[list[str], list[list[int] | None]]:
     """(files, each file's rows per row group as its manifest records them, or None); `parts`, when
     given, gains the committed part (with its manifest) of each file that is a stage's output,
     `given` each file's input (the index into `paths`) and `exported` the metadata of each file of an
-    hf export (`_hf_export`)."""
+    hf export (`_hf_export`), `sources` the data each input that is an hf export was exported from."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[str] = []
@@ -135,6 +136,7 @@ def _data(
     parts = {} if parts is None else parts
     given = {} if given is None else given  # each file (canonical key) -> the input it came through
     exported = {} if exported is None else exported
+    sources = {} if sources is None else sources
     for i, p in enumerate(paths):
         try:
             d = data_dir(p)
@@ -142,8 +144,8 @@ def _data(
             if export is None:
                 d, found = data_files(d, hint="tokenize (and score) data first", foreign=True)
             else:
-                found = export[0]
-                exported.update((f, export[1]) for f in found)
+                found, metadata, sources[i] = export
+                exported.update((f, metadata) for f in found)
         except DataDirError as e:
             raise DataError(str(e)) from None
         for f in found:  # one directory twice, or a directory and a file in it: its rows read twice
@@ -162,16 +164,26 @@ def _data(
     return files, groups
 
 
-def _no_documents_twice(paths, given: dict[str, int], parts: dict[str, Part]) -> None:
+def _no_documents_twice(
+    paths, given: dict[str, int], parts: dict[str, Part], sources: dict[int, str]
+) -> None:
     """Two inputs that hold the same documents under other files (one made from the other: tokens and
     their scores, scores and their weighing; or both from the same shards: two scorings of the same
     tokens) are refused as one file given twice is: each stage shard's lineage, its own sha256 and
     those of the shards it was made from (`ShardInput.sha256`, followed through their manifests where
-    they still are), may meet no other input's."""
+    they still are), may meet no other input's. An hf export's files have no manifests: the shards of
+    the data it was exported from (`sources`) stand for them, where that data still is."""
     seen: dict[str, tuple[int, str]] = {}  # a shard's sha256 -> (the input, the file) whose lineage holds it
     directories: dict[str, dict[str, Part]] = {}
-    for f, part in parts.items():
-        i = given[storage.key(f)]
+    held = [(given[storage.key(f)], f, part) for f, part in parts.items()]
+    for i, source in sources.items():
+        try:
+            held += [
+                (i, f"{paths[i]} (exported from {source})", part) for part in data_files(source)[0].parts
+            ]
+        except Exception:  # noqa: BLE001 - moved, deleted, unreadable: as a shard's lineage, it stops here
+            continue
+    for i, f, part in held:
         for sha in _lineage(part, directories):
             j, g = seen.setdefault(sha, (i, f))
             if j != i:
@@ -243,7 +255,8 @@ def inspect_data(
     parts: dict[str, Part] = {}
     given: dict[str, int] = {}
     exported: dict[str, dict] = {}
-    files, recorded = _data(paths, parts, given, exported)
+    sources: dict[int, str] = {}
+    files, recorded = _data(paths, parts, given, exported, sources)
     metas, common = [], None
     groups = recorded if all(g is not None for g in recorded) else None
     if groups is None:  # not all of them stage output with manifests: every file's footer
@@ -305,7 +318,7 @@ def inspect_data(
             f"vocab_size to {data_vocab} (or leave it out of --model-config to take it from the data)"
         )
     # after what makes the inputs incompatible: the same documents in two inputs is refused either way
-    _no_documents_twice(paths, given, parts)
+    _no_documents_twice(paths, given, parts, sources)
     if not any(n for g in groups for n in g):
         shown = ", ".join(str(p) for p in paths)
         raise DataError(f"{no_rows(shown)}: nothing to train on")
