@@ -6,9 +6,11 @@
 - `run()`: do it; (status, detail), status "ran" or "up to date".
 
 Each step is incremental: a data stage skips the shards whose manifest matches (the stage planner
-decides, in a dry run too); a trained model, an evaluation, the held-out split and a trained tokenizer
-skip when the key recorded beside their output (their settings and a fingerprint of their input) is
-this run's.
+decides, in a dry run too); a step that writes a command's output (a trained tokenizer, a trained
+model) asks that command's record, through the output contract (entroweight.output), as the command
+run by hand does; the steps that are no command (the held-out split, the accuracy items, an
+evaluation, the tables) skip when the key recorded with their output (their settings and a
+fingerprint of their input) is this run's.
 """
 
 from __future__ import annotations
