@@ -31,7 +31,13 @@ from entroweight import __version__, output, storage
 from entroweight.schemas import ROW_IN_DOC, document_starts
 from entroweight.schemas.arrow import documents_starting
 from entroweight.schemas.datadir import DataDir, DataDirError, Part, no_rows
-from entroweight.schemas.exports import EXPORT_RECORD, MEGATRON_PREFIX, megatron_weight_prefix
+from entroweight.schemas.exports import (
+    EXPORT_RECORD,
+    HF_DATA_FILES,
+    MEGATRON_PREFIX,
+    hf_data_file,
+    megatron_weight_prefix,
+)
 from entroweight.schemas.manifest import counts_line, sum_lineage
 from entroweight.schemas.weighted import WEIGHT, describe_encoding, matrix, real_mask, row_lengths
 
@@ -209,8 +215,7 @@ def _litdata(source: Source, out: Path, record: dict) -> None:
 
 
 def _hf(source: Source, out: Path, record: dict) -> None:
-    data = out / "data"
-    data.mkdir()
+    (out / HF_DATA_FILES).parent.mkdir()
     n = len(source.files)
     schema, nbytes = None, 0
     for i, rows in enumerate(source.rows(record["counts"])):
@@ -223,7 +228,7 @@ def _hf(source: Source, out: Path, record: dict) -> None:
             }
         )
         schema, nbytes = table.schema, nbytes + table.nbytes
-        pq.write_table(table, data / f"train-{i:05d}-of-{n:05d}.parquet", compression="zstd")
+        pq.write_table(table, out / hf_data_file(i, n), compression="zstd")
     (out / "README.md").write_text(dataset_card(schema, record, nbytes))
 
 
@@ -235,7 +240,7 @@ def dataset_card(schema: pa.Schema, record: dict, nbytes: int) -> str:
     features = datasets.DatasetInfo(features=datasets.Features.from_arrow_schema(schema))._to_yaml_dict()
     c, meta = record["counts"], record["metadata"]
     header = {
-        "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": "data/train-*"}]}],
+        "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": HF_DATA_FILES}]}],
         "dataset_info": {
             **features,
             "splits": [{"name": "train", "num_bytes": nbytes, "num_examples": c["rows"]}],

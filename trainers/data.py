@@ -16,6 +16,7 @@ then reads one block and drops its first rows.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import json
 import numbers
@@ -42,7 +43,7 @@ from entroweight.schemas.datadir import (
     no_rows,
     open_data_file,
 )
-from entroweight.schemas.exports import EXPORT_RECORD
+from entroweight.schemas.exports import EXPORT_RECORD, HF_DATA_FILES
 from entroweight.schemas.weighted import (
     EXCLUDED,
     WEIGHT,
@@ -104,7 +105,7 @@ def _hf_export(d: DataDir) -> tuple[list[str], dict, str | None] | None:
                     f"that trainer's own reader reads: give the weighted data it was exported from "
                     f"({record.get('source')}), or its --format hf export"
                 )
-            names = [n for n in sorted(record["files"]) if n.endswith(".parquet")]
+            names = [n for n in sorted(record["files"]) if fnmatch.fnmatchcase(n, HF_DATA_FILES)]
             names = [n for n in names if not below or n == below or n.startswith(below + "/")]
             if not names:  # beside the export's files, not one of them
                 return None
