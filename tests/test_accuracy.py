@@ -323,7 +323,7 @@ def test_workflow_accuracy_steps_run_and_are_cached(tmp_path):
         f"data-task='{OFFLINE_TASK}' data-run='reference' data-metric='acc_mutual_info' data-value='{acc!r}'"
         in page
     )
-    assert "12 items, chance 0.250): the reference reference&#39;s acc" in page
+    assert "12 items, chance 0.250): in the reference run (reference), acc" in page
     # copy against the reference on the endpoint named before the runs (the margin): one seed, undecided
     assert f"data-task='{OFFLINE_TASK}' data-run='copy' data-metric='margin' data-outcome='undecided'" in page
     assert "one seed only: the seed noise cannot be estimated" in page

@@ -608,8 +608,8 @@ def accuracy_sentence(table: dict) -> str:
     if not parts:
         return f"The reference ({table['reference']}) has no result on {table['task']} yet."
     return (
-        f"{table['task']} ({table['n_items']} items, chance {table['chance']:.3f}): the reference "
-        f"{table['reference']}'s " + "; ".join(parts) + "."
+        f"{table['task']} ({table['n_items']} items, chance {table['chance']:.3f}): in the reference run "
+        f"({table['reference']}), " + "; ".join(parts) + "."
     )
 
 
