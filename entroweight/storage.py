@@ -338,9 +338,15 @@ def listing(directory: AnyPath) -> dict[str, int]:
     if is_local(d):
         try:
             with os.scandir(d) as it:
-                return {e.name: e.stat().st_size for e in it if e.is_file()}
+                entries = list(it)
         except (FileNotFoundError, NotADirectoryError):
             return {}
+        found = {}
+        for e in entries:  # one removed since it was listed (a temp file renamed into place) is gone:
+            with contextlib.suppress(FileNotFoundError):  # the rest are still the directory's content
+                if e.is_file():
+                    found[e.name] = e.stat().st_size
+        return found
     fs, inner = filesystem(d)
     try:
         entries = fs.ls(inner, detail=True, refresh=True)

@@ -249,3 +249,33 @@ def test_a_resumable_declaration_continues_its_same_record_from_its_step(src, tm
     src.write_text("a\nb\nc\n")  # an input changed since
     assert output.continues(out, counter, {**made_of, "inputs": {"src": list(storage.stat(src))}}) is None
     assert output.continues(out, counter, lambda: None) is None  # inputs that cannot be read
+
+
+def test_whose_output_a_directory_is_holds_while_a_file_in_it_vanishes(tmp_path, monkeypatch):
+    """A run writing beside the check (a worker renaming its temp file into place, Ray's workers of a
+    killed driver) removes a file between the directory's listing and its size: the listing keeps the
+    rest. It read as empty, so a stage's parts were taken for a user's files (test_engines'
+    SIGKILL-then-rerun under Ray, seen once in a fresh-clone check)."""
+    import os
+
+    from entroweight import storage
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("part-00000.parquet", ".part-00001.parquet.tmp-1", ".stage.json"):
+        (out / name).write_bytes(b"{}" if name == ".stage.json" else b"x")
+    scandir = os.scandir
+
+    class Vanishing:  # the listing is taken, then the temp file goes before its size is read
+        def __init__(self, d):
+            self.entries = list(scandir(d))
+            (out / ".part-00001.parquet.tmp-1").unlink(missing_ok=True)
+
+        def __enter__(self):
+            return iter(self.entries)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(os, "scandir", Vanishing)
+    assert storage.listing(out) == {"part-00000.parquet": 1, ".stage.json": 2}
