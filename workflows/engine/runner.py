@@ -2,8 +2,8 @@
 training -> eval (BPB) and accuracy (lm-eval) -> report.
 
 Every step is incremental. Data stages skip shards whose manifest matches their config (the
-stage machinery); a trained model skips when its directory holds a finished checkpoint whose
-recorded step key (its training config plus a fingerprint of its data) is this run's; an
+stage machinery); a trained tokenizer or model skips when its command's record (the output
+contract, entroweight.output) says this very output: its settings and its inputs' fingerprints; an
 evaluation is cached as JSON keyed by the checkpoint's weights and the eval settings. The run
 holds `RUN_DIR/.lock` throughout and records `RUN_DIR/run.json`: the resolved config, the code
 version, what each step did and every data stage's manifests.
@@ -31,7 +31,6 @@ from entroweight.trainers.config import LossSettings, TrainSettings
 from entroweight.transforms.sources import SourceError, expand_sources, relation_to
 from entroweight.transforms.writer import write_bytes_atomic, write_json_atomic
 
-from ..results import STEP_FILE
 from ..spec import SYNTHETIC, TOKENS, ModelSpec, TrainSpec, Workflow, load_yaml
 from .outputs import RUN_FILE, RUN_OUTPUTS, run_outputs
 from .steps import (
@@ -106,7 +105,6 @@ def data_step(name: str) -> tuple[str, str]:
 
 __all__ = [
     "RUN_FILE",
-    "STEP_FILE",
     "Runner",
     "StepFailed",
     "WorkflowError",
